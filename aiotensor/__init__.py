@@ -1,0 +1,26 @@
+"""aiotensor: asyncio-native tensor I/O for PyTorch.
+
+``TensorStore`` keeps committed, checksummed checkpoints of nested state and saves them in the
+background; ``save_file``/``load_file`` read and write single safetensors files.
+"""
+
+from . import errors
+from .engines import Engine, PosixEngine
+from .files import load_file, save_file
+from .scheduler import Priority, Scheduler
+from .store import SaveHandle, TensorStore, load_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "PosixEngine",
+    "Priority",
+    "SaveHandle",
+    "Scheduler",
+    "TensorStore",
+    "errors",
+    "load_checkpoint",
+    "load_file",
+    "save_file",
+]

@@ -1,0 +1,54 @@
+"""crc32c of buffers, and combining the crcs of consecutive pieces.
+
+Pieces of one tensor are checksummed in parallel by worker threads; ``combine`` joins them into the
+crc of the whole, so the manifest stores one crc32c per tensor, the plain crc of its bytes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import crc32c as _crc32c
+
+_POLY = 0x82F63B78  # crc32c (Castagnoli), reflected
+
+
+def crc32c(data: object, value: int = 0) -> int:
+    """crc32c of a bytes-like object, continuing from ``value``; releases the GIL on large buffers."""
+    return int(_crc32c.crc32c(data, value))
+
+
+def _times(mat: tuple[int, ...], vec: int) -> int:
+    out = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_times(mat, mat[n]) for n in range(32))
+
+
+@lru_cache(maxsize=64)
+def _zeros_operator(power: int) -> tuple[int, ...]:
+    """Matrix that advances a crc over 2**power zero bytes (zlib's crc32_combine construction)."""
+    if power == 0:
+        # one zero bit, applied 8 times (3 squarings) = one zero byte
+        odd = (_POLY,) + tuple(1 << n for n in range(31))
+        return _square(_square(_square(odd)))
+    return _square(_zeros_operator(power - 1))
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32c of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len2 = len(B)``."""
+    power = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_zeros_operator(power), crc1)
+        len2 >>= 1
+        power += 1
+    return crc1 ^ crc2

@@ -1,0 +1,272 @@
+"""The I/O steps shared by the store and the single-file API, run through a Scheduler.
+
+``stage`` copies tensors into a staging arena (and checksums them), ``write_file`` writes byte
+ranges to a new file and makes it durable, ``read_tensors`` reads tensors from an open file
+straight into their destination memory (through bounce slots where the destination is not one
+contiguous CPU block) and verifies their checksums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+import torch
+
+from . import _checksum
+from ._dtypes import SAFETENSORS_TO_TORCH
+from ._plan import SavePlan
+from .buffers import HostBuffer
+from .errors import ChecksumError, FormatError, annotate_oserror
+from .formats import safetensors as st
+from .scheduler import Priority, Scheduler
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def direct(t: torch.Tensor) -> bool:
+    """Can bytes be read straight into (or written straight from) ``t``'s memory?"""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _pieces(n: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for a in range(0, n, chunk):
+        yield a, min(n, a + chunk)
+
+
+def _crc_of_pieces(crcs: Sequence[tuple[int, int]]) -> int:
+    """Combine ``(crc, length)`` of consecutive pieces into the crc of the whole."""
+    total = 0
+    for c, n in crcs:
+        total = _checksum.combine(total, c, n)
+    return total
+
+
+# --- staging --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _StageUnit:
+    key: str
+    src: torch.Tensor
+    start: int  # arena byte offset
+    nbytes: int
+    whole: bool  # copy the tensor with its shape (a non-contiguous source)
+
+
+async def stage(
+    sched: Scheduler, plan: SavePlan, sources: dict[str, torch.Tensor], arena: HostBuffer, priority: int
+) -> dict[str, int]:
+    """Copy every source tensor and shard header into ``arena``; return each key's crc32c.
+
+    Cancellation: returns only once no copy thread still reads a source tensor.
+    """
+    units: list[_StageUnit] = []
+    for sh in plan.shards:
+        arena.view[sh.arena_offset : sh.arena_offset + len(sh.header)] = sh.header
+        for spec in sh.layout.tensors:
+            src = sources[spec.key]
+            start = sh.arena_offset + spec.offset
+            if not direct(src):
+                units.append(_StageUnit(spec.key, src, start, spec.nbytes, True))
+                continue
+            flat = src.detach().reshape(-1)
+            per = max(1, sched.chunk_bytes // src.element_size())
+            for a, b in _pieces(flat.numel(), per):
+                units.append(
+                    _StageUnit(spec.key, flat[a:b], start + a * src.element_size(), (b - a) * src.element_size(), False)
+                )
+
+    def run(u: _StageUnit) -> int:
+        dst = arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype)
+        (dst.view(u.src.shape) if u.whole else dst).copy_(u.src)
+        return _checksum.crc32c(arena.view[u.start : u.start + u.nbytes])
+
+    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority)
+    pieces: dict[str, list[tuple[int, int]]] = {spec.key: [] for sh in plan.shards for spec in sh.layout.tensors}
+    for u, c in zip(units, crcs, strict=True):
+        pieces[u.key].append((c, u.nbytes))
+    return {k: _crc_of_pieces(v) for k, v in pieces.items()}
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+async def write_file(
+    sched: Scheduler, path: str, ranges: Sequence[tuple[int, memoryview]], priority: int = Priority.SAVE
+) -> None:
+    """Create ``path`` (it must not exist), write ``(offset, bytes)`` ranges, fdatasync, close.
+
+    Raises:
+        OSError: the engine's error (disk full, EIO...), its message naming ``path``.
+
+    Cancellation: returns once no thread writes from the ranges; the file is closed (the caller
+    removes it: it lives in a temporary name).
+    """
+    eng = sched.engine
+    try:
+        fd = await sched.call(eng.create, path, priority=priority)
+    except OSError as e:
+        raise annotate_oserror(e, f"creating {path}") from e
+    try:
+        units = [(off + a, mv[a:b]) for off, mv in ranges for a, b in _pieces(len(mv), sched.chunk_bytes)]
+
+        def run(u: tuple[int, memoryview]) -> None:
+            off, mv = u
+            while len(mv):
+                n = eng.pwrite(fd, mv, off)
+                if n <= 0:
+                    raise OSError(28, "no progress writing (disk full?)")
+                mv, off = mv[n:], off + n
+
+        await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority)
+        await sched.call(eng.sync, fd, priority=priority)
+        sched.stats.bytes_written += sum(len(mv) for _, mv in ranges)
+    except OSError as e:
+        raise annotate_oserror(e, f"writing {path}") from e
+    finally:
+        with anyio.CancelScope(shield=True):
+            await sched.call(eng.close, fd, priority=priority)
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+async def read_bytes(sched: Scheduler, path: str, limit: int, error: type[FormatError], what: str) -> bytes:
+    """Read a whole small file (a manifest) of at most ``limit`` bytes."""
+    fd = await open_read(sched, path)
+    try:
+        size = await sched.call(sched.engine.size, fd, priority=Priority.LOAD)
+        if size > limit:
+            raise error(f"{what} is {size} bytes, over the {limit} byte cap", path)
+        buf = bytearray(size)
+        await _read_exact_async(sched, fd, memoryview(buf), 0, path, what)
+        return bytes(buf)
+    finally:
+        await close(sched, fd)
+
+
+async def open_read(sched: Scheduler, path: str) -> int:
+    try:
+        return await sched.call(sched.engine.open_read, path, priority=Priority.LOAD)
+    except OSError as e:
+        raise annotate_oserror(e, f"opening {path}") from e
+
+
+async def close(sched: Scheduler, fd: int) -> None:
+    with anyio.CancelScope(shield=True):
+        await sched.call(sched.engine.close, fd, priority=Priority.LOAD)
+
+
+def _read_exact(sched: Scheduler, fd: int, mv: memoryview, off: int, path: str, what: str) -> None:
+    while len(mv):
+        try:
+            n = sched.engine.pread(fd, mv, off)
+        except OSError as e:
+            raise annotate_oserror(e, f"reading {what} from {path}") from e
+        if n <= 0:
+            raise FormatError(f"file ends at byte {off}, inside {what}", path)
+        mv, off = mv[n:], off + n
+
+
+async def _read_exact_async(sched: Scheduler, fd: int, mv: memoryview, off: int, path: str, what: str) -> None:
+    await sched.call(_read_exact, sched, fd, mv, off, path, what, nbytes=len(mv), priority=Priority.LOAD)
+
+
+async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
+    """Read and validate the safetensors header of an open file."""
+    size = await sched.call(sched.engine.size, fd, priority=Priority.LOAD)
+    prefix = bytearray(min(size, 8))
+    await _read_exact_async(sched, fd, memoryview(prefix), 0, path, "the header size")
+    n = st.header_length(bytes(prefix), size, path)
+    header = bytearray(n)
+    await _read_exact_async(sched, fd, memoryview(header), 8, path, "the header")
+    return st.parse(bytes(header), size, path)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given."""
+
+    spec: st.TensorSpec
+    tensor: torch.Tensor
+    crc: int | None
+
+
+@dataclass(frozen=True)
+class _ReadUnit:
+    target: int
+    offset: int  # file offset
+    dest: memoryview | None  # direct destination bytes; None: bounce rows [row0, row1)
+    nbytes: int
+    row0: int = 0
+    row1: int = 0
+
+
+async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
+    """Read every target from the open file ``fd``, in parallel pieces, and verify checksums.
+
+    Raises:
+        ChecksumError: naming the file and the tensor whose bytes differ from the recorded crc32c.
+        FormatError: the file ended early.
+        OSError: the engine's error, naming the file.
+
+    Cancellation: returns only once no thread writes into any target tensor.
+    """
+    units: list[_ReadUnit] = []
+    for i, t in enumerate(targets):
+        spec, dst = t.spec, t.tensor
+        if spec.nbytes == 0:
+            continue
+        if direct(dst):
+            mv = byte_view(dst)
+            units += [_ReadUnit(i, spec.offset + a, mv[a:b], b - a) for a, b in _pieces(spec.nbytes, sched.chunk_bytes)]
+            continue
+        rows = dst.shape[0] if dst.dim() else 1
+        row_bytes = spec.nbytes // rows
+        per = max(1, sched.slots.slot_bytes // row_bytes)
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            units.append(_ReadUnit(i, spec.offset + r0 * row_bytes, None, (r1 - r0) * row_bytes, r0, r1))
+
+    def run(slot: memoryview, u: _ReadUnit) -> int:
+        t = targets[u.target]
+        what = f"tensor {t.spec.key!r}"
+        if u.dest is not None:
+            _read_exact(sched, fd, u.dest, u.offset, path, what)
+            return _checksum.crc32c(u.dest) if t.crc is not None else 0
+        buf = slot if u.nbytes <= len(slot) else memoryview(bytearray(u.nbytes))
+        _read_exact(sched, fd, buf[: u.nbytes], u.offset, path, what)
+        dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
+        src = torch.from_numpy(np.frombuffer(buf, np.uint8, u.nbytes)).view(dtype)
+        if t.tensor.dim():
+            t.tensor[u.row0 : u.row1].copy_(src.view((u.row1 - u.row0, *t.spec.shape[1:])))
+        else:
+            t.tensor.copy_(src.view(()))
+        return _checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
+
+    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
+    sched.stats.bytes_read += sum(u.nbytes for u in units)
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for u, c in zip(units, crcs, strict=True):
+        pieces.setdefault(u.target, []).append((c, u.nbytes))
+    for i, t in enumerate(targets):
+        if t.crc is None:
+            continue
+        got = _crc_of_pieces(pieces.get(i, []))
+        if got != t.crc:
+            s = t.spec
+            raise ChecksumError(
+                f"tensor {s.key!r} is corrupt: crc32c of bytes [{s.offset}, {s.offset + s.nbytes}) is {got:#010x}, "
+                f"the manifest recorded {t.crc:#010x}",
+                path,
+                s.key,
+            )

@@ -1,0 +1,97 @@
+"""Planning: state -> frozen plan of shards and byte ranges. Pure: no I/O, tested without a disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._dtypes import TORCH_TO_SAFETENSORS
+from .buffers import round_up
+from .errors import StateError
+from .formats import safetensors as st
+from .formats.tree import flatten
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard file: its header bytes, its layout, and where its image starts in the staging arena."""
+
+    file: str
+    header: bytes
+    layout: st.Layout
+    arena_offset: int
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    tree: Any
+    shards: tuple[ShardPlan, ...]
+    aliases: dict[str, str]
+    arena_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (headers excluded)."""
+        return sum(s.nbytes for sh in self.shards for s in sh.layout.tensors)
+
+
+def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",)) -> str:
+    """The safetensors dtype of ``t``, or a StateError naming ``key``."""
+    if t.layout != torch.strided:
+        raise StateError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored")
+    if t.device.type not in devices:
+        raise StateError(f"tensor {key!r} is on {t.device}; this store handles {', '.join(devices)} tensors")
+    dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
+    if dtype is None:
+        raise StateError(f"tensor {key!r} has dtype {t.dtype}, which safetensors cannot store")
+    return dtype
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Tensors with equal identity are views of the same bytes (tied weights)."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def plan_save(
+    state: Any, *, shard_bytes: int = 4 << 30, devices: tuple[str, ...] = ("cpu",)
+) -> tuple[SavePlan, dict[str, torch.Tensor]]:
+    """Plan a checkpoint of ``state``: returns the plan and the source tensor of every stored key.
+
+    Tensors that are exactly the same view of the same memory (tied weights) are stored once; the
+    others become aliases. Shards are filled in state order up to ``shard_bytes``; inside a shard,
+    tensors are ordered by descending itemsize, so each starts at a multiple of its itemsize.
+    """
+    tree, tensors = flatten(state)
+    seen: dict[Any, str] = {}
+    aliases: dict[str, str] = {}
+    stored: list[tuple[str, str, torch.Tensor]] = []
+    for key, t in tensors:
+        dtype = check_tensor(key, t, devices)
+        ident = _identity(t)
+        if ident is not None and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        if ident is not None:
+            seen[ident] = key
+        stored.append((key, dtype, t))
+    groups: list[list[tuple[str, str, torch.Tensor]]] = [[]]
+    size = 0
+    for item in stored:
+        n = item[2].numel() * item[2].element_size()
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    shards = []
+    arena = 0
+    for i, group in enumerate(groups):
+        group.sort(key=lambda x: -x[2].element_size())  # stable: state order within an itemsize
+        header, layout = st.build([(k, d, tuple(t.shape)) for k, d, t in group], {"format": "pt"})
+        shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena))
+        arena += round_up(layout.file_size)
+    return SavePlan(tree, tuple(shards), aliases, arena), {k: t for k, _, t in stored}

@@ -1,0 +1,138 @@
+"""Page-aligned host memory: staging arenas for saves and the bounce-slot pool for reads.
+
+Both come from anonymous ``mmap``: page-aligned (O_DIRECT and cudaHostRegister want that) and
+returned to the OS when closed. Memory is mapped once and reused; it never grows with the number of
+saves, only with the largest state staged so far.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import anyio
+import numpy as np
+import torch
+
+PAGE = mmap.PAGESIZE
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+class HostBuffer:
+    """One anonymous mapping, seen as a memoryview and as a uint8 tensor (both share its pages)."""
+
+    def __init__(self, nbytes: int, *, populate: bool = True) -> None:
+        self.nbytes = round_up(max(nbytes, 1))
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if populate:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mm = mmap.mmap(-1, self.nbytes, flags=flags)
+        # numpy keeps the mapping alive for the tensor (torch.frombuffer would not)
+        self.tensor = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))
+        self.view = memoryview(self._mm)
+
+    def close(self) -> None:
+        del self.tensor
+        self.view.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere: the GC unmaps it with the last one
+            pass
+
+
+class StagingPool:
+    """Staging arenas for saves: at most ``max_arenas`` exist, each as large as the largest state seen.
+
+    A save takes a whole arena, copies the state into it (the "staged" point), writes it out and
+    gives it back. When every arena is busy the next save waits: with two arenas, one save can stage
+    while the previous one is still writing; memory stays bounded by ``max_arenas`` × state size.
+    """
+
+    def __init__(self, max_arenas: int = 2) -> None:
+        if max_arenas < 1:
+            raise ValueError(f"max_arenas must be >= 1, got {max_arenas}")
+        self.max_arenas = max_arenas
+        self._free: list[HostBuffer] = []
+        self._count = 0
+        self._changed: anyio.Event | None = None
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped by idle arenas (busy ones are not counted)."""
+        return sum(a.nbytes for a in self._free)
+
+    async def acquire(self, nbytes: int) -> HostBuffer:
+        """Wait for an arena of at least ``nbytes``; mapping a new one runs in a worker thread.
+
+        Cancellation: nothing is taken if cancelled while waiting; if cancelled while a new arena is
+        being mapped, the mapping finishes in its thread and is kept for the next save.
+        """
+        while True:
+            if self._free:
+                self._free.sort(key=lambda a: a.nbytes)
+                fit = next((a for a in self._free if a.nbytes >= nbytes), None)
+                if fit is not None:
+                    self._free.remove(fit)
+                    return fit
+                small = self._free.pop()  # grow the largest idle one: unmap it, map a bigger one
+                self._count -= 1
+                small.close()
+            if self._count < self.max_arenas:
+                self._count += 1
+                try:
+                    return await anyio.to_thread.run_sync(HostBuffer, nbytes)
+                except BaseException:
+                    self._count -= 1
+                    raise
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def release(self, arena: HostBuffer) -> None:
+        self._free.append(arena)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def close(self) -> None:
+        """Unmap the idle arenas (busy ones are unmapped when released to a closed pool)."""
+        for a in self._free:
+            a.close()
+        self._count -= len(self._free)
+        self._free.clear()
+
+
+class SlotPool:
+    """Fixed-size page-aligned bounce slots, mapped lazily on first use.
+
+    The scheduler admits at most ``slots`` operations at a time, so taking a slot never waits.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self.slot_bytes = round_up(slot_bytes)
+        self._buf: HostBuffer | None = None
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        """Take a free slot's index."""
+        if self._buf is None:
+            self._buf = HostBuffer(self.slots * self.slot_bytes, populate=False)
+            self._free = list(range(self.slots))
+        if not self._free:
+            raise RuntimeError("bounce slot pool exhausted: more operations admitted than slots")
+        return self._free.pop()
+
+    def view(self, i: int) -> memoryview:
+        assert self._buf is not None
+        return self._buf.view[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+
+    def give(self, i: int) -> None:
+        self._free.append(i)
+
+    def close(self) -> None:
+        if self._buf is not None and len(self._free) == self.slots:
+            self._buf.close()
+            self._buf = None

@@ -1,0 +1,66 @@
+"""The engine contract.
+
+Every method blocks and is called from a worker thread, never from the event loop thread. Every
+change to the file system the store makes goes through an engine, so a test engine can record
+the operations (commit order, power-loss replay) or fail any one of them.
+
+Call order for a file the store writes: ``create`` → ``pwrite``… → ``sync`` → ``close``; then for
+the checkpoint folder ``sync_dir`` → ``rename`` → ``sync_dir(parent)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+
+
+class Engine(abc.ABC):
+    """Blocking file operations on paths and integer handles."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> int: ...
+
+    @abc.abstractmethod
+    def create(self, path: str) -> int:
+        """Create a new file for writing; fails if it exists."""
+
+    @abc.abstractmethod
+    def size(self, fd: int) -> int: ...
+
+    @abc.abstractmethod
+    def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; return the count (0 at end of file)."""
+
+    @abc.abstractmethod
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Write ``buf`` at ``offset``; return how many bytes were written (may be short)."""
+
+    @abc.abstractmethod
+    def sync(self, fd: int) -> None:
+        """Make the file's data durable (fdatasync)."""
+
+    @abc.abstractmethod
+    def close(self, fd: int) -> None: ...
+
+    @abc.abstractmethod
+    def mkdir(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def rename(self, src: str, dst: str) -> None:
+        """Atomically rename ``src`` to ``dst`` (replacing a file ``dst``)."""
+
+    @abc.abstractmethod
+    def sync_dir(self, path: str) -> None:
+        """Make a folder's entries (creations, renames, removals) durable."""
+
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Remove a file or a folder and everything in it; a missing path is not an error."""
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)

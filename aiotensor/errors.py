@@ -1,0 +1,109 @@
+"""The exception tree of aiotensor.
+
+Every error the library raises on purpose is an :class:`AiotensorError`::
+
+    AiotensorError
+    ├── FormatError (ValueError)           a file does not follow its format
+    │   ├── HeaderError                    malformed safetensors header
+    │   ├── ManifestError                  malformed checkpoint manifest
+    │   ├── UnsafeFileError                a torch.save file that would need unrestricted pickle
+    │   └── ChecksumError                  tensor bytes differ from the recorded crc32c
+    ├── StateError (TypeError)             a state_dict that cannot be saved (leaf type, device, layout)
+    ├── MismatchError (ValueError)         ``load(into=...)`` target has another shape/dtype/key set
+    ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
+    ├── CheckpointExistsError (FileExistsError)   the step is already committed or being saved
+    ├── SaveCancelledError                 the save was cancelled; nothing was committed
+    ├── StoreClosedError (RuntimeError)    the store was used outside ``async with``
+    └── SaveFailedError (RuntimeError)     an earlier background save failed and nobody awaited it
+
+Operating system failures (disk full, EIO, permission) stay :class:`OSError` — users expect
+``except OSError`` to catch a full disk — but their message is extended with the file involved.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AiotensorError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "FormatError",
+    "HeaderError",
+    "ManifestError",
+    "MismatchError",
+    "SaveCancelledError",
+    "SaveFailedError",
+    "StateError",
+    "StoreClosedError",
+    "UnsafeFileError",
+]
+
+
+class AiotensorError(Exception):
+    """Base class of every error raised on purpose by aiotensor."""
+
+
+class FormatError(AiotensorError, ValueError):
+    """A file does not follow its format. ``path`` names the file."""
+
+    def __init__(self, message: str, path: object = None) -> None:
+        self.path = None if path is None else str(path)
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class HeaderError(FormatError):
+    """A safetensors header is malformed (size, JSON, dtype, shape, offsets)."""
+
+
+class ManifestError(FormatError):
+    """A checkpoint manifest is malformed or points outside its checkpoint."""
+
+
+class UnsafeFileError(FormatError):
+    """A torch.save file needs something aiotensor refuses to do (arbitrary pickle, compression)."""
+
+
+class ChecksumError(FormatError):
+    """Tensor bytes read from disk differ from the crc32c recorded when they were written."""
+
+    def __init__(self, message: str, path: object = None, key: str | None = None) -> None:
+        self.key = key
+        super().__init__(message, path)
+
+
+class StateError(AiotensorError, TypeError):
+    """The state given to save cannot be stored; the message names the key path."""
+
+
+class MismatchError(AiotensorError, ValueError):
+    """A ``load(into=...)`` target does not match what the checkpoint holds."""
+
+
+class CheckpointNotFoundError(AiotensorError, LookupError, FileNotFoundError):
+    """No committed checkpoint for the step asked for (or none at all)."""
+
+
+class CheckpointExistsError(AiotensorError, FileExistsError):
+    """The step is already committed in this store, or a save of it is in flight."""
+
+
+class SaveCancelledError(AiotensorError):
+    """The save was cancelled (``handle.cancel()`` or the store closing on an error); nothing was committed."""
+
+
+class StoreClosedError(AiotensorError, RuntimeError):
+    """The store is not open: use it inside ``async with TensorStore(...)``."""
+
+
+class SaveFailedError(AiotensorError, RuntimeError):
+    """A background save failed and its handle was never awaited; ``__cause__`` is the failure."""
+
+
+def annotate_oserror(exc: OSError, what: str) -> OSError:
+    """Return ``exc`` with ``what`` (the operation and file) prepended, keeping its type and errno."""
+    if getattr(exc, "_aiotensor_annotated", False):
+        return exc
+    new = type(exc)(exc.errno, f"{what}: {exc.strerror or exc}") if exc.errno else type(exc)(f"{what}: {exc}")
+    new.filename = exc.filename
+    new._aiotensor_annotated = True  # type: ignore[attr-defined]
+    return new

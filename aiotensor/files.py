@@ -1,0 +1,127 @@
+"""Single safetensors files: ``save_file`` and ``load_file``, async and atomic."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import torch
+
+from . import _io
+from ._dtypes import SAFETENSORS_TO_TORCH
+from ._plan import check_tensor
+from .errors import MismatchError, StateError, annotate_oserror
+from .formats import safetensors as st
+from .scheduler import Priority, Scheduler
+
+
+async def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    scheduler: Scheduler | None = None,
+) -> None:
+    """Write ``tensors`` to a safetensors file that any safetensors reader opens, atomically.
+
+    The file is written under a temporary name, made durable, then renamed over ``path``: a reader
+    sees the old file or the new one, never a mix. Tensors are written from their own memory (no
+    staging copy): do not change them until this returns. Tensors sharing memory are written once
+    each. The data section starts at a 4096-byte boundary.
+
+    Raises:
+        StateError: a key that is not a string, or a tensor safetensors cannot store (named).
+        OSError: disk full or another I/O error, naming the file; ``path`` is then untouched.
+
+    Cancellation: the temporary file is removed and ``path`` is untouched; returns after the
+    writing threads stopped.
+    """
+    path = os.fspath(path)
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise StateError("metadata must map str to str")
+    entries = []
+    for key, t in tensors.items():
+        if not isinstance(key, str):
+            raise StateError(f"tensor keys must be str, got {key!r}")
+        if not isinstance(t, torch.Tensor):
+            raise StateError(f"{key!r} is a {type(t).__name__}, not a tensor")
+        entries.append((key, check_tensor(key, t), t))
+    entries.sort(key=lambda e: -e[2].element_size())
+    header, layout = st.build([(k, d, tuple(t.shape)) for k, d, t in entries], dict(metadata or {}) or None)
+    sched = scheduler or Scheduler()
+    contiguous = [t if _io.direct(t) else await sched.call(t.contiguous) for _, _, t in entries]
+    ranges = [(0, memoryview(header))]
+    ranges += [(s.offset, _io.byte_view(t)) for s, t in zip(layout.tensors, contiguous, strict=True) if s.nbytes]
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    eng = sched.engine
+    try:
+        await _io.write_file(sched, tmp, ranges)
+        try:
+            await sched.call(eng.rename, tmp, path)
+            await sched.call(eng.sync_dir, folder)
+        except OSError as e:
+            raise annotate_oserror(e, f"replacing {path}") from e
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await sched.call(eng.remove_tree, tmp)
+        raise
+
+
+async def load_file(
+    path: str | os.PathLike[str],
+    *,
+    into: Mapping[str, torch.Tensor] | None = None,
+    scheduler: Scheduler | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read a safetensors file (from any writer) into new CPU tensors, or in place into ``into``.
+
+    The header is validated completely before anything is allocated.
+
+    Raises:
+        HeaderError: a malformed header, naming the file (and the tensor).
+        MismatchError: ``into`` has other keys, shapes or dtypes than the file.
+        OSError: the file cannot be read.
+
+    Cancellation: returns once no worker thread writes into the tensors.
+    """
+    path = os.fspath(path)
+    sched = scheduler or Scheduler()
+    fd = await _io.open_read(sched, path)
+    try:
+        layout = await _io.read_layout(sched, fd, path)
+        if into is None:
+            dest = {s.key: torch.empty(s.shape, dtype=SAFETENSORS_TO_TORCH[s.dtype]) for s in layout.tensors}
+        else:
+            dest = _check_into(layout, into, path)
+        targets = [_io.Target(s, dest[s.key], None) for s in layout.tensors]
+        await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
+    finally:
+        await _io.close(sched, fd)
+    return {s.key: dest[s.key] for s in sorted(layout.tensors, key=_key_order(into))}
+
+
+def _key_order(into: Mapping[str, Any] | None) -> Any:
+    order = {k: i for i, k in enumerate(into)} if into is not None else {}
+    return lambda s: order.get(s.key, s.offset)
+
+
+def _check_into(layout: st.Layout, into: Mapping[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    keys = {s.key for s in layout.tensors}
+    if keys != set(into):
+        raise MismatchError(
+            f"{path}: `into` keys differ from the file: missing {sorted(keys - set(into))[:5]}, "
+            f"unexpected {sorted(set(into) - keys)[:5]}"
+        )
+    for s in layout.tensors:
+        t = into[s.key]
+        check_tensor(s.key, t)
+        if tuple(t.shape) != s.shape or t.dtype != SAFETENSORS_TO_TORCH[s.dtype]:
+            raise MismatchError(
+                f"{path}: tensor {s.key!r} is {SAFETENSORS_TO_TORCH[s.dtype]} {list(s.shape)} in the file, "
+                f"{t.dtype} {list(t.shape)} in `into`"
+            )
+    return dict(into)

@@ -1,0 +1,131 @@
+"""The checkpoint manifest (``manifest.json``): build it and validate one read from disk."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._dtypes import ITEMSIZE
+from ..errors import ManifestError
+from .safetensors import TensorSpec, is_count, loads_json_object, nbytes_of
+from .tree import unflatten
+
+FORMAT = "aiotensor.checkpoint"
+VERSION = 1
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored tensor: its shard file, where its bytes are, and their crc32c."""
+
+    shard: str
+    spec: TensorSpec
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    tree: Any
+    shards: Mapping[str, int]  # file name -> size in bytes
+    entries: Mapping[str, Entry]
+    aliases: Mapping[str, str]  # key -> key of the stored tensor it shares memory with
+
+
+def dumps(m: Manifest) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": m.step,
+        "shards": [{"file": f, "size": n} for f, n in m.shards.items()],
+        "tensors": {
+            k: {
+                "shard": e.shard,
+                "dtype": e.spec.dtype,
+                "shape": list(e.spec.shape),
+                "offset": e.spec.offset,
+                "nbytes": e.spec.nbytes,
+                "crc32c": e.crc32c,
+            }
+            for k, e in m.entries.items()
+        },
+        "aliases": dict(m.aliases),
+        "tree": m.tree,
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def safe_shard_name(name: object) -> bool:
+    """A plain file name: no separators, no ``..``, not absolute, not hidden."""
+    return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None and ".." not in name
+
+
+def loads(data: bytes, path: object) -> Manifest:
+    """Validate a manifest completely before anything is allocated from it.
+
+    Raises:
+        ManifestError: naming the file and what is wrong.
+    """
+
+    def bad(msg: str) -> ManifestError:
+        return ManifestError(msg, path)
+
+    doc = loads_json_object(data, path, "manifest", ManifestError)
+    if doc.get("format") != FORMAT:
+        raise bad(f"not an aiotensor manifest (format is {doc.get('format')!r}, expected {FORMAT!r})")
+    if doc.get("version") != VERSION:
+        raise bad(f"manifest version {doc.get('version')!r} is not supported (this aiotensor reads {VERSION})")
+    step = doc.get("step")
+    if not is_count(step):
+        raise bad(f"step must be a non-negative integer, got {step!r}")
+    shards: dict[str, int] = {}
+    raw_shards = doc.get("shards")
+    if not isinstance(raw_shards, list):
+        raise bad("shards must be a list")
+    for s in raw_shards:
+        if not (isinstance(s, dict) and set(s) == {"file", "size"} and is_count(s["size"])):
+            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}}")
+        if not safe_shard_name(s["file"]):
+            raise bad(f"shard file {s['file']!r} is not a plain file name inside the checkpoint folder")
+        if s["file"] in shards:
+            raise bad(f"shard file {s['file']!r} listed twice")
+        shards[s["file"]] = s["size"]
+    raw = doc.get("tensors")
+    if not isinstance(raw, dict):
+        raise bad("tensors must be an object")
+    entries: dict[str, Entry] = {}
+    for key, t in raw.items():
+        fields = {"shard", "dtype", "shape", "offset", "nbytes", "crc32c"}
+        if not (isinstance(t, dict) and set(t) == fields):
+            raise bad(f"tensor {key!r}: entry must have exactly {sorted(fields)}")
+        if t["shard"] not in shards:
+            raise bad(f"tensor {key!r}: shard {t['shard']!r} is not listed in shards")
+        if not (isinstance(t["dtype"], str) and t["dtype"] in ITEMSIZE):
+            raise bad(f"tensor {key!r}: unknown dtype {t['dtype']!r}")
+        shape = t["shape"]
+        if not (isinstance(shape, list) and all(is_count(d) for d in shape)):
+            raise bad(f"tensor {key!r}: shape must be a list of non-negative integers")
+        if not (is_count(t["offset"]) and is_count(t["nbytes"]) and is_count(t["crc32c"]) and t["crc32c"] < 2**32):
+            raise bad(f"tensor {key!r}: offset, nbytes and crc32c must be non-negative integers")
+        if nbytes_of(t["dtype"], shape) != t["nbytes"]:
+            raise bad(f"tensor {key!r}: shape {shape} of {t['dtype']} is not {t['nbytes']} bytes")
+        if t["offset"] + t["nbytes"] > shards[t["shard"]]:
+            raise bad(f"tensor {key!r}: bytes [{t['offset']}, {t['offset'] + t['nbytes']}) lie past the end of {t['shard']}")
+        entries[key] = Entry(t["shard"], TensorSpec(key, t["dtype"], tuple(shape), t["offset"], t["nbytes"]), t["crc32c"])
+    aliases = doc.get("aliases")
+    if not (isinstance(aliases, dict) and all(isinstance(v, str) and v in entries for v in aliases.values())):
+        raise bad("aliases must map keys to stored tensor keys")
+    if set(aliases) & set(entries):
+        raise bad("a key is both stored and an alias")
+    if "tree" not in doc:
+        raise bad("tree is missing")
+    keys: list[str] = []
+    unflatten(doc["tree"], lambda k: keys.append(k), path)  # type: ignore[func-returns-value]
+    if set(keys) != set(entries) | set(aliases) or len(keys) != len(entries) + len(aliases):
+        raise bad("the state tree and the tensor table do not list the same tensors")
+    return Manifest(step, doc["tree"], shards, entries, aliases)

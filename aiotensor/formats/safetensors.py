@@ -1,0 +1,178 @@
+"""safetensors headers: build one with an aligned data section, and validate any file's header.
+
+The format: 8 bytes little-endian header length N, N bytes of JSON, then the data section. Every
+tensor is ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data section; the
+tensors cover the data section exactly (no holes, no overlaps, no trailing bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._dtypes import ITEMSIZE
+from ..errors import HeaderError
+
+ALIGN = 4096
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
+MAX_TENSORS = 1 << 18
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor's bytes lie in its file. ``offset`` is absolute (from the file's start)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated safetensors file: its tensors in file order and its ``__metadata__``."""
+
+    data_start: int
+    file_size: int
+    tensors: tuple[TensorSpec, ...]
+    metadata: dict[str, str] | None
+
+
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    return math.prod(shape) * ITEMSIZE[dtype]
+
+
+def build(
+    entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, Layout]:
+    """Header bytes (length prefix included, padded with spaces to a multiple of 4096) and the layout.
+
+    ``entries`` are ``(key, dtype, shape)`` in the order their bytes follow each other. Callers order
+    them by descending itemsize so that every tensor starts at a multiple of its own itemsize.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    sizes = []
+    for key, dtype, shape in entries:
+        n = nbytes_of(dtype, shape)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        sizes.append(n)
+        pos += n
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    total = 8 + len(text)
+    padded = len(text) + (-total) % ALIGN
+    blob = struct.pack("<Q", padded) + text + b" " * (padded - len(text))
+    data_start = len(blob)
+    specs = []
+    pos = data_start
+    for (key, dtype, shape), n in zip(entries, sizes, strict=True):
+        specs.append(TensorSpec(key, dtype, tuple(shape), pos, n))
+        pos += n
+    return blob, Layout(data_start, pos, tuple(specs), metadata or None)
+
+
+def header_length(prefix: bytes, file_size: int, path: object) -> int:
+    """Validate the 8-byte prefix; return the JSON header's length."""
+    if file_size < 8 or len(prefix) < 8:
+        raise HeaderError(f"file is {file_size} bytes, too small for a safetensors header", path)
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header claims {n} bytes, more than the {MAX_HEADER_BYTES} byte cap", path)
+    if 8 + n > file_size:
+        raise HeaderError(f"header claims {n} bytes but the file has only {file_size - 8} after the prefix", path)
+    return n
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+class _Duplicate(Exception):
+    pass
+
+
+def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderError] | Any = HeaderError) -> dict[str, Any]:
+    """Parse UTF-8 JSON that must be an object with unique keys; any failure is ``error``."""
+    try:
+        obj = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})", path) from None
+    except _Duplicate as e:
+        raise error(f"{what} has the key {e.args[0]!r} twice", path) from None
+    except (ValueError, RecursionError) as e:
+        raise error(f"{what} is not valid JSON ({str(e)[:200]})", path) from None
+    if not isinstance(obj, dict):
+        raise error(f"{what} must be a JSON object, found {type(obj).__name__}", path)
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def is_count(x: object) -> bool:
+    """A non-negative JSON integer (bool is not an integer here)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TENSORS) -> Layout:
+    """Validate a header (the JSON bytes after the 8-byte prefix) against the file size.
+
+    Raises:
+        HeaderError: naming the file, and the key where one is at fault.
+    """
+    data_start = 8 + len(header)
+    if header.count(b'"data_offsets"') > max_tensors:
+        raise HeaderError(f"more than {max_tensors} tensors in one file", path)
+    obj = loads_json_object(header, path, "header")
+    metadata = obj.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise HeaderError("__metadata__ must map strings to strings", path)
+    specs = []
+    for key, info in obj.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise HeaderError(f"tensor {key!r}: entry must have exactly dtype, shape and data_offsets", path)
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise HeaderError(f"tensor {key!r}: unknown dtype {dtype!r}", path)
+        if not isinstance(shape, list) or not all(is_count(d) for d in shape):
+            raise HeaderError(f"tensor {key!r}: shape must be a list of non-negative integers, got {shape!r}", path)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)):
+            raise HeaderError(f"tensor {key!r}: data_offsets must be two non-negative integers, got {offsets!r}", path)
+        begin, end = offsets
+        if begin > end or data_start + end > file_size:
+            raise HeaderError(
+                f"tensor {key!r}: data_offsets [{begin}, {end}] outside the data section of "
+                f"{file_size - data_start} bytes",
+                path,
+            )
+        n = nbytes_of(dtype, shape)  # Python ints: no overflow; compared against real sizes below
+        if n != end - begin:
+            raise HeaderError(
+                f"tensor {key!r}: shape {shape} of {dtype} needs {n} bytes but data_offsets span {end - begin}", path
+            )
+        specs.append(TensorSpec(key, dtype, tuple(shape), data_start + begin, n))
+    specs.sort(key=lambda s: (s.offset, s.nbytes))
+    pos = data_start
+    for s in specs:
+        if s.offset != pos:
+            what = "a gap before" if s.offset > pos else "an overlap at"
+            raise HeaderError(f"tensor {s.key!r}: {what} byte {s.offset - data_start} of the data section", path)
+        pos += s.nbytes
+    if pos != file_size:
+        raise HeaderError(f"{file_size - pos} trailing bytes after the last tensor", path)
+    return Layout(data_start, file_size, tuple(specs), metadata)

@@ -1,0 +1,132 @@
+"""Nested state <-> JSON tree plus a flat list of tensors.
+
+The JSON tree keeps every container type and key type exactly; tensors become ``{"tensor": key}``.
+Nothing is ever pickled: a leaf JSON cannot hold is refused, naming its key path.
+
+Encoding: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are stored as themselves;
+``{"float": "nan" | "inf" | "-inf"}``, ``{"list": [...]}``, ``{"tuple": [...]}``,
+``{"dict": {str: ...}}`` (all keys strings) or ``{"items": [[key, value], ...]}`` (other keys),
+``{"dtype": "float32"}`` for a ``torch.dtype``, and ``{"tensor": key}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import ManifestError, StateError
+
+Path = tuple[Any, ...]
+_SCALARS = (type(None), bool, int, str)
+_MAX_DEPTH = 64
+
+
+def key_path(path: Path) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def _float(x: float) -> Any:
+    if math.isfinite(x):
+        return x
+    return {"float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Return the JSON tree and the tensors in tree order, each under a unique string key.
+
+    Raises:
+        StateError: a leaf that JSON cannot hold, a non-string-able key, or nesting over 64 deep.
+    """
+    tensors: list[tuple[str, torch.Tensor]] = []
+    used: set[str] = set()
+
+    def walk(obj: Any, path: Path) -> Any:
+        if len(path) > _MAX_DEPTH:
+            raise StateError(f"state nests deeper than {_MAX_DEPTH} levels at {key_path(path)!r}")
+        if isinstance(obj, torch.Tensor):
+            key = key_path(path)
+            n = 1
+            while key in used:
+                n += 1
+                key = f"{key_path(path)}#{n}"
+            used.add(key)
+            tensors.append((key, obj))
+            return {"tensor": key}
+        if isinstance(obj, _SCALARS):
+            return obj
+        if isinstance(obj, float):
+            return _float(obj)
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, Mapping):
+            keys = list(obj.keys())
+            for k in keys:
+                if not isinstance(k, (*_SCALARS, float)):
+                    raise StateError(
+                        f"key {k!r} at {key_path(path)!r} is a {type(k).__name__}; keys must be str, int, float, bool or None"
+                    )
+            if all(isinstance(k, str) for k in keys):
+                return {"dict": {k: walk(obj[k], (*path, k)) for k in keys}}
+            return {"items": [[_float(k) if isinstance(k, float) else k, walk(obj[k], (*path, k))] for k in keys]}
+        if isinstance(obj, (list, tuple)):
+            items = [walk(v, (*path, i)) for i, v in enumerate(obj)]
+            return {"tuple" if isinstance(obj, tuple) else "list": items}
+        raise StateError(
+            f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {key_path(path)!r}: "
+            "only tensors, dicts, lists, tuples, str, int, float, bool, None and torch.dtype are stored "
+            "(aiotensor never pickles); convert it, for example to a tensor or a string"
+        )
+
+    return walk(state, ()), tensors
+
+
+def unflatten(tree: Any, tensor: Callable[[str], torch.Tensor], where: object = None) -> Any:
+    """Rebuild the state from a JSON tree; ``tensor(key)`` supplies each tensor.
+
+    Raises:
+        ManifestError: the tree is not one :func:`flatten` writes.
+    """
+
+    def bad(msg: str) -> ManifestError:
+        return ManifestError(f"state tree: {msg}", where)
+
+    def scalar(x: Any) -> Any:
+        if isinstance(x, _SCALARS) or isinstance(x, float):
+            return x
+        if isinstance(x, dict) and set(x) == {"float"} and x["float"] in ("nan", "inf", "-inf"):
+            return float(x["float"])
+        raise bad(f"unexpected value {str(x)[:80]!r}")
+
+    def walk(node: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH + 1:
+            raise bad("nested too deep")
+        if not isinstance(node, dict):
+            return scalar(node)
+        if len(node) != 1:
+            raise bad(f"a node must have one tag, got {sorted(node)[:5]}")
+        ((tag, val),) = node.items()
+        if tag == "tensor" and isinstance(val, str):
+            return tensor(val)
+        if tag in ("list", "tuple") and isinstance(val, list):
+            items = [walk(v, depth + 1) for v in val]
+            return items if tag == "list" else tuple(items)
+        if tag == "dict" and isinstance(val, dict):
+            return {k: walk(v, depth + 1) for k, v in val.items()}
+        if tag == "items" and isinstance(val, list):
+            out = {}
+            for pair in val:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise bad("items must be [key, value] pairs")
+                out[scalar(pair[0])] = walk(pair[1], depth + 1)
+            return out
+        if tag == "dtype" and isinstance(val, str):
+            dt = getattr(torch, val, None)
+            if not isinstance(dt, torch.dtype):
+                raise bad(f"unknown dtype {val!r}")
+            return dt
+        return scalar(node)
+
+    return walk(tree, 0)

@@ -1,0 +1,213 @@
+"""The scheduler: runs engine calls in worker threads under one budget, highest priority first.
+
+Every blocking call of every save and load in a store goes through :meth:`Scheduler.call`. A gate
+admits at most ``workers`` calls and ``budget_bytes`` bytes at once; waiting calls are admitted in
+priority order (loads, then saves, then background snapshots) and, within a priority, first come
+first served. Bookkeeping is synchronous; the only ``await`` is the wait itself and the thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+
+from .buffers import SlotPool
+from .engines import Engine, default_engine
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+MiB = 1 << 20
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first."""
+
+    LOAD = 0
+    SAVE = 1
+    BACKGROUND = 2
+
+
+@dataclass(order=True)
+class _Waiter:
+    priority: int
+    seq: int
+    nbytes: int = field(compare=False)
+    event: anyio.Event = field(compare=False)
+    granted: bool = field(default=False, compare=False)
+    gone: bool = field(default=False, compare=False)
+
+
+class _Gate:
+    def __init__(self, slots: int, budget: int) -> None:
+        self.budget = budget
+        self.free_slots = slots
+        self.free_bytes = budget
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+
+    def _fits(self, n: int) -> bool:
+        return self.free_slots > 0 and self.free_bytes >= n
+
+    def _take(self, n: int) -> None:
+        self.free_slots -= 1
+        self.free_bytes -= n
+
+    def _release(self, n: int) -> None:
+        self.free_slots += 1
+        self.free_bytes += n
+        self._wake()
+
+    def _wake(self) -> None:
+        # strict order: the first waiter blocks those behind it, so large requests cannot starve
+        while self._heap:
+            w = self._heap[0]
+            if w.gone:
+                heapq.heappop(self._heap)
+                continue
+            if not self._fits(w.nbytes):
+                return
+            heapq.heappop(self._heap)
+            self._take(w.nbytes)
+            w.granted = True
+            w.event.set()
+
+    @asynccontextmanager
+    async def hold(self, nbytes: int, priority: int) -> AsyncIterator[None]:
+        n = min(nbytes, self.budget)
+        if not self._heap and self._fits(n):
+            self._take(n)
+        else:
+            w = _Waiter(priority, next(self._seq), n, anyio.Event())
+            heapq.heappush(self._heap, w)
+            try:
+                await w.event.wait()
+            except BaseException:
+                if w.granted:
+                    self._release(n)
+                else:
+                    w.gone = True
+                    self._wake()
+                raise
+        try:
+            yield
+        finally:
+            self._release(n)
+
+
+@dataclass
+class Stats:
+    """Counters of a scheduler (bytes moved by the engine, calls run)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    calls: int = 0
+
+
+class Scheduler:
+    """Runs blocking engine work in worker threads under a byte budget with priorities.
+
+    Args:
+        engine: the engine to run (default: :func:`aiotensor.engines.default_engine`).
+        workers: worker threads, and the most calls in flight at once.
+        chunk_bytes: the largest piece one call reads or writes.
+    """
+
+    def __init__(self, engine: Engine | None = None, *, workers: int = 4, chunk_bytes: int = 16 * MiB) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
+        self.engine = engine if engine is not None else default_engine()
+        self.workers = workers
+        self.chunk_bytes = chunk_bytes
+        self.slots = SlotPool(workers, chunk_bytes)
+        self.stats = Stats()
+        self._gate = _Gate(workers, workers * chunk_bytes)
+        self._threads: anyio.CapacityLimiter | None = None
+
+    async def call(
+        self, fn: Callable[..., T], *args: Any, nbytes: int = 0, priority: int = Priority.SAVE, slot: bool = False
+    ) -> T:
+        """Run ``fn(*args)`` in a worker thread once admitted; with ``slot``, ``fn(slot, *args)``.
+
+        Cancellation: while waiting for admission, the call is withdrawn and never runs. Once its
+        thread has started, cancellation waits for the thread to return (the thread may be writing
+        into a caller's buffer) and then raises; the slot is returned only after that.
+        """
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(self.workers)
+        async with self._gate.hold(nbytes, priority):
+            self.stats.calls += 1
+            if not slot:
+                return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+            i = self.slots.take()
+            try:
+                return await anyio.to_thread.run_sync(fn, self.slots.view(i), *args, limiter=self._threads)
+            finally:
+                self.slots.give(i)
+
+    async def map(
+        self,
+        fn: Callable[[U], T],
+        units: Iterable[U],
+        *,
+        nbytes: Callable[[U], int],
+        priority: int,
+        slot: bool = False,
+    ) -> list[T]:
+        """Run ``fn`` over ``units`` with up to ``workers`` in flight; results in unit order.
+
+        The first failure cancels the units not yet started, waits for those running, and is raised
+        as itself (not wrapped in an exception group).
+
+        Cancellation: as for :meth:`call`; returns only when no thread of this map still runs.
+        """
+        items = list(units)
+        results: list[Any] = [None] * len(items)
+        if not items:
+            return results
+        it = iter(enumerate(items))
+
+        async def worker() -> None:
+            for i, u in it:
+                results[i] = await self.call(fn, u, nbytes=nbytes(u), priority=priority, slot=slot)
+
+        error: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(min(self.workers, len(items))):
+                    tg.start_soon(worker)
+        except BaseExceptionGroup as eg:
+            error = _single(eg)
+        if error is not None:
+            raise error  # outside the handler: keeps the error's own cause and context
+        return results
+
+    def close(self) -> None:
+        self.slots.close()
+
+
+def _single(eg: BaseExceptionGroup) -> BaseException:
+    """The one real error inside a task group's exception group (or the group if several)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    real = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
+    if len(real) == 1:
+        return real[0]
+    return eg
