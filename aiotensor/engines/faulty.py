@@ -1,0 +1,108 @@
+"""An engine for tests: records every operation and fails chosen ones with a chosen errno.
+
+    eng = FaultyEngine(fail={"sync": (2, errno.EIO)})     # the 2nd sync raises EIO
+    async with TensorStore(root, engine=eng) as store: ...
+    eng.ops   # [("mkdir", path), ("create", path), ("pwrite", path, offset, n), ("sync", path), ...]
+"""
+
+from __future__ import annotations
+
+import errno
+
+import threading
+from collections import Counter
+from typing import Any
+
+from .base import Engine
+from .posix import PosixEngine
+
+
+class FaultyEngine(Engine):
+    """Wraps another engine (posix by default), recording operations and injecting failures.
+
+    Args:
+        inner: the engine doing the real work.
+        fail: operation name -> (n, errno): the n-th call (1-based) of that operation fails.
+            Names: open_read, create, pread, pwrite, sync, close, mkdir, rename, sync_dir, remove_tree.
+        hook: called as ``hook(op_tuple)`` before each operation runs (e.g. to kill the process).
+    """
+
+    name = "faulty"
+
+    def __init__(self, inner: Engine | None = None, *, fail: dict[str, tuple[int, int]] | None = None, hook: Any = None):
+        self.inner = inner or PosixEngine()
+        self.fail = dict(fail or {})
+        self.hook = hook
+        self.ops: list[tuple[Any, ...]] = []
+        self.counts: Counter[str] = Counter()
+        self._paths: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _op(self, *op: Any) -> None:
+        with self._lock:
+            self.counts[op[0]] += 1
+            n = self.counts[op[0]]
+            self.ops.append(op)
+        if self.hook is not None:
+            self.hook(op)
+        rule = self.fail.get(op[0])
+        if rule is not None and rule[0] == n:
+            raise OSError(rule[1], f"injected {errno.errorcode.get(rule[1], rule[1])} on {op[0]} #{n}")
+
+    def open_read(self, path: str) -> int:
+        self._op("open_read", path)
+        fd = self.inner.open_read(path)
+        self._paths[fd] = path
+        return fd
+
+    def create(self, path: str) -> int:
+        self._op("create", path)
+        fd = self.inner.create(path)
+        self._paths[fd] = path
+        return fd
+
+    def size(self, fd: int) -> int:
+        return self.inner.size(fd)
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+        self._op("pread", self._paths.get(fd), offset, len(buf))
+        return self.inner.pread(fd, buf, offset)
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        self._op("pwrite", self._paths.get(fd), offset, len(buf))
+        return self.inner.pwrite(fd, buf, offset)
+
+    def sync(self, fd: int) -> None:
+        self._op("sync", self._paths.get(fd))
+        self.inner.sync(fd)
+
+    def close(self, fd: int) -> None:
+        path = self._paths.pop(fd, None)
+        try:
+            self._op("close", path)
+        finally:
+            self.inner.close(fd)
+
+    def mkdir(self, path: str) -> None:
+        self._op("mkdir", path)
+        self.inner.mkdir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._op("rename", src, dst)
+        self.inner.rename(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        self._op("sync_dir", path)
+        self.inner.sync_dir(path)
+
+    def remove_tree(self, path: str) -> None:
+        self._op("remove_tree", path)
+        self.inner.remove_tree(path)
+
+    def open_fds(self) -> list[str]:
+        """Paths of files this engine opened and has not closed (a leak check for tests)."""
+        return sorted(self._paths.values())
+
+
+
+

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import aiotensor
+
+try:
+    import uvloop  # noqa: F401
+
+    _BACKENDS: list[Any] = [
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ]
+except ImportError:  # pragma: no cover - uvloop is a Linux dependency
+    _BACKENDS = [pytest.param(("asyncio", {}), id="asyncio")]
+
+
+@pytest.fixture(params=_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+@pytest.fixture(params=["posix", "faulty"])
+def engine(request: pytest.FixtureRequest) -> aiotensor.Engine:
+    """Every engine the store runs on here; kvikio joins on GPU machines."""
+    if request.param == "posix":
+        return aiotensor.PosixEngine()
+    return aiotensor.FaultyEngine()
+
+
+def small_state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 32, generator=g)
+    return {
+        "model": {"embed.weight": w, "lm_head.weight": w, "ln.bias": torch.randn(32, generator=g)},
+        "optim": {
+            "state": {0: {"exp_avg": torch.randn(64, 32, generator=g), "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}],
+        },
+        "step": seed,
+    }
+
+
+def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert torch.equal(bits(a), bits(b)), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_state_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_equal(x, y, f"{path}.{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, path
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, for bit-exact comparison (NaNs compare equal, -0.0 differs from 0.0)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def tmp_leftovers(root: str) -> list[str]:
+    return [n for n in os.listdir(root) if ".tmp-" in n]

@@ -1,0 +1,229 @@
+"""Pure format and planning code: no disk, no event loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from aiotensor import _checksum
+from aiotensor._plan import plan_save
+from aiotensor.errors import HeaderError, ManifestError, StateError
+from aiotensor.formats import manifest as mf
+from aiotensor.formats import safetensors as st
+from aiotensor.formats.tree import flatten, unflatten
+
+
+def _file(header: object, data: bytes = b"", raw: bytes | None = None) -> tuple[bytes, int]:
+    text = raw if raw is not None else json.dumps(header).encode()
+    return text, 8 + len(text) + len(data)
+
+
+def _parse(header: object = None, data_len: int = 0, raw: bytes | None = None) -> st.Layout:
+    text, size = _file(header, b"\0" * data_len, raw)
+    return st.parse(text, size, "f.safetensors")
+
+
+def test_build_then_parse_round_trips_and_aligns() -> None:
+    blob, layout = st.build([("a", "F32", (2, 3)), ("b", "BF16", (4,)), ("c", "U8", ())], {"format": "pt"})
+    assert len(blob) % 4096 == 0 and layout.data_start == len(blob)
+    n = struct.unpack("<Q", blob[:8])[0]
+    parsed = st.parse(blob[8 : 8 + n], layout.file_size, "x")
+    assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
+
+
+MALFORMED = {
+    "not json": (None, 0, b"{nope"),
+    "not an object": ([1, 2], 0, None),
+    "not utf-8": (None, 0, b'{"\xff": 1}'),
+    "duplicate keys": (None, 0, b'{"a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}, "a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'),
+    "unknown dtype": ({"a": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}}, 1, None),
+    "extra field": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": 1}}, 1, None),
+    "negative offset": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [-1, 0]}}, 1, None),
+    "float offset": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0.0, 1]}}, 1, None),
+    "bool dim": ({"a": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, 1, None),
+    "length mismatch": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, 4, None),
+    "gap": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}, 2, None),
+    "overlap": (
+        {"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}},
+        3,
+        None,
+    ),
+    "trailing bytes": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, 5, None),
+    "past the end": ({"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, 4, None),
+    "overflowing shape": ({"a": {"dtype": "F64", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, 8, None),
+    "bad metadata": ({"__metadata__": {"a": 1}}, 0, None),
+    "NaN constant": (None, 0, b'{"__metadata__": {"a": NaN}}'),
+    "deep nesting": (None, 0, b"[" * 100000 + b"]" * 100000),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_headers_raise_header_error_naming_the_file(case: str) -> None:
+    header, data_len, raw = MALFORMED[case]
+    with pytest.raises(HeaderError, match=r"^f\.safetensors: "):
+        _parse(header, data_len, raw)
+
+
+def test_header_length_checks() -> None:
+    with pytest.raises(HeaderError, match="too small"):
+        st.header_length(b"", 0, "f")
+    with pytest.raises(HeaderError, match="cap"):
+        st.header_length(struct.pack("<Q", 2**40), 2**41, "f")
+    with pytest.raises(HeaderError, match="only"):
+        st.header_length(struct.pack("<Q", 100), 50, "f")
+
+
+def test_a_million_tiny_tensors_are_refused_quickly() -> None:
+    one = b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},'
+    text = b"{" + b"".join(one % i for i in range(1_000_000)) + b'"z":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}'
+    with pytest.raises(HeaderError, match="more than"):
+        st.parse(text, 8 + len(text), "f")
+
+
+def test_empty_and_zero_size_tensors_parse() -> None:
+    layout = _parse({"a": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}, "b": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}, 4)
+    assert [t.key for t in layout.tensors] == ["a", "b"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.binary(max_size=600))
+def test_any_bytes_parse_or_raise_header_error(data: bytes) -> None:
+    size = len(data) + 8
+    try:
+        layout = st.parse(data, size, "f")
+    except HeaderError:
+        return
+    for t in layout.tensors:
+        assert layout.data_start <= t.offset and t.offset + t.nbytes <= size
+
+
+# --- state tree -------------------------------------------------------------------------
+
+
+def test_tree_keeps_types_exactly() -> None:
+    state = {
+        "a": [1, 2.5, "x", None, True, (3, 4)],
+        7: {"n": float("inf"), "m": float("-inf")},
+        (1.5): "float key",
+        "dt": torch.bfloat16,
+        "t": torch.ones(2),
+    }
+    tree, tensors = flatten(state)
+    assert [k for k, _ in tensors] == ["t"]
+    json.dumps(tree, allow_nan=False)
+    back = unflatten(json.loads(json.dumps(tree)), lambda k: tensors[0][1])
+    assert back == {**state, "t": back["t"]} and back["a"][5] == (3, 4) and back["t"] is state["t"]
+
+
+def test_tree_rejects_unknown_leaves_with_key_path() -> None:
+    class Thing:
+        pass
+
+    with pytest.raises(StateError, match=r"test_formats.*Thing at 'model.layers.1'.*never pickles"):
+        flatten({"model": {"layers": [1, Thing()]}})
+    with pytest.raises(StateError, match="keys must be"):
+        flatten({(1, 2): 3})
+
+
+def test_tree_keys_stay_unique_when_paths_collide() -> None:
+    _, tensors = flatten({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}})
+    assert [k for k, _ in tensors] == ["a.b", "a.b#2"]
+
+
+# --- manifest ---------------------------------------------------------------------------
+
+
+def _manifest(**over: object) -> bytes:
+    doc = {
+        "format": mf.FORMAT,
+        "version": 1,
+        "step": 5,
+        "shards": [{"file": "shard-00000.safetensors", "size": 4100}],
+        "tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 4096, "nbytes": 4, "crc32c": 1}},
+        "aliases": {},
+        "tree": {"dict": {"w": {"tensor": "w"}}},
+    }
+    doc.update(over)
+    return json.dumps(doc).encode()
+
+
+def test_manifest_round_trip() -> None:
+    m = mf.loads(_manifest(), "m.json")
+    assert m.step == 5 and m.entries["w"].crc32c == 1
+    assert mf.loads(mf.dumps(m), "m.json") == m
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/passwd", "a/b", "..", ".hidden", "", "a\\b", "x" * 300])
+def test_manifest_refuses_shard_paths_outside_the_folder(name: str) -> None:
+    with pytest.raises(ManifestError, match="plain file name"):
+        mf.loads(_manifest(shards=[{"file": name, "size": 4100}]), "m.json")
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"format": "x"}, "not an aiotensor manifest"),
+        ({"version": 9}, "version 9"),
+        ({"step": -1}, "step"),
+        ({"tensors": {"w": {"shard": "nope", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "not listed"),
+        ({"tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [2], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "is not 4 bytes"),
+        ({"tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 4099, "nbytes": 4, "crc32c": 1}}}, "past the end"),
+        ({"aliases": {"v": "nope"}}, "aliases"),
+        ({"tree": {"dict": {}}}, "same tensors"),
+        ({"tree": {"weird": 1}}, "state tree"),
+    ],
+)
+def test_manifest_validation(over: dict[str, object], match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        mf.loads(_manifest(**over), "m.json")
+
+
+# --- checksums --------------------------------------------------------------------------
+
+
+@given(hs.binary(max_size=5000), hs.binary(max_size=5000))
+def test_crc_combine_matches_crc_of_concatenation(a: bytes, b: bytes) -> None:
+    assert _checksum.combine(_checksum.crc32c(a), _checksum.crc32c(b), len(b)) == _checksum.crc32c(a + b)
+
+
+def test_crc_combine_large_lengths() -> None:
+    a, b = os.urandom(100), os.urandom(3 << 20)
+    assert _checksum.combine(_checksum.crc32c(a), _checksum.crc32c(b), len(b)) == _checksum.crc32c(a + b)
+
+
+# --- planning ---------------------------------------------------------------------------
+
+
+def test_plan_dedupes_tied_weights_and_aligns_by_itemsize() -> None:
+    w = torch.randn(4, 4)
+    state = {"a": torch.ones(3, dtype=torch.uint8), "w": w, "tied": w, "view": w[1:], "d": torch.ones(2, dtype=torch.float64)}
+    plan, sources = plan_save(state)
+    assert plan.aliases == {"tied": "w"}
+    assert set(sources) == {"a", "w", "view", "d"}
+    (shard,) = plan.shards
+    for t in shard.layout.tensors:
+        assert (t.offset - shard.layout.data_start) % st.ITEMSIZE[t.dtype] == 0
+    assert [t.dtype for t in shard.layout.tensors] == ["F64", "F32", "F32", "U8"]
+
+
+def test_plan_splits_shards_by_size_without_splitting_tensors() -> None:
+    state = {f"t{i}": torch.ones(1000) for i in range(5)}
+    plan, _ = plan_save(state, shard_bytes=8000)
+    assert [len(s.layout.tensors) for s in plan.shards] == [2, 2, 1]
+    assert all(s.arena_offset % 4096 == 0 for s in plan.shards)
+    assert plan.arena_bytes >= sum(s.layout.file_size for s in plan.shards)
+
+
+def test_plan_refuses_unsupported_tensors() -> None:
+    with pytest.raises(StateError, match="'x'.*layout"):
+        plan_save({"x": torch.ones(2, 2).to_sparse()})
+    with pytest.raises(StateError, match="'y'.*dtype"):
+        plan_save({"y": torch.ones(2, dtype=torch.complex128)})
+    with pytest.raises(StateError, match="'z'.*meta"):
+        plan_save({"z": torch.ones(2, device="meta")})

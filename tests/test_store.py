@@ -1,0 +1,404 @@
+"""TensorStore on every engine, on asyncio and uvloop."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from safetensors import safe_open
+
+import aiotensor
+from aiotensor import FaultyEngine, TensorStore
+from aiotensor.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumError,
+    HeaderError,
+    ManifestError,
+    MismatchError,
+    SaveCancelledError,
+    SaveFailedError,
+    StateError,
+    StoreClosedError,
+)
+
+from .conftest import assert_state_equal, small_state, tmp_leftovers
+
+pytestmark = pytest.mark.anyio
+
+DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]  # fmt: skip
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bits of any dtype (NaN patterns included)."""
+    n = int(torch.Size(shape).numel()) * dtype.itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def every_kind_of_tensor() -> dict[str, Any]:
+    state: dict[str, Any] = {str(d).removeprefix("torch."): random_tensor(d, (3, 5), i) for i, d in enumerate(DTYPES)}
+    big = random_tensor(torch.float32, (40, 30), 99)
+    state.update(
+        {
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.empty(0, 4, dtype=torch.bfloat16),
+            "transposed": big.t(),
+            "strided": big[::3, 1::2],
+            "slice": big[5:9],
+            "base": big,
+            "tied_a": big,
+            "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        }
+    )
+    return state
+
+
+async def test_round_trip_every_dtype_and_layout(tmp_path: Any, engine: aiotensor.Engine) -> None:
+    state = every_kind_of_tensor()
+    async with TensorStore(tmp_path, engine=engine, chunk_bytes=4096) as store:
+        await store.save(1, state)
+        out = await store.load(1)
+    assert_state_equal(state, out)
+    assert out["tied_a"] is out["base"], "tied weights come back as one tensor"
+    assert out["slice"].data_ptr() != out["base"].data_ptr(), "partly overlapping views come back unshared"
+
+
+async def test_nested_optimizer_state_round_trips_exactly(tmp_path: Any) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 7, "extra": [None, True, "s", (1.5, float("nan"))]}
+    async with TensorStore(tmp_path) as store:
+        await store.save(7, state)
+        out = await store.load()
+    assert_state_equal(state, out)
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(out["optim"])  # optimizer accepts what comes back (int keys, tuples)
+    model.load_state_dict(out["model"])
+
+
+async def test_shards_open_with_safetensors_and_manifest_has_crcs(tmp_path: Any) -> None:
+    state = {"a": torch.randn(100, 10), "b": torch.arange(50), "c": torch.ones(3, dtype=torch.bfloat16)}
+    async with TensorStore(tmp_path, shard_bytes=4000) as store:
+        await store.save(3, state)
+    folder = tmp_path / "step-000000000003"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {t["shard"] for t in manifest["tensors"].values()} == {s["file"] for s in manifest["shards"]}
+    assert len(manifest["shards"]) == 2 and all("crc32c" in t for t in manifest["tensors"].values())
+    seen = {}
+    for s in manifest["shards"]:
+        with safe_open(str(folder / s["file"]), "pt") as f:
+            seen.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    assert_state_equal(state, seen)
+    assert (tmp_path / "latest").read_text().strip() == "step-000000000003"
+
+
+async def test_load_into_reads_in_place_and_checks_shapes(tmp_path: Any, engine: aiotensor.Engine) -> None:
+    state = every_kind_of_tensor()
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    into["tied_a"] = into["base"]
+    into["transposed"] = torch.zeros(40, 30).t()  # a non-contiguous target: goes through bounce slots
+    ptrs = {k: v.data_ptr() for k, v in into.items()}
+    async with TensorStore(tmp_path, engine=engine, chunk_bytes=4096) as store:
+        await store.save(1, state)
+        out = await store.load(into=into)
+        assert all(out[k].data_ptr() == ptrs[k] for k in into)
+        assert_state_equal(state, into)
+
+        bad = dict(into, float32=torch.zeros(5, 3))
+        with pytest.raises(MismatchError, match=r"'float32'.*\[3, 5\].*\[5, 3\]"):
+            await store.load(into=bad)
+        with pytest.raises(MismatchError, match=r"missing \['base'\]"):
+            await store.load(into={k: v for k, v in into.items() if k != "base"})
+        with pytest.raises(MismatchError, match="unexpected \\['zzz'\\]"):
+            await store.load(into={**into, "zzz": torch.ones(1)})
+
+
+async def test_staged_means_tensors_may_change(tmp_path: Any) -> None:
+    state = {f"p{i}": torch.full((256, 256), float(i)) for i in range(20)}
+    expected = {k: v.clone() for k, v in state.items()}
+    async with TensorStore(tmp_path, chunk_bytes=1 << 16) as store:
+        handle = store.save(1, state)
+        await handle.staged
+        for v in state.values():
+            v.add_(1000)  # the trainer's optimizer step, while the write runs
+        await handle
+        assert_state_equal(expected, await store.load(1))
+
+
+async def test_errors_are_typed_and_named(tmp_path: Any) -> None:
+    store = TensorStore(tmp_path)
+    with pytest.raises(StoreClosedError):
+        store.save(1, {})
+    async with store:
+        with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint in"):
+            await store.load()
+        with pytest.raises(StateError, match=r"'opt.sched'"):
+            store.save(1, {"opt": {"sched": object()}})
+        with pytest.raises(ValueError, match="step must be"):
+            store.save(-1, {})
+        await store.save(1, {"x": torch.ones(2)})
+        with pytest.raises(CheckpointExistsError, match="step 1 is already committed"):
+            store.save(1, {})
+        with pytest.raises(CheckpointNotFoundError, match="step 2"):
+            await store.load(2)
+        assert tmp_leftovers(str(tmp_path)) == []
+    with pytest.raises(ValueError, match="keep_last"):
+        TensorStore(tmp_path, keep_last=0)
+
+
+async def test_corruption_is_detected_and_named(tmp_path: Any) -> None:
+    state = {"a": torch.randn(1000), "b": torch.randn(2000)}
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, state)
+        shard = tmp_path / "step-000000000001" / "shard-00000.safetensors"
+        data = bytearray(shard.read_bytes())
+        m = json.loads((tmp_path / "step-000000000001" / "manifest.json").read_text())
+        off = m["tensors"]["b"]["offset"] + 100
+        data[off] ^= 0x10
+        shard.write_bytes(bytes(data))
+        with pytest.raises(ChecksumError, match=r"shard-00000.safetensors: tensor 'b' is corrupt") as ei:
+            await store.load(1)
+        assert ei.value.key == "b"
+        await store.load(1, verify=False)  # opt-out reads the (wrong) bytes
+        shard.write_bytes(bytes(data[:5000]))
+        with pytest.raises(HeaderError, match="shard-00000.safetensors"):
+            await store.load(1)
+        (tmp_path / "step-000000000001" / "manifest.json").write_text("{}")
+        with pytest.raises(ManifestError, match="manifest.json: not an aiotensor manifest"):
+            await store.load(1)
+
+
+async def test_retention_and_latest(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, keep_last=2) as store:
+        for step in (10, 20, 30):
+            await store.save(step, {"x": torch.full((4,), float(step))})
+        assert store.steps() == [20, 30] and store.latest() == 30
+        assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000000020", "step-000000000030"]
+        # an older step committed after a newer one does not move `latest` back
+        await store.save(25, {"x": torch.zeros(4)})
+        assert (tmp_path / "latest").read_text().strip() == "step-000000000030"
+        assert store.steps() == [25, 30]
+    async with TensorStore(tmp_path) as again:
+        assert again.steps() == [25, 30]
+        assert float((await again.load())["x"][0]) == 30.0
+
+
+async def test_open_removes_leftovers_of_interrupted_saves(tmp_path: Any) -> None:
+    (tmp_path / "step-000000000005.tmp-dead").mkdir()
+    (tmp_path / "step-000000000005.tmp-dead" / "manifest.json").write_text("{}")
+    (tmp_path / "latest.tmp-dead").write_text("junk")
+    async with TensorStore(tmp_path) as store:
+        assert store.steps() == []
+    assert os.listdir(tmp_path) == []
+
+
+async def test_commit_order(tmp_path: Any) -> None:
+    eng = FaultyEngine()
+    async with TensorStore(tmp_path, engine=eng, keep_last=1) as store:
+        await store.save(1, small_state(1))
+        eng.ops.clear()
+        await store.save(2, small_state(2))
+    names = [(op[0], os.path.basename(str(op[1]))) for op in eng.ops if op[0] not in ("pwrite", "pread", "open_read")]
+    i = {v: k for k, v in enumerate(names)}
+    tmp = next(n for _, n in names if n.startswith("step-000000000002.tmp-"))
+    shard_sync = i[("sync", "shard-00000.safetensors")]
+    manifest_sync = i[("sync", "manifest.json")]
+    dir_sync = i[("sync_dir", tmp)]
+    rename = i[("rename", tmp)]
+    root_sync = next(k for k, (op, n) in enumerate(names) if op == "sync_dir" and n == tmp_path.name and k > rename)
+    latest = next(k for k, (op, n) in enumerate(names) if op == "rename" and n.startswith("latest.tmp-"))
+    retire = next(k for k, (op, n) in enumerate(names) if op == "rename" and n == "step-000000000001")
+    removal = next(k for k, (op, n) in enumerate(names) if op == "remove_tree" and "tmp-del" in n)
+    assert shard_sync < manifest_sync < dir_sync < rename < root_sync < latest < retire < removal
+
+
+@pytest.mark.parametrize("op", ["create", "pwrite", "sync", "mkdir", "sync_dir", "rename"])
+async def test_a_failed_io_leaves_nothing_and_the_old_checkpoint_loads(tmp_path: Any, op: str) -> None:
+    eng = FaultyEngine()
+    state = small_state(1)
+    async with TensorStore(tmp_path, engine=eng, keep_last=1) as store:
+        await store.save(1, state)
+        eng.counts.clear()
+        eng.fail = {op: (1, errno.ENOSPC)}
+        with pytest.raises(OSError, match=r"No space left|injected ENOSPC") as ei:
+            await store.save(2, small_state(2))
+        assert ei.value.errno == errno.ENOSPC
+        assert not isinstance(ei.value, aiotensor.errors.AiotensorError)
+        assert store.steps() == [1] and tmp_leftovers(str(tmp_path)) == []
+        assert eng.open_fds() == []
+        eng.fail = {}
+        assert_state_equal(state, await store.load())
+        await store.save(3, small_state(3))  # the next save works
+        assert store.steps() == [3]
+
+
+async def test_unawaited_failure_is_not_swallowed(tmp_path: Any) -> None:
+    eng = FaultyEngine(fail={"sync": (1, errno.EIO)})
+    with pytest.raises(SaveFailedError, match="step 1") as ei:
+        async with TensorStore(tmp_path, engine=eng) as store:
+            store.save(1, small_state())
+            await anyio.sleep(0.5)
+            store.save(2, small_state())  # raises: the failure of step 1 was never looked at
+    assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.EIO
+
+
+async def test_close_raises_unobserved_failure(tmp_path: Any) -> None:
+    eng = FaultyEngine(fail={"rename": (1, errno.EIO)})
+    with pytest.raises(SaveFailedError):
+        async with TensorStore(tmp_path, engine=eng) as store:
+            store.save(1, small_state())
+    assert tmp_leftovers(str(tmp_path)) == []
+
+
+class GatedEngine(FaultyEngine):
+    """Blocks writes (in their threads) until a test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.active = 0
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        self.entered.set()
+        self.active += 1
+        try:
+            self.gate.wait(10)
+            return super().pwrite(fd, buf, offset)
+        finally:
+            self.active -= 1
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+        self.entered.set()
+        self.active += 1
+        try:
+            self.gate.wait(10)
+            return super().pread(fd, buf, offset)
+        finally:
+            self.active -= 1
+
+
+async def _wait_thread_event(ev: threading.Event) -> None:
+    with anyio.fail_after(10):
+        while not ev.is_set():
+            await anyio.sleep(0.005)
+
+
+async def test_cancelling_an_awaited_save_removes_its_tmp_dir(tmp_path: Any) -> None:
+    eng = GatedEngine()
+    eng.gate.set()
+    async with TensorStore(tmp_path, engine=eng) as store:
+        await store.save(1, small_state(1))
+        eng.gate.clear()
+        eng.entered.clear()
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def saver() -> None:
+                    await store.save(2, small_state(2))
+
+                tg.start_soon(saver)
+                await _wait_thread_event(eng.entered)
+                scope.cancel()
+                eng.gate.set()
+        assert scope.cancelled_caught
+        assert eng.active == 0 and eng.open_fds() == []
+        assert store.steps() == [1] and tmp_leftovers(str(tmp_path)) == []
+        await store.save(2, small_state(2))  # the step can be saved again
+        assert store.steps() == [1, 2]
+
+
+async def test_handle_cancel(tmp_path: Any) -> None:
+    eng = GatedEngine()
+    async with TensorStore(tmp_path, engine=eng) as store:
+        h = store.save(1, small_state(1))
+        await _wait_thread_event(eng.entered)
+        h.cancel()
+        eng.gate.set()
+        with pytest.raises(SaveCancelledError):
+            await h
+        assert store.steps() == [] and tmp_leftovers(str(tmp_path)) == []
+
+
+async def test_cancelling_a_load_leaves_no_thread_writing(tmp_path: Any) -> None:
+    eng = GatedEngine()
+    eng.gate.set()
+    state = {f"t{i}": torch.randn(1 << 14) for i in range(8)}
+    async with TensorStore(tmp_path, engine=eng, chunk_bytes=4096) as store:
+        await store.save(1, state)
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        eng.gate.clear()
+        eng.entered.clear()
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: store.load(1, into=into))
+                await _wait_thread_event(eng.entered)
+                scope.cancel()
+                anyio.to_thread  # noqa: B018
+                threading.Timer(0.2, eng.gate.set).start()
+        # the load returned only after its threads finished: nothing writes into `into` any more
+        assert eng.active == 0 and eng.open_fds() == []
+        snapshot = {k: v.clone() for k, v in into.items()}
+        await anyio.sleep(0.3)
+        assert_state_equal(snapshot, into)
+
+
+async def test_concurrent_saves_and_loads_share_one_scheduler(tmp_path: Any) -> None:
+    states = {s: small_state(s) for s in range(1, 7)}
+    async with TensorStore(tmp_path, keep_last=3, chunk_bytes=4096) as store:
+        await store.save(0, small_state(0))
+        handles = [store.save(s, st, background=s % 2 == 0) for s, st in states.items()]
+        loads = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+
+                async def reader() -> None:
+                    loads.append(await store.load(0))
+
+                tg.start_soon(reader)
+        for h in handles:
+            await h
+        for out in loads:
+            assert_state_equal(small_state(0), out)
+        assert store.steps() == [4, 5, 6]
+        assert_state_equal(states[6], await store.load())
+
+
+async def test_background_save_does_not_starve_a_load(tmp_path: Any) -> None:
+    eng = FaultyEngine()
+    big = {f"t{i}": torch.randn(1 << 16) for i in range(16)}
+    async with TensorStore(tmp_path, engine=eng, workers=1, chunk_bytes=4096) as store:
+        await store.save(0, {"x": torch.ones(4)})
+        eng.ops.clear()
+        h = store.save(1, big, background=True)
+        await h.staged
+        await anyio.sleep(0.01)
+        await store.load(0)
+        load_done = len(eng.ops)
+        await h
+    writes_after_load = sum(1 for op in eng.ops[load_done:] if op[0] == "pwrite")
+    assert writes_after_load > 0, "the load waited for the whole background save"
+
+
+async def test_staging_memory_is_reused(tmp_path: Any) -> None:
+    sizes = []
+    async with TensorStore(tmp_path, keep_last=1, max_staged=1) as store:
+        for step in range(5):
+            await store.save(step, {"w": torch.randn(1 << 16)})
+            sizes.append(store.staging.mapped_bytes)
+    assert sizes == [(1 << 18) + 4096] * 5  # one header page + the data, mapped once
