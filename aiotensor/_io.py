@@ -85,12 +85,18 @@ async def stage(
                     _StageUnit(spec.key, flat[a:b], start + a * src.element_size(), (b - a) * src.element_size(), False)
                 )
 
-    def run(u: _StageUnit) -> int:
-        dst = arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype)
-        (dst.view(u.src.shape) if u.whole else dst).copy_(u.src)
+    def copy(u: _StageUnit) -> int:
+        if u.whole:
+            arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype).view(u.src.shape).copy_(u.src)
+        else:  # plain memcpy, one thread each, GIL released
+            np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
         return _checksum.crc32c(arena.view[u.start : u.start + u.nbytes])
 
-    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority)
+    # one batch per worker, whatever the loop does meanwhile
+    per_worker = -(-sum(u.nbytes for u in units) // sched.workers)
+    crcs = await sched.map(
+        copy, units, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=per_worker, budget=False
+    )
     pieces: dict[str, list[tuple[int, int]]] = {spec.key: [] for sh in plan.shards for spec in sh.layout.tensors}
     for u, c in zip(units, crcs, strict=True):
         pieces[u.key].append((c, u.nbytes))

@@ -30,11 +30,12 @@ class HostBuffer:
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         self._mm = mmap.mmap(-1, self.nbytes, flags=flags)
         # numpy keeps the mapping alive for the tensor (torch.frombuffer would not)
-        self.tensor = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8))
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
         self.view = memoryview(self._mm)
 
     def close(self) -> None:
-        del self.tensor
+        del self.tensor, self.array
         self.view.release()
         try:
             self._mm.close()

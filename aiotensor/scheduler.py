@@ -117,10 +117,18 @@ class Scheduler:
     Args:
         engine: the engine to run (default: :func:`aiotensor.engines.default_engine`).
         workers: worker threads, and the most calls in flight at once.
-        chunk_bytes: the largest piece one call reads or writes.
+        chunk_bytes: the largest piece one engine call reads or writes.
+        batch_bytes: the most bytes one thread call moves before returning to the event loop.
     """
 
-    def __init__(self, engine: Engine | None = None, *, workers: int = 4, chunk_bytes: int = 16 * MiB) -> None:
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        workers: int = 4,
+        chunk_bytes: int = 16 * MiB,
+        batch_bytes: int = 64 * MiB,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if chunk_bytes < 4096:
@@ -128,9 +136,10 @@ class Scheduler:
         self.engine = engine if engine is not None else default_engine()
         self.workers = workers
         self.chunk_bytes = chunk_bytes
+        self.batch_bytes = max(batch_bytes, chunk_bytes)
         self.slots = SlotPool(workers, chunk_bytes)
         self.stats = Stats()
-        self._gate = _Gate(workers, workers * chunk_bytes)
+        self._gate = _Gate(workers, workers * self.batch_bytes)
         self._threads: anyio.CapacityLimiter | None = None
 
     async def call(
@@ -156,40 +165,62 @@ class Scheduler:
 
     async def map(
         self,
-        fn: Callable[[U], T],
+        fn: Callable[..., T],
         units: Iterable[U],
         *,
         nbytes: Callable[[U], int],
         priority: int,
         slot: bool = False,
+        batch_bytes: int | None = None,
+        budget: bool = True,
     ) -> list[T]:
-        """Run ``fn`` over ``units`` with up to ``workers`` in flight; results in unit order.
+        """Run ``fn(unit)`` (``fn(slot, unit)`` with ``slot``) over ``units``; results in unit order.
 
-        The first failure cancels the units not yet started, waits for those running, and is raised
-        as itself (not wrapped in an exception group).
+        Consecutive units are batched up to ``batch_bytes`` (default ``batch_bytes`` of the
+        scheduler) and each batch runs in one thread call, so work goes on in the threads even
+        while the event loop is held by other code; up to ``workers`` batches run at once, and
+        priorities take effect between batches. ``budget=False`` admits batches without counting
+        their bytes (memory copies that do no I/O).
+
+        The first failure cancels the batches not yet started, waits for those running, and is
+        raised as itself (not wrapped in an exception group).
 
         Cancellation: as for :meth:`call`; returns only when no thread of this map still runs.
         """
-        items = list(units)
-        results: list[Any] = [None] * len(items)
-        if not items:
-            return results
-        it = iter(enumerate(items))
+        limit = self.batch_bytes if batch_bytes is None else batch_bytes
+        batches: list[list[U]] = []
+        size = 0
+        for u in units:
+            n = nbytes(u)
+            if not batches or size + n > limit:
+                batches.append([])
+                size = 0
+            batches[-1].append(u)
+            size += n
+        results: list[list[T]] = [[] for _ in batches]
+        if not batches:
+            return []
+        it = iter(enumerate(batches))
+
+        def run(*args: Any) -> list[T]:
+            *pre, batch = args
+            return [fn(*pre, u) for u in batch]
 
         async def worker() -> None:
-            for i, u in it:
-                results[i] = await self.call(fn, u, nbytes=nbytes(u), priority=priority, slot=slot)
+            for i, batch in it:
+                cost = sum(nbytes(u) for u in batch) if budget else 0
+                results[i] = await self.call(run, batch, nbytes=cost, priority=priority, slot=slot)
 
         error: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
-                for _ in range(min(self.workers, len(items))):
+                for _ in range(min(self.workers, len(batches))):
                     tg.start_soon(worker)
         except BaseExceptionGroup as eg:
             error = _single(eg)
         if error is not None:
             raise error  # outside the handler: keeps the error's own cause and context
-        return results
+        return [r for batch in results for r in batch]
 
     def close(self) -> None:
         self.slots.close()

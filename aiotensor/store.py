@@ -86,7 +86,8 @@ class SaveHandle:
         self._cancel_requested = False
         self._error: BaseException | None = None
         self.observed = False
-        self.stage_seconds: float | None = None
+        self.stage_seconds: float | None = None  # save() to staged
+        self.commit_seconds: float | None = None  # save() to committed
 
     def __repr__(self) -> str:
         state = "done" if self.done() else ("staged" if self._staged_event.is_set() else "staging")
@@ -138,6 +139,8 @@ class TensorStore:
         engine: the I/O engine (default: posix); tests pass a fault-injecting one.
         workers: worker threads for I/O and staging copies.
         chunk_bytes: the largest piece of one I/O call.
+        batch_bytes: the most bytes one worker-thread call moves before it returns to the loop
+            (smaller: priorities act sooner; larger: fewer loop round trips).
         shard_bytes: the largest shard file (a tensor is never split).
         max_staged: staging arenas, so saves that may be staged or writing at once; a further
             ``save`` waits for an arena before staging (memory stays ``max_staged`` × state size).
@@ -156,6 +159,7 @@ class TensorStore:
         engine: Engine | None = None,
         workers: int = 4,
         chunk_bytes: int = 16 * MiB,
+        batch_bytes: int = 64 * MiB,
         shard_bytes: int = 4 << 30,
         max_staged: int = 2,
         verify: bool = True,
@@ -168,7 +172,7 @@ class TensorStore:
         self.keep_last = keep_last
         self.shard_bytes = shard_bytes
         self.verify = verify
-        self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes)
+        self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes)
         self.staging = StagingPool(max_staged)
         self._committed: set[int] = set()
         self._in_flight: dict[int, SaveHandle] = {}
@@ -329,6 +333,7 @@ class TensorStore:
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()
             await self._write(h.step, plan, arena, crcs, prio)
+            h.commit_seconds = anyio.current_time() - t0
         finally:
             self.staging.release(arena)
 

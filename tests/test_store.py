@@ -382,7 +382,7 @@ async def test_concurrent_saves_and_loads_share_one_scheduler(tmp_path: Any) -> 
 async def test_background_save_does_not_starve_a_load(tmp_path: Any) -> None:
     eng = FaultyEngine()
     big = {f"t{i}": torch.randn(1 << 16) for i in range(16)}
-    async with TensorStore(tmp_path, engine=eng, workers=1, chunk_bytes=4096) as store:
+    async with TensorStore(tmp_path, engine=eng, workers=1, chunk_bytes=4096, batch_bytes=4096) as store:
         await store.save(0, {"x": torch.ones(4)})
         eng.ops.clear()
         h = store.save(1, big, background=True)

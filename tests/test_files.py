@@ -1,0 +1,82 @@
+"""save_file / load_file: interop with the safetensors package both ways."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file as st_load
+from safetensors.torch import save_file as st_save
+
+import aiotensor
+from aiotensor.errors import HeaderError, MismatchError, StateError
+
+from .conftest import assert_state_equal
+from .test_store import DTYPES, random_tensor
+
+pytestmark = pytest.mark.anyio
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    out = {str(d).removeprefix("torch."): random_tensor(d, (7, 3), i) for i, d in enumerate(DTYPES)}
+    out["scalar"] = torch.tensor(1.5)
+    out["empty"] = torch.empty(0)
+    return out
+
+
+async def test_our_files_load_with_safetensors(tmp_path: Any) -> None:
+    t = tensors()
+    t["strided"] = torch.randn(6, 6)[:, ::2]
+    await aiotensor.save_file(t, tmp_path / "m.safetensors", {"note": "hi"})
+    assert_state_equal({k: t[k] for k in sorted(t)}, {k: v for k, v in sorted(st_load(str(tmp_path / "m.safetensors")).items())})
+    data = (tmp_path / "m.safetensors").read_bytes()
+    assert int.from_bytes(data[:8], "little") % 4096 == 4088  # data section starts at 4096 * k
+    assert [n for n in os.listdir(tmp_path) if n != "m.safetensors"] == []
+
+
+async def test_safetensors_files_load_with_us(tmp_path: Any) -> None:
+    t = tensors()
+    st_save(t, str(tmp_path / "m.safetensors"))
+    out = await aiotensor.load_file(tmp_path / "m.safetensors")
+    assert_state_equal({k: t[k] for k in sorted(t)}, {k: out[k] for k in sorted(out)})
+    into = {k: torch.empty_like(v) for k, v in t.items()}
+    await aiotensor.load_file(tmp_path / "m.safetensors", into=into)
+    assert_state_equal(t, into)
+    with pytest.raises(MismatchError, match="'scalar'"):
+        await aiotensor.load_file(tmp_path / "m.safetensors", into={**into, "scalar": torch.empty(2)})
+
+
+async def test_save_file_replaces_atomically_and_refuses_bad_input(tmp_path: Any) -> None:
+    p = tmp_path / "m.safetensors"
+    await aiotensor.save_file({"a": torch.ones(3)}, p)
+    with pytest.raises(StateError, match="'b'"):
+        await aiotensor.save_file({"a": torch.ones(3), "b": 5}, p)  # type: ignore[dict-item]
+    with pytest.raises(StateError, match="metadata"):
+        await aiotensor.save_file({"a": torch.ones(3)}, p, {"k": 1})  # type: ignore[dict-item]
+    assert torch.equal((await aiotensor.load_file(p))["a"], torch.ones(3))
+    await aiotensor.save_file({"a": torch.zeros(3)}, p)
+    assert torch.equal((await aiotensor.load_file(p))["a"], torch.zeros(3))
+
+
+async def test_overwriting_a_file_a_reader_has_mapped_keeps_the_reader_intact(tmp_path: Any) -> None:
+    p = tmp_path / "m.safetensors"
+    await aiotensor.save_file({"a": torch.arange(1000.0)}, p)
+    mapped = st_load(str(p))  # safetensors mmaps the file
+    from safetensors import safe_open
+
+    with safe_open(str(p), "pt") as f:
+        lazy = f.get_slice("a")
+        await aiotensor.save_file({"a": torch.zeros(1000)}, p)  # a new inode: the mapping keeps the old one
+        assert torch.equal(lazy[:], torch.arange(1000.0))
+    assert torch.equal(mapped["a"], torch.arange(1000.0))
+    assert torch.equal((await aiotensor.load_file(p))["a"], torch.zeros(1000))
+
+
+async def test_load_file_errors(tmp_path: Any) -> None:
+    with pytest.raises(FileNotFoundError, match="nope"):
+        await aiotensor.load_file(tmp_path / "nope")
+    (tmp_path / "empty").write_bytes(b"")
+    with pytest.raises(HeaderError, match="empty: file is 0 bytes"):
+        await aiotensor.load_file(tmp_path / "empty")

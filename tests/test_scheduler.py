@@ -1,0 +1,82 @@
+"""The scheduler's gate: priorities, budget, cancellation, error propagation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+from aiotensor.scheduler import Priority, Scheduler
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_priority_order_when_saturated() -> None:
+    sched = Scheduler(workers=1, chunk_bytes=4096)
+    release = threading.Event()
+    order: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: sched.call(release.wait, 5, priority=Priority.SAVE))
+        await anyio.sleep(0.05)
+        for name, prio in [("bg", Priority.BACKGROUND), ("save", Priority.SAVE), ("load", Priority.LOAD)]:
+
+            async def job(name: str = name, prio: int = prio) -> None:
+                await sched.call(order.append, name, priority=prio)
+
+            tg.start_soon(job)
+            await anyio.sleep(0.01)
+        release.set()
+    assert order == ["load", "save", "bg"]
+
+
+async def test_cancelled_waiter_never_runs_and_frees_its_place() -> None:
+    sched = Scheduler(workers=1, chunk_bytes=4096)
+    release = threading.Event()
+    ran: list[str] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: sched.call(release.wait, 5))
+        await anyio.sleep(0.05)
+        with anyio.move_on_after(0.05):
+            await sched.call(ran.append, "cancelled", priority=Priority.LOAD)
+        release.set()
+    await sched.call(ran.append, "after")
+    assert ran == ["after"]
+
+
+async def test_cancel_waits_for_the_running_thread() -> None:
+    sched = Scheduler(workers=2, chunk_bytes=4096)
+    finished: list[float] = []
+
+    def slow() -> None:
+        time.sleep(0.2)
+        finished.append(time.monotonic())
+
+    with anyio.move_on_after(0.02):
+        await sched.call(slow)
+    assert finished, "the call returned before its thread finished"
+
+
+async def test_map_raises_the_first_error_itself_and_stops() -> None:
+    sched = Scheduler(workers=2, chunk_bytes=4096)
+    seen: list[int] = []
+
+    def fn(i: int) -> int:
+        seen.append(i)
+        if i == 3:
+            raise KeyError("boom")
+        time.sleep(0.001)
+        return i
+
+    with pytest.raises(KeyError, match="boom"):
+        await sched.map(fn, range(1000), nbytes=lambda _: 1, priority=Priority.SAVE)
+    assert len(seen) < 1000
+    assert await sched.map(lambda i: i * 2, range(5), nbytes=lambda _: 1, priority=Priority.LOAD) == [0, 2, 4, 6, 8]
+
+
+def test_validation_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        Scheduler(workers=0)
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 4096"):
+        Scheduler(chunk_bytes=10)
