@@ -38,7 +38,7 @@ def _zeros_operator(power: int) -> tuple[int, ...]:
     """Matrix that advances a crc over 2**power zero bytes (zlib's crc32_combine construction)."""
     if power == 0:
         # one zero bit, applied 8 times (3 squarings) = one zero byte
-        odd = (_POLY,) + tuple(1 << n for n in range(31))
+        odd = (_POLY, *(1 << n for n in range(31)))
         return _square(_square(_square(odd)))
     return _square(_zeros_operator(power - 1))
 

@@ -8,6 +8,7 @@ contiguous CPU block) and verifies their checksums.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -64,8 +65,8 @@ class _StageUnit:
 
 async def stage(
     sched: Scheduler, plan: SavePlan, sources: dict[str, torch.Tensor], arena: HostBuffer, priority: int
-) -> dict[str, int]:
-    """Copy every source tensor and shard header into ``arena``; return each key's crc32c.
+) -> list[_StageUnit]:
+    """Copy every source tensor and shard header into ``arena``; return the pieces copied.
 
     Cancellation: returns only once no copy thread still reads a source tensor.
     """
@@ -85,22 +86,41 @@ async def stage(
                     _StageUnit(spec.key, flat[a:b], start + a * src.element_size(), (b - a) * src.element_size(), False)
                 )
 
-    def copy(u: _StageUnit) -> int:
+    def copy(u: _StageUnit) -> None:
         if u.whole:
             arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype).view(u.src.shape).copy_(u.src)
         else:  # plain memcpy, one thread each, GIL released
             np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
-        return _checksum.crc32c(arena.view[u.start : u.start + u.nbytes])
 
-    # one batch per worker, whatever the loop does meanwhile
-    per_worker = -(-sum(u.nbytes for u in units) // sched.workers)
+    await sched.map(copy, units, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=_per_cpu(sched, units), budget=False)
+    return [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units]  # drop the sources
+
+
+async def checksums(
+    sched: Scheduler, plan: SavePlan, units: list[_StageUnit], arena: HostBuffer, priority: int
+) -> dict[str, int]:
+    """crc32c of every tensor staged in ``arena``, from the pieces ``stage`` returned."""
     crcs = await sched.map(
-        copy, units, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=per_worker, budget=False
+        lambda u: _checksum.crc32c(arena.view[u.start : u.start + u.nbytes]),
+        units,
+        nbytes=lambda u: u.nbytes,
+        priority=priority,
+        batch_bytes=_per_cpu(sched, units),
+        budget=False,
     )
     pieces: dict[str, list[tuple[int, int]]] = {spec.key: [] for sh in plan.shards for spec in sh.layout.tensors}
     for u, c in zip(units, crcs, strict=True):
         pieces[u.key].append((c, u.nbytes))
     return {k: _crc_of_pieces(v) for k, v in pieces.items()}
+
+
+_NO_SOURCE = torch.empty(0)
+
+
+def _per_cpu(sched: Scheduler, units: Sequence[_StageUnit]) -> int:
+    """Batch size giving one batch per core but one: CPU-bound work, and the loop keeps a core."""
+    threads = max(1, min(sched.workers, (os.cpu_count() or 2) - 1))
+    return max(1, -(-sum(u.nbytes for u in units) // threads))
 
 
 # --- writing --------------------------------------------------------------------------------

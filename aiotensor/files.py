@@ -39,7 +39,7 @@ async def save_file(
     Cancellation: the temporary file is removed and ``path`` is untouched; returns after the
     writing threads stopped.
     """
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - getcwd, no disk access
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise StateError("metadata must map str to str")
     entries = []
@@ -55,7 +55,7 @@ async def save_file(
     contiguous = [t if _io.direct(t) else await sched.call(t.contiguous) for _, _, t in entries]
     ranges = [(0, memoryview(header))]
     ranges += [(s.offset, _io.byte_view(t)) for s, t in zip(layout.tensors, contiguous, strict=True) if s.nbytes]
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
     eng = sched.engine
     try:

@@ -41,7 +41,7 @@ from .errors import (
 )
 from .formats import manifest as mf
 from .formats.tree import flatten, unflatten
-from .scheduler import MiB, Priority, Scheduler
+from .scheduler import MiB, Priority, Scheduler, _single
 
 _STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = "manifest.json"
@@ -328,25 +328,33 @@ class TensorStore:
         t0 = anyio.current_time()
         arena = await self.staging.acquire(plan.arena_bytes)
         try:
-            crcs = await _io.stage(self.scheduler, plan, sources, arena, prio)
+            pieces = await _io.stage(self.scheduler, plan, sources, arena, prio)
             sources.clear()  # the caller's tensors are free to change from here on
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()
-            await self._write(h.step, plan, arena, crcs, prio)
+            await self._write(h.step, plan, arena, pieces, prio)
             h.commit_seconds = anyio.current_time() - t0
         finally:
             self.staging.release(arena)
 
-    async def _write(self, step: int, plan: SavePlan, arena: Any, crcs: dict[str, int], prio: int) -> None:
+    async def _write(self, step: int, plan: SavePlan, arena: Any, pieces: Any, prio: int) -> None:
         final = self.path(step)
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         eng = self.engine
         await self._call(eng.mkdir, tmp, what=f"creating {tmp}")
         committed = False
+        crcs: dict[str, int] = {}
         try:
-            for sh in plan.shards:
-                image = arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]
-                await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio)
+
+            async def checksum() -> None:
+                crcs.update(await _io.checksums(self.scheduler, plan, pieces, arena, prio))
+
+            async def write() -> None:
+                for sh in plan.shards:
+                    image = arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]
+                    await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio)
+
+            await _both(checksum, write)
             manifest = mf.Manifest(
                 step=step,
                 tree=plan.tree,
@@ -455,6 +463,19 @@ class TensorStore:
             return await self.scheduler.call(fn, *args, priority=Priority.SAVE)
         except OSError as e:
             raise annotate_oserror(e, what or f"{getattr(fn, '__name__', fn)} {args[0] if args else ''}") from e
+
+
+async def _both(a: Any, b: Any) -> None:
+    """Run two coroutine functions concurrently; the first failure is raised as itself."""
+    error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a)
+            tg.start_soon(b)
+    except BaseExceptionGroup as eg:
+        error = _single(eg)
+    if error is not None:
+        raise error
 
 
 def _ensure_dir(path: str) -> None:

@@ -102,7 +102,7 @@ async def test_shards_open_with_safetensors_and_manifest_has_crcs(tmp_path: Any)
     seen = {}
     for s in manifest["shards"]:
         with safe_open(str(folder / s["file"]), "pt") as f:
-            seen.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+            seen.update({k: f.get_tensor(k) for k in f.keys()})
     assert_state_equal(state, seen)
     assert (tmp_path / "latest").read_text().strip() == "step-000000000003"
 

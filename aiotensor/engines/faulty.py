@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import errno
-
 import threading
 from collections import Counter
 from typing import Any

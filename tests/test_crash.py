@@ -1,0 +1,133 @@
+"""Crashes mid-save: SIGKILL at every engine operation of a save, in a forked child.
+
+After each kill, opening the store must list only committed steps, load the newest bit for bit,
+and leave no temporary leftovers. ``-m slow`` adds kills at random times (not at op boundaries).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aiotensor import FaultyEngine, TensorStore
+
+from .conftest import assert_state_equal, tmp_leftovers
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork + SIGKILL sweep is Linux-only")
+
+
+def state_for(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(40000, generator=g), "b": torch.randn(3000, generator=g).double(), "step": step}
+
+
+def save_in_child(root: str, step: int, kill_at: int | None = None, kill_after_s: float | None = None) -> int:
+    """Fork; the child saves ``step`` and is SIGKILLed before its ``kill_at``-th engine op."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        code = 0
+        try:
+            count = 0
+
+            def hook(op: tuple[Any, ...]) -> None:
+                nonlocal count
+                count += 1
+                if count == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            if kill_after_s is not None:
+                import threading
+
+                threading.Timer(kill_after_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+            async def main() -> None:
+                async with TensorStore(root, engine=FaultyEngine(hook=hook), chunk_bytes=4096, batch_bytes=4096) as s:
+                    await s.save(step, state_for(step))
+
+            anyio.run(main)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def count_ops(root: str) -> int:
+    eng = FaultyEngine()
+
+    async def main() -> None:
+        async with TensorStore(root, engine=eng, chunk_bytes=4096, batch_bytes=4096) as s:
+            await s.save(2, state_for(2))
+
+    anyio.run(main)
+    shutil.rmtree(os.path.join(root, "step-000000000002"))
+    return len(eng.ops)
+
+
+def check_after_crash(root: str) -> int:
+    """Open, check invariants, return the newest step; then reset the root to step 1 only."""
+
+    async def main() -> int:
+        async with TensorStore(root) as s:
+            steps = s.steps()
+            assert steps in ([1], [1, 2]), steps
+            assert tmp_leftovers(root) == []
+            newest = steps[-1]
+            assert_state_equal(state_for(newest), await s.load())
+            with open(os.path.join(root, "latest")) as f:
+                latest = f.read().strip()
+            assert latest in ("step-000000000001", "step-000000000002")
+            return newest
+
+    newest = anyio.run(main)
+    if newest == 2:
+        shutil.rmtree(os.path.join(root, "step-000000000002"))
+    return newest
+
+
+@pytest.fixture
+def root(tmp_path: Any) -> str:
+    r = str(tmp_path / "store")
+
+    async def main() -> None:
+        async with TensorStore(r) as s:
+            await s.save(1, state_for(1))
+
+    anyio.run(main)
+    return r
+
+
+def test_sigkill_at_every_operation_of_a_save(root: str) -> None:
+    total = count_ops(root)
+    assert total >= 50, f"only {total} kill points"
+    outcomes = {1: 0, 2: 0}
+    for n in range(1, total + 1):
+        status = save_in_child(root, 2, kill_at=n)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"op {n}: child was not killed"
+        outcomes[check_after_crash(root)] += 1
+    # the sweep reached both sides of the commit point
+    assert outcomes[1] > 0 and outcomes[2] > 0, outcomes
+    status = save_in_child(root, 2)  # and without a kill the save completes
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert check_after_crash(root) == 2
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_times(root: str) -> None:
+    rng = random.Random(0)
+    t0 = time.perf_counter()
+    save_in_child(root, 2)
+    full = time.perf_counter() - t0
+    check_after_crash(root)
+    for _ in range(300):
+        save_in_child(root, 2, kill_after_s=rng.uniform(0, full))
+        check_after_crash(root)
