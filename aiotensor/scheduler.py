@@ -211,19 +211,25 @@ class Scheduler:
                 cost = sum(nbytes(u) for u in batch) if budget else 0
                 results[i] = await self.call(run, batch, nbytes=cost, priority=priority, slot=slot)
 
-        error: BaseException | None = None
-        try:
-            async with anyio.create_task_group() as tg:
-                for _ in range(min(self.workers, len(batches))):
-                    tg.start_soon(worker)
-        except BaseExceptionGroup as eg:
-            error = _single(eg)
-        if error is not None:
-            raise error  # outside the handler: keeps the error's own cause and context
+        await run_concurrently(*[worker] * min(self.workers, len(batches)))
         return [r for batch in results for r in batch]
 
     def close(self) -> None:
         self.slots.close()
+
+
+async def run_concurrently(*fns: Callable[[], Any]) -> None:
+    """Run coroutine functions concurrently; the first failure cancels the rest and is raised as
+    itself (not wrapped in an exception group)."""
+    error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            for fn in fns:
+                tg.start_soon(fn)
+    except BaseExceptionGroup as eg:
+        error = _single(eg)
+    if error is not None:
+        raise error  # outside the handler: keeps the error's own cause and context
 
 
 def _single(eg: BaseExceptionGroup) -> BaseException:

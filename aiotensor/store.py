@@ -26,6 +26,7 @@ import anyio
 import torch
 
 from . import _io
+from ._dtypes import SAFETENSORS_TO_TORCH
 from ._plan import SavePlan, check_tensor, plan_save
 from .buffers import StagingPool
 from .engines import Engine
@@ -41,7 +42,7 @@ from .errors import (
 )
 from .formats import manifest as mf
 from .formats.tree import flatten, unflatten
-from .scheduler import MiB, Priority, Scheduler, _single
+from .scheduler import MiB, Priority, Scheduler, run_concurrently
 
 _STEP_DIR = re.compile(r"step-(\d{12})")
 MANIFEST = "manifest.json"
@@ -354,7 +355,7 @@ class TensorStore:
                     image = arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]
                     await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio)
 
-            await _both(checksum, write)
+            await run_concurrently(checksum, write)
             manifest = mf.Manifest(
                 step=step,
                 tree=plan.tree,
@@ -465,19 +466,6 @@ class TensorStore:
             raise annotate_oserror(e, what or f"{getattr(fn, '__name__', fn)} {args[0] if args else ''}") from e
 
 
-async def _both(a: Any, b: Any) -> None:
-    """Run two coroutine functions concurrently; the first failure is raised as itself."""
-    error: BaseException | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(a)
-            tg.start_soon(b)
-    except BaseExceptionGroup as eg:
-        error = _single(eg)
-    if error is not None:
-        raise error
-
-
 def _ensure_dir(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
@@ -513,8 +501,6 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _destinations(m: mf.Manifest, into: Any) -> dict[str, torch.Tensor]:
     """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
-    from ._dtypes import SAFETENSORS_TO_TORCH
-
     if into is None:
         return {
             k: torch.empty(e.spec.shape, dtype=SAFETENSORS_TO_TORCH[e.spec.dtype]) for k, e in m.entries.items()

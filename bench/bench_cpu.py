@@ -93,9 +93,6 @@ def fio_limits(folder: str, size_mb: int) -> dict[str, float]:
                 job = json.loads(r.stdout)["jobs"][0][rw]
                 best = max(best, job["bw_bytes"] / 1e9)
         out[rw] = best
-        for f in os.listdir(folder):
-            if f.startswith("seq."):
-                pass
     for f in os.listdir(folder):
         if f.startswith("seq."):
             os.unlink(os.path.join(folder, f))

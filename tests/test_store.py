@@ -274,23 +274,20 @@ class GatedEngine(FaultyEngine):
         self.entered = threading.Event()
         self.active = 0
 
-    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+    def _gated(self, io: Any, fd: int, buf: memoryview, offset: int) -> int:
         self.entered.set()
         self.active += 1
         try:
             self.gate.wait(10)
-            return super().pwrite(fd, buf, offset)
+            return int(io(fd, buf, offset))
         finally:
             self.active -= 1
 
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        return self._gated(super().pwrite, fd, buf, offset)
+
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
-        self.entered.set()
-        self.active += 1
-        try:
-            self.gate.wait(10)
-            return super().pread(fd, buf, offset)
-        finally:
-            self.active -= 1
+        return self._gated(super().pread, fd, buf, offset)
 
 
 async def _wait_thread_event(ev: threading.Event) -> None:
@@ -349,7 +346,6 @@ async def test_cancelling_a_load_leaves_no_thread_writing(tmp_path: Any) -> None
                 tg.start_soon(lambda: store.load(1, into=into))
                 await _wait_thread_event(eng.entered)
                 scope.cancel()
-                anyio.to_thread  # noqa: B018
                 threading.Timer(0.2, eng.gate.set).start()
         # the load returned only after its threads finished: nothing writes into `into` any more
         assert eng.active == 0 and eng.open_fds() == []

@@ -101,7 +101,3 @@ class FaultyEngine(Engine):
     def open_fds(self) -> list[str]:
         """Paths of files this engine opened and has not closed (a leak check for tests)."""
         return sorted(self._paths.values())
-
-
-
-
