@@ -19,7 +19,7 @@ import torch
 from . import _checksum
 from ._dtypes import SAFETENSORS_TO_TORCH
 from ._plan import SavePlan
-from .buffers import HostBuffer
+from .buffers import PAGE, HostBuffer
 from .errors import ChecksumError, FormatError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, Scheduler
@@ -127,9 +127,18 @@ def _per_cpu(sched: Scheduler, units: Sequence[_StageUnit]) -> int:
 
 
 async def write_file(
-    sched: Scheduler, path: str, ranges: Sequence[tuple[int, memoryview]], priority: int = Priority.SAVE
+    sched: Scheduler,
+    path: str,
+    ranges: Sequence[tuple[int, memoryview]],
+    priority: int = Priority.SAVE,
+    *,
+    size: int | None = None,
 ) -> None:
     """Create ``path`` (it must not exist), write ``(offset, bytes)`` ranges, fdatasync, close.
+
+    With ``size``, the file is cut to ``size`` bytes after writing: the ranges may then run past
+    it, so that a page-aligned image (a staging arena) is written whole, bypassing the page cache
+    where the engine can (see :meth:`Engine.create`).
 
     Raises:
         OSError: the engine's error (disk full, EIO...), its message naming ``path``.
@@ -138,8 +147,9 @@ async def write_file(
     removes it: it lives in a temporary name).
     """
     eng = sched.engine
+    direct = size is not None and all(off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
     try:
-        fd = await sched.call(eng.create, path, priority=priority)
+        fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority)
     except OSError as e:
         raise annotate_oserror(e, f"creating {path}") from e
     try:
@@ -154,13 +164,21 @@ async def write_file(
                 mv, off = mv[n:], off + n
 
         await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority)
+        if size is not None:
+            await sched.call(eng.truncate, fd, size, priority=priority)
         await sched.call(eng.sync, fd, priority=priority)
-        sched.stats.bytes_written += sum(len(mv) for _, mv in ranges)
+        sched.stats.bytes_written += sum(len(mv) for _, mv in ranges) if size is None else size
     except OSError as e:
         raise annotate_oserror(e, f"writing {path}") from e
     finally:
         with anyio.CancelScope(shield=True):
             await sched.call(eng.close, fd, priority=priority)
+
+
+def _page_aligned(mv: memoryview) -> bool:
+    if len(mv) % PAGE:
+        return False
+    return not len(mv) or np.frombuffer(mv, np.uint8).ctypes.data % PAGE == 0
 
 
 # --- reading --------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from . import _io
 from ._dtypes import SAFETENSORS_TO_TORCH
 from ._plan import SavePlan, check_tensor, plan_save
-from .buffers import StagingPool
+from .buffers import StagingPool, round_up
 from .engines import Engine
 from .errors import (
     CheckpointExistsError,
@@ -137,6 +137,8 @@ class TensorStore:
     Args:
         root: the folder (created if missing).
         keep_last: after each commit, delete all but the newest ``keep_last`` steps (None: keep all).
+            Older steps are retired (renamed away, durably) before the save's handle completes;
+            their files are deleted in the background, and ``close`` waits for that.
         engine: the I/O engine (default: posix); tests pass a fault-injecting one.
         workers: worker threads for I/O and staging copies.
         chunk_bytes: the largest piece of one I/O call.
@@ -178,7 +180,8 @@ class TensorStore:
         self._committed: set[int] = set()
         self._in_flight: dict[int, SaveHandle] = {}
         self._readers: Counter[int] = Counter()
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._tg: anyio.abc.TaskGroup | None = None  # None once closing: no new saves or loads
+        self._group: anyio.abc.TaskGroup | None = None  # the same group, until close() returns
         self._commit_lock: anyio.Lock | None = None
         self._unobserved: list[SaveHandle] = []
 
@@ -204,7 +207,7 @@ class TensorStore:
         await self._call(_ensure_dir, self.root)
         await self.refresh(clean=True)
         self._commit_lock = anyio.Lock()
-        self._tg = anyio.create_task_group()
+        self._tg = self._group = anyio.create_task_group()
         await self._tg.__aenter__()
 
     async def close(self, *, cancel: bool = False) -> None:
@@ -226,6 +229,7 @@ class TensorStore:
             tg.cancel_scope.cancel()
             raise
         finally:
+            self._group = None
             self.staging.close()
             self.scheduler.close()
         self._raise_unobserved()
@@ -351,9 +355,10 @@ class TensorStore:
                 crcs.update(await _io.checksums(self.scheduler, plan, pieces, arena, prio))
 
             async def write() -> None:
-                for sh in plan.shards:
-                    image = arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]
-                    await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio)
+                for sh in plan.shards:  # each image padded to whole pages: written with O_DIRECT
+                    size = sh.layout.file_size
+                    image = arena.view[sh.arena_offset : sh.arena_offset + round_up(size)]
+                    await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio, size=size)
 
             await run_concurrently(checksum, write)
             manifest = mf.Manifest(
@@ -407,7 +412,8 @@ class TensorStore:
             raise
 
     async def _retain(self) -> None:
-        """Delete steps beyond ``keep_last`` (never the newest, never one being loaded)."""
+        """Retire steps beyond ``keep_last`` (never the newest, never one being loaded): each is
+        renamed away durably here, and its files are deleted in the background."""
         if self.keep_last is None:
             return
         old = self.steps()[: -self.keep_last]
@@ -420,7 +426,17 @@ class TensorStore:
             doomed = f"{self.path(step)}.tmp-del{uuid.uuid4().hex[:8]}"
             await self._call(eng.rename, self.path(step), doomed, what=f"retiring step {step}")
             await self._call(eng.sync_dir, self.root)
-            await self._call(eng.remove_tree, doomed)
+            # deleting the files is housekeeping: it runs after the save reports its commit (a
+            # crash before it ends leaves a `.tmp-` folder that the next open removes)
+            assert self._group is not None
+            self._group.start_soon(self._remove_retired, doomed)
+
+    async def _remove_retired(self, path: str) -> None:
+        with anyio.CancelScope(shield=True):  # a store closed with cancel=True still deletes them
+            try:
+                await self.scheduler.call(self.engine.remove_tree, path, priority=Priority.BACKGROUND)
+            except OSError:
+                pass  # left as a `.tmp-` folder: removed by the next open(), never read as a step
 
     # --- load ------------------------------------------------------------------------------
 

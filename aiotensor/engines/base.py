@@ -4,7 +4,8 @@ Every method blocks and is called from a worker thread, never from the event loo
 change to the file system the store makes goes through an engine, so a test engine can record
 the operations (commit order, power-loss replay) or fail any one of them.
 
-Call order for a file the store writes: ``create`` → ``pwrite``… → ``sync`` → ``close``; then for
+Call order for a file the store writes: ``create`` → ``pwrite``… → (``truncate``) → ``sync`` →
+``close``; then for
 the checkpoint folder ``sync_dir`` → ``rename`` → ``sync_dir(parent)``.
 """
 
@@ -23,8 +24,13 @@ class Engine(abc.ABC):
     def open_read(self, path: str) -> int: ...
 
     @abc.abstractmethod
-    def create(self, path: str) -> int:
-        """Create a new file for writing; fails if it exists."""
+    def create(self, path: str, *, direct: bool = False) -> int:
+        """Create a new file for writing; fails if it exists.
+
+        ``direct`` promises that every write will be page-aligned in memory, offset and length
+        (the file is then cut to its size with :meth:`truncate`): the engine may bypass the page
+        cache. It is a hint; an engine or file system that cannot do it writes normally.
+        """
 
     @abc.abstractmethod
     def size(self, fd: int) -> int: ...
@@ -36,6 +42,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
         """Write ``buf`` at ``offset``; return how many bytes were written (may be short)."""
+
+    @abc.abstractmethod
+    def truncate(self, fd: int, size: int) -> None:
+        """Set the file's size."""
 
     @abc.abstractmethod
     def sync(self, fd: int) -> None:

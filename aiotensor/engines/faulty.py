@@ -2,7 +2,7 @@
 
     eng = FaultyEngine(fail={"sync": (2, errno.EIO)})     # the 2nd sync raises EIO
     async with TensorStore(root, engine=eng) as store: ...
-    eng.ops   # [("mkdir", path), ("create", path), ("pwrite", path, offset, n), ("sync", path), ...]
+    eng.ops   # [("mkdir", path), ("create", path, direct), ("pwrite", path, offset, n), ("sync", path), ...]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class FaultyEngine(Engine):
     Args:
         inner: the engine doing the real work.
         fail: operation name -> (n, errno): the n-th call (1-based) of that operation fails.
-            Names: open_read, create, pread, pwrite, sync, close, mkdir, rename, sync_dir, remove_tree.
+            Names: open_read, create, pread, pwrite, truncate, sync, close, mkdir, rename, sync_dir, remove_tree.
         hook: called as ``hook(op_tuple)`` before each operation runs (e.g. to kill the process).
     """
 
@@ -54,9 +54,9 @@ class FaultyEngine(Engine):
         self._paths[fd] = path
         return fd
 
-    def create(self, path: str) -> int:
-        self._op("create", path)
-        fd = self.inner.create(path)
+    def create(self, path: str, *, direct: bool = False) -> int:
+        self._op("create", path, direct)
+        fd = self.inner.create(path, direct=direct)
         self._paths[fd] = path
         return fd
 
@@ -70,6 +70,10 @@ class FaultyEngine(Engine):
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
         self._op("pwrite", self._paths.get(fd), offset, len(buf))
         return self.inner.pwrite(fd, buf, offset)
+
+    def truncate(self, fd: int, size: int) -> None:
+        self._op("truncate", self._paths.get(fd), size)
+        self.inner.truncate(fd, size)
 
     def sync(self, fd: int) -> None:
         self._op("sync", self._paths.get(fd))
