@@ -230,9 +230,13 @@ class TensorStore:
             raise
         finally:
             self._group = None
-            self.staging.close()
-            self.scheduler.close()
+            with anyio.CancelScope(shield=True):  # unmapping gigabytes takes a while: not on the loop
+                await anyio.to_thread.run_sync(self._free_memory)
         self._raise_unobserved()
+
+    def _free_memory(self) -> None:
+        self.staging.close()
+        self.scheduler.close()
 
     def _raise_unobserved(self) -> None:
         failed = [h for h in self._unobserved if not h.observed]
