@@ -24,12 +24,22 @@ class FaultyEngine(Engine):
         fail: operation name -> (n, errno): the n-th call (1-based) of that operation fails.
             Names: open_read, create, pread, pwrite, truncate, sync, close, mkdir, rename, sync_dir, remove_tree.
         hook: called as ``hook(op_tuple)`` before each operation runs (e.g. to kill the process).
+        record_data: pwrite ops also carry the bytes written, ``("pwrite", path, offset, n, data)``
+            (for replaying a save, as the power-loss tests do).
     """
 
     name = "faulty"
 
-    def __init__(self, inner: Engine | None = None, *, fail: dict[str, tuple[int, int]] | None = None, hook: Any = None):
+    def __init__(
+        self,
+        inner: Engine | None = None,
+        *,
+        fail: dict[str, tuple[int, int]] | None = None,
+        hook: Any = None,
+        record_data: bool = False,
+    ):
         self.inner = inner or PosixEngine()
+        self.record_data = record_data
         self.fail = dict(fail or {})
         self.hook = hook
         self.ops: list[tuple[Any, ...]] = []
@@ -68,7 +78,10 @@ class FaultyEngine(Engine):
         return self.inner.pread(fd, buf, offset)
 
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
-        self._op("pwrite", self._paths.get(fd), offset, len(buf))
+        if self.record_data:
+            self._op("pwrite", self._paths.get(fd), offset, len(buf), bytes(buf))
+        else:
+            self._op("pwrite", self._paths.get(fd), offset, len(buf))
         return self.inner.pwrite(fd, buf, offset)
 
     def truncate(self, fd: int, size: int) -> None:
