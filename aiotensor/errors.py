@@ -104,6 +104,7 @@ def annotate_oserror(exc: OSError, what: str) -> OSError:
     if getattr(exc, "_aiotensor_annotated", False):
         return exc
     new = type(exc)(exc.errno, f"{what}: {exc.strerror or exc}") if exc.errno else type(exc)(f"{what}: {exc}")
-    new.filename = exc.filename
+    if exc.filename is not None:  # assigning None would print as ": None"
+        new.filename = exc.filename
     new._aiotensor_annotated = True  # type: ignore[attr-defined]
     return new

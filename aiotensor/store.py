@@ -494,19 +494,29 @@ async def load_checkpoint(sched: Scheduler, folder: str, *, into: Any = None, ve
     """Load one checkpoint folder (see :meth:`TensorStore.load`)."""
     mpath = os.path.join(folder, MANIFEST)
     m = mf.loads(await _io.read_bytes(sched, mpath, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), mpath)
+    by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
+    for e in m.entries.values():
+        by_shard[e.shard].append(e)
+
+    async def each_shard(read: bool) -> None:
+        for shard, size in m.shards.items():
+            path = os.path.join(folder, shard)
+            fd = await _io.open_read(sched, path)
+            try:
+                layout = await _io.read_layout(sched, fd, path)
+                if layout.file_size != size or {s.key: s for s in layout.tensors} != {e.spec.key: e.spec for e in by_shard[shard]}:
+                    raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
+                if read:
+                    targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
+                    await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
+            finally:
+                await _io.close(sched, fd)
+
+    # every shard's header and size must agree with the manifest before anything is allocated:
+    # a hostile manifest cannot make us allocate what the files do not hold
+    await each_shard(read=False)
     dest = _destinations(m, into)
-    for shard, size in m.shards.items():
-        path = os.path.join(folder, shard)
-        entries = [e for e in m.entries.values() if e.shard == shard]
-        fd = await _io.open_read(sched, path)
-        try:
-            layout = await _io.read_layout(sched, fd, path)
-            if layout.file_size != size or {s.key: s for s in layout.tensors} != {e.spec.key: e.spec for e in entries}:
-                raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
-            targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
-            await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
-        finally:
-            await _io.close(sched, fd)
+    await each_shard(read=True)
     for alias, target in m.aliases.items():
         if alias not in dest:
             dest[alias] = dest[target]

@@ -91,7 +91,7 @@ def test_empty_and_zero_size_tensors_parse() -> None:
     assert [t.key for t in layout.tensors] == ["a", "b"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
 @given(hs.binary(max_size=600))
 def test_any_bytes_parse_or_raise_header_error(data: bytes) -> None:
     size = len(data) + 8
@@ -174,6 +174,8 @@ def test_manifest_refuses_shard_paths_outside_the_folder(name: str) -> None:
         ({"tensors": {"w": {"shard": "nope", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "not listed"),
         ({"tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [2], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "is not 4 bytes"),
         ({"tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 4099, "nbytes": 4, "crc32c": 1}}}, "past the end"),
+        # found by the fuzzer (test_fuzz.py): an unhashable shard name raised TypeError
+        ({"tensors": {"w": {"shard": [], "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "not listed"),
         ({"aliases": {"v": "nope"}}, "aliases"),
         ({"tree": {"dict": {}}}, "same tensors"),
         ({"tree": {"weird": 1}}, "state tree"),

@@ -103,7 +103,7 @@ def loads(data: bytes, path: object) -> Manifest:
         fields = {"shard", "dtype", "shape", "offset", "nbytes", "crc32c"}
         if not (isinstance(t, dict) and set(t) == fields):
             raise bad(f"tensor {key!r}: entry must have exactly {sorted(fields)}")
-        if t["shard"] not in shards:
+        if not (isinstance(t["shard"], str) and t["shard"] in shards):
             raise bad(f"tensor {key!r}: shard {t['shard']!r} is not listed in shards")
         if not (isinstance(t["dtype"], str) and t["dtype"] in ITEMSIZE):
             raise bad(f"tensor {key!r}: unknown dtype {t['dtype']!r}")

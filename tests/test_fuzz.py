@@ -1,0 +1,191 @@
+"""Fuzzing every reader: any input loads in bounds or raises the library's FormatError.
+
+Covered: the manifest parser (raw bytes, and valid manifests with fields replaced by arbitrary
+JSON), and the whole load path of a committed checkpoint whose manifest or shard is damaged (bit
+flips, truncation, zeroed 4 KiB blocks, random overwrites). The safetensors header parser has its
+own property in test_formats.py. Set AIOTENSOR_FUZZ_EXAMPLES for a long campaign (bench/results/
+reliability.md records one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from aiotensor import TensorStore
+from aiotensor.errors import FormatError, ManifestError
+from aiotensor.formats import manifest as mf
+from aiotensor.formats.tree import unflatten
+
+from .conftest import assert_state_equal
+
+EXAMPLES = int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def the_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(300, generator=g)
+    return {
+        "model": {"w": w, "tied": w, "h": torch.randn(10, 10, generator=g).half(), "i": torch.arange(5)},
+        "optim": {"step": 3, "lrs": [0.1, (1, "a")], "none": None},
+    }
+
+
+_CACHE: dict[str, str] = {}
+
+
+def committed_checkpoint() -> str:
+    """A committed checkpoint folder, written once per test session."""
+    if "root" not in _CACHE:
+        root = tempfile.mkdtemp(prefix="aiotensor-fuzz-")
+
+        async def main() -> None:
+            async with TensorStore(root) as s:
+                await s.save(1, the_state())
+
+        anyio.run(main)
+        _CACHE["root"] = root
+    return os.path.join(_CACHE["root"], "step-000000000001")
+
+
+def load_copy(files: dict[str, bytes]) -> Any:
+    """Write a checkpoint folder holding ``files`` and load it with a store."""
+    root = tempfile.mkdtemp(prefix="aiotensor-fuzz-case-")
+    try:
+        folder = os.path.join(root, "step-000000000001")
+        os.mkdir(folder)
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+
+        async def main() -> Any:
+            async with TensorStore(root) as s:
+                return await s.load(1)
+
+        return anyio.run(main)
+    finally:
+        shutil.rmtree(root)
+
+
+def original_files() -> dict[str, bytes]:
+    folder = committed_checkpoint()
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@hs.composite
+def damage(draw: hs.DrawFn) -> tuple[str, str, int, bytes]:
+    name = draw(hs.sampled_from(sorted(original_files())))
+    kind = draw(hs.sampled_from(["flip", "truncate", "zero-block", "overwrite", "insert"]))
+    size = len(original_files()[name])
+    pos = draw(hs.integers(0, size - 1))
+    data = draw(hs.binary(min_size=1, max_size=64)) if kind in ("overwrite", "insert") else b""
+    if kind == "flip":
+        data = bytes([1 << draw(hs.integers(0, 7))])
+    return name, kind, pos, data
+
+
+def apply(files: dict[str, bytes], name: str, kind: str, pos: int, data: bytes) -> dict[str, bytes]:
+    b = bytearray(files[name])
+    if kind == "flip":
+        b[pos] ^= data[0]
+    elif kind == "truncate":
+        del b[pos:]
+    elif kind == "zero-block":
+        start = pos - pos % 4096
+        b[start : start + 4096] = bytes(len(b[start : start + 4096]))
+    elif kind == "overwrite":
+        b[pos : pos + len(data)] = data
+    else:
+        b[pos:pos] = data
+    return {**files, name: bytes(b)}
+
+
+@FUZZ
+@given(damage())
+def test_damaged_checkpoint_loads_exactly_or_raises_format_error(case: tuple[str, str, int, bytes]) -> None:
+    name, kind, pos, data = case
+    files = apply(original_files(), name, kind, pos, data)
+    try:
+        got = load_copy(files)
+    except FormatError as e:
+        assert any(f in str(e) for f in files), str(e)  # the error names a file of the checkpoint
+        return
+    # it loaded: the damage hit bytes that carry no data (padding, a JSON space, ...)
+    assert_state_equal(the_state(), got)
+
+
+@FUZZ
+@given(hs.binary(max_size=2000))
+def test_any_bytes_as_a_manifest_raise_manifest_error(data: bytes) -> None:
+    try:
+        m = mf.loads(data, "m.json")
+    except ManifestError:
+        return
+    unflatten(m.tree, lambda k: k, "m.json")
+
+
+JSON = hs.recursive(
+    hs.none() | hs.booleans() | hs.integers(-(2**70), 2**70) | hs.floats() | hs.text(max_size=20),
+    lambda kids: hs.lists(kids, max_size=4) | hs.dictionaries(hs.text(max_size=10), kids, max_size=4),
+    max_leaves=12,
+)
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+@FUZZ
+@given(hs.data())
+def test_valid_manifest_with_any_field_replaced_raises_manifest_error_or_loads(data: hs.DataObject) -> None:
+    doc = json.loads(original_files()["manifest.json"])
+    path = data.draw(hs.sampled_from(_paths(doc)[1:]))
+    value = data.draw(JSON)
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    try:
+        m = mf.loads(json.dumps(doc).encode(), "m.json")
+        unflatten(m.tree, lambda k: torch.zeros(1), "m.json")
+    except ManifestError:
+        pass
+    except ValueError as e:  # json.dumps refuses NaN? it does not: but the parser may, as a ManifestError
+        pytest.fail(f"{type(e).__name__} escaped: {e}")
+
+
+def test_a_manifest_claiming_a_huge_tensor_allocates_nothing(tmp_path: Any) -> None:
+    """A hostile manifest that lists a terabyte tensor (and a matching shard size) is refused
+    before anything is allocated: shard sizes are checked against the files first."""
+    files = original_files()
+    doc = json.loads(files["manifest.json"])
+    shard = doc["shards"][0]["file"]
+    doc["shards"][0]["size"] = (1 << 40) + 4096
+    for entry in doc["tensors"].values():
+        if entry["shard"] == shard:
+            entry.update(shape=[1 << 38], nbytes=1 << 40, dtype="F32", offset=4096)
+            break
+    files["manifest.json"] = json.dumps(doc).encode()
+    with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
+        load_copy(files)
