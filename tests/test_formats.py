@@ -150,13 +150,28 @@ def _manifest(**over: object) -> bytes:
         "tree": {"dict": {"w": {"tensor": "w"}}},
     }
     doc.update(over)
-    return json.dumps(doc).encode()
+    return mf.seal(doc)
 
 
 def test_manifest_round_trip() -> None:
     m = mf.loads(_manifest(), "m.json")
     assert m.step == 5 and m.entries["w"].crc32c == 1
     assert mf.loads(mf.dumps(m), "m.json") == m
+    assert json.loads(mf.dumps(m))["checksum"].startswith("crc32c:")  # still plain JSON
+
+
+def test_manifest_checksum_catches_every_flipped_bit() -> None:
+    """Found by the fuzzer: a flipped bit in a tree key ("w" -> "v") loaded silently before the
+    manifest had its own checksum."""
+    raw = _manifest()
+    for i in range(len(raw)):
+        for bit in (0x01, 0x20):
+            bad = bytearray(raw)
+            bad[i] ^= bit
+            with pytest.raises(ManifestError, match="m.json"):
+                mf.loads(bytes(bad), "m.json")
+    with pytest.raises(ManifestError, match="does not end with its checksum"):
+        mf.loads(json.dumps(json.loads(raw)).encode(), "m.json")
 
 
 @pytest.mark.parametrize("name", ["../evil", "/etc/passwd", "a/b", "..", ".hidden", "", "a\\b", "x" * 300])

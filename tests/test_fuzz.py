@@ -139,7 +139,7 @@ def test_any_bytes_as_a_manifest_raise_manifest_error(data: bytes) -> None:
 
 
 JSON = hs.recursive(
-    hs.none() | hs.booleans() | hs.integers(-(2**70), 2**70) | hs.floats() | hs.text(max_size=20),
+    hs.none() | hs.booleans() | hs.integers(-(2**70), 2**70) | hs.floats(allow_nan=False, allow_infinity=False) | hs.text(max_size=20),
     lambda kids: hs.lists(kids, max_size=4) | hs.dictionaries(hs.text(max_size=10), kids, max_size=4),
     max_leaves=12,
 )
@@ -167,12 +167,10 @@ def test_valid_manifest_with_any_field_replaced_raises_manifest_error_or_loads(d
         node = node[k]
     node[path[-1]] = value
     try:
-        m = mf.loads(json.dumps(doc).encode(), "m.json")
+        m = mf.loads(mf.seal(doc), "m.json")
         unflatten(m.tree, lambda k: torch.zeros(1), "m.json")
     except ManifestError:
         pass
-    except ValueError as e:  # json.dumps refuses NaN? it does not: but the parser may, as a ManifestError
-        pytest.fail(f"{type(e).__name__} escaped: {e}")
 
 
 def test_a_manifest_claiming_a_huge_tensor_allocates_nothing(tmp_path: Any) -> None:
@@ -186,6 +184,6 @@ def test_a_manifest_claiming_a_huge_tensor_allocates_nothing(tmp_path: Any) -> N
         if entry["shard"] == shard:
             entry.update(shape=[1 << 38], nbytes=1 << 40, dtype="F32", offset=4096)
             break
-    files["manifest.json"] = json.dumps(doc).encode()
+    files["manifest.json"] = mf.seal(doc)
     with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
         load_copy(files)

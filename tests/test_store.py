@@ -179,7 +179,7 @@ async def test_corruption_is_detected_and_named(tmp_path: Any) -> None:
         with pytest.raises(HeaderError, match="shard-00000.safetensors"):
             await store.load(1)
         (tmp_path / "step-000000000001" / "manifest.json").write_text("{}")
-        with pytest.raises(ManifestError, match="manifest.json: not an aiotensor manifest"):
+        with pytest.raises(ManifestError, match="manifest.json: the manifest does not end with its checksum"):
             await store.load(1)
 
 

@@ -1,4 +1,11 @@
-"""The checkpoint manifest (``manifest.json``): build it and validate one read from disk."""
+"""The checkpoint manifest (``manifest.json``): build it and validate one read from disk.
+
+The manifest is plain JSON whose last member is its own checksum, ``"checksum":"crc32c:XXXXXXXX"``:
+the crc32c of the file's bytes with those eight hex digits written as zeros. Tensor bytes carry
+their own crc32c in the manifest; the manifest's checksum covers everything else (keys, the state
+tree, Python values such as the step or a learning rate), which a flipped bit would otherwise
+change silently.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _checksum
 from .._dtypes import ITEMSIZE
 from ..errors import ManifestError
 from .safetensors import TensorSpec, is_count, loads_json_object, nbytes_of
@@ -17,6 +25,8 @@ FORMAT = "aiotensor.checkpoint"
 VERSION = 1
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
+_CHECKSUM_TAIL = re.compile(rb',"checksum":"crc32c:([0-9a-f]{8})"\}\Z')
+_ZEROS = b"00000000"
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,25 @@ def dumps(m: Manifest) -> bytes:
         "aliases": dict(m.aliases),
         "tree": m.tree,
     }
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return seal(doc)
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """Serialize a manifest document and append its checksum."""
+    doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    digits = len(raw) - len(_ZEROS) - 2  # the digits sit right before the closing '"}'
+    return raw[:digits] + b"%08x" % _checksum.crc32c(raw) + raw[digits + len(_ZEROS) :]
+
+
+def _check_checksum(data: bytes, path: object) -> None:
+    m = _CHECKSUM_TAIL.search(data)
+    if m is None:
+        raise ManifestError("the manifest does not end with its checksum (truncated, or not written by aiotensor)", path)
+    recorded = int(m.group(1), 16)
+    got = _checksum.crc32c(data[: m.start(1)] + _ZEROS + data[m.end(1) :])
+    if got != recorded:
+        raise ManifestError(f"the manifest is corrupt: its crc32c is {got:#010x}, it records {recorded:#010x}", path)
 
 
 def safe_shard_name(name: object) -> bool:
@@ -75,7 +103,9 @@ def loads(data: bytes, path: object) -> Manifest:
     def bad(msg: str) -> ManifestError:
         return ManifestError(msg, path)
 
+    _check_checksum(data, path)
     doc = loads_json_object(data, path, "manifest", ManifestError)
+    doc.pop("checksum", None)
     if doc.get("format") != FORMAT:
         raise bad(f"not an aiotensor manifest (format is {doc.get('format')!r}, expected {FORMAT!r})")
     if doc.get("version") != VERSION:
