@@ -11,18 +11,19 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import numpy as np
 import torch
 
-from . import _checksum
+from . import _checksum, cuda
 from ._dtypes import SAFETENSORS_TO_TORCH
 from ._plan import SavePlan
 from .buffers import PAGE, HostBuffer
 from .errors import ChecksumError, FormatError, annotate_oserror
 from .formats import safetensors as st
-from .scheduler import Priority, Scheduler
+from .scheduler import Priority, Scheduler, run_concurrently
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -64,27 +65,42 @@ class _StageUnit:
 
 
 async def stage(
-    sched: Scheduler, plan: SavePlan, sources: dict[str, torch.Tensor], arena: HostBuffer, priority: int
+    sched: Scheduler,
+    plan: SavePlan,
+    sources: dict[str, torch.Tensor],
+    arena: HostBuffer,
+    priority: int,
+    producers: dict[torch.device, Any] | None = None,
 ) -> list[_StageUnit]:
     """Copy every source tensor and shard header into ``arena``; return the pieces copied.
 
-    Cancellation: returns only once no copy thread still reads a source tensor.
+    CPU tensors are copied by worker threads; CUDA tensors by one device → host copy per device on
+    its copy stream, after ``producers[device]`` (an event recorded when ``save`` was called).
+
+    Cancellation: returns only once no copy reads a source tensor or writes the arena.
     """
     units: list[_StageUnit] = []
+    cpu: list[_StageUnit] = []
+    gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for sh in plan.shards:
         arena.view[sh.arena_offset : sh.arena_offset + len(sh.header)] = sh.header
         for spec in sh.layout.tensors:
             src = sources[spec.key]
             start = sh.arena_offset + spec.offset
-            if not direct(src):
-                units.append(_StageUnit(spec.key, src, start, spec.nbytes, True))
-                continue
-            flat = src.detach().reshape(-1)
-            per = max(1, sched.chunk_bytes // src.element_size())
-            for a, b in _pieces(flat.numel(), per):
-                units.append(
-                    _StageUnit(spec.key, flat[a:b], start + a * src.element_size(), (b - a) * src.element_size(), False)
-                )
+            if src.device.type == "cuda":
+                if spec.nbytes:
+                    dst = arena.tensor[start : start + spec.nbytes].view(src.dtype).view(src.shape)
+                    gpu.setdefault(src.device, []).append((dst, src))
+                units.append(_StageUnit(spec.key, _NO_SOURCE, start, spec.nbytes, False))
+            elif not direct(src):
+                cpu.append(_StageUnit(spec.key, src, start, spec.nbytes, True))
+            else:
+                flat = src.detach().reshape(-1)
+                per = max(1, sched.chunk_bytes // src.element_size())
+                for a, b in _pieces(flat.numel(), per):
+                    size = src.element_size()
+                    cpu.append(_StageUnit(spec.key, flat[a:b], start + a * size, (b - a) * size, False))
+    units += cpu
 
     def copy(u: _StageUnit) -> None:
         if u.whole:
@@ -92,7 +108,18 @@ async def stage(
         else:  # plain memcpy, one thread each, GIL released
             np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
 
-    await sched.map(copy, units, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=_per_cpu(sched, units), budget=False)
+    async def host() -> None:
+        await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=_per_cpu(sched, cpu), budget=False)
+
+    async def device() -> None:
+        assert sched.cuda is not None and producers is not None
+        for dev, copies in gpu.items():
+            event = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
+            with anyio.CancelScope(shield=True):  # the copy writes the arena: let it finish
+                await sched.cuda.bridge(dev).wait(event, keep=[src for _, src in copies])
+
+    await run_concurrently(host, device) if gpu else await host()
+    units.sort(key=lambda u: u.start)
     return [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units]  # drop the sources
 
 
@@ -291,10 +318,14 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         _read_exact(sched, fd, buf[: u.nbytes], u.offset, path, what)
         dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
         src = torch.from_numpy(np.frombuffer(buf, np.uint8, u.nbytes)).view(dtype)
-        if t.tensor.dim():
-            t.tensor[u.row0 : u.row1].copy_(src.view((u.row1 - u.row0, *t.spec.shape[1:])))
+        dst = t.tensor[u.row0 : u.row1] if t.tensor.dim() else t.tensor
+        src = src.view((u.row1 - u.row0, *t.spec.shape[1:])) if t.tensor.dim() else src.view(())
+        if dst.device.type == "cuda":
+            assert sched.cuda is not None
+            sched.slots.pin(sched.cuda.pinning)
+            cuda.h2d(sched.cuda, dst, src)  # returns once the copy is done: the slot is free again
         else:
-            t.tensor.copy_(src.view(()))
+            dst.copy_(src)
         return _checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)

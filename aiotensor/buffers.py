@@ -8,6 +8,7 @@ saves, only with the largest state staged so far.
 from __future__ import annotations
 
 import mmap
+from typing import Any
 
 import anyio
 import numpy as np
@@ -34,6 +35,7 @@ class HostBuffer:
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
         self.view = memoryview(self._mm)
+        self.address = int(self.array.ctypes.data)
         if populate:
             # Fault every page in now, in pieces, with the GIL released. Not MAP_POPULATE: Python's
             # mmap() keeps the GIL for the whole populate (4 s of frozen event loop for 1.4 GB on
@@ -58,10 +60,11 @@ class StagingPool:
     while the previous one is still writing; memory stays bounded by ``max_arenas`` × state size.
     """
 
-    def __init__(self, max_arenas: int = 2) -> None:
+    def __init__(self, max_arenas: int = 2, *, pinning: Any = None) -> None:
         if max_arenas < 1:
             raise ValueError(f"max_arenas must be >= 1, got {max_arenas}")
         self.max_arenas = max_arenas
+        self.pinning = pinning  # a cuda.Pinning: arenas are pinned once when mapped
         self._free: list[HostBuffer] = []
         self._count = 0
         self._changed: anyio.Event | None = None
@@ -86,17 +89,28 @@ class StagingPool:
                     return fit
                 small = self._free.pop()  # grow the largest idle one: unmap it, map a bigger one
                 self._count -= 1
-                await anyio.to_thread.run_sync(small.close)
+                await anyio.to_thread.run_sync(self._unmap, small)
             if self._count < self.max_arenas:
                 self._count += 1
                 try:
-                    return await anyio.to_thread.run_sync(HostBuffer, nbytes)
+                    return await anyio.to_thread.run_sync(self._map, nbytes)
                 except BaseException:
                     self._count -= 1
                     raise
             if self._changed is None:
                 self._changed = anyio.Event()
             await self._changed.wait()
+
+    def _map(self, nbytes: int) -> HostBuffer:
+        arena = HostBuffer(nbytes)
+        if self.pinning is not None:
+            self.pinning.pin(arena.address, arena.nbytes)
+        return arena
+
+    def _unmap(self, arena: HostBuffer) -> None:
+        if self.pinning is not None:
+            self.pinning.unpin(arena.address)
+        arena.close()
 
     def release(self, arena: HostBuffer) -> None:
         self._free.append(arena)
@@ -107,7 +121,7 @@ class StagingPool:
     def close(self) -> None:
         """Unmap the idle arenas (busy ones are unmapped when released to a closed pool)."""
         for a in self._free:
-            a.close()
+            self._unmap(a)
         self._count -= len(self._free)
         self._free.clear()
 
@@ -140,7 +154,15 @@ class SlotPool:
     def give(self, i: int) -> None:
         self._free.append(i)
 
+    def pin(self, pinning: Any) -> None:
+        """Pin the slots (once; from a worker thread: pinning blocks)."""
+        if self._buf is not None:
+            pinning.pin(self._buf.address, self._buf.nbytes)
+            self._pinning = pinning
+
     def close(self) -> None:
         if self._buf is not None and len(self._free) == self.slots:
+            if getattr(self, "_pinning", None) is not None:
+                self._pinning.unpin(self._buf.address)
             self._buf.close()
             self._buf = None

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import anyio
 
 from .buffers import SlotPool
+from .cuda import CopyStreams
+from .cuda import available as cuda_available
 from .engines import Engine, default_engine
 
 T = TypeVar("T")
@@ -139,6 +141,7 @@ class Scheduler:
         self.batch_bytes = max(batch_bytes, chunk_bytes)
         self.slots = SlotPool(workers, chunk_bytes)
         self.stats = Stats()
+        self.cuda: CopyStreams | None = CopyStreams() if cuda_available() else None
         self._gate = _Gate(workers, workers * self.batch_bytes)
         self._threads: anyio.CapacityLimiter | None = None
 
@@ -214,8 +217,16 @@ class Scheduler:
         await run_concurrently(*[worker] * min(self.workers, len(batches)))
         return [r for batch in results for r in batch]
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Device types whose tensors this scheduler saves and loads."""
+        return ("cpu", "cuda") if self.cuda is not None else ("cpu",)
+
     def close(self) -> None:
+        """Free the bounce slots and stop the CUDA event threads (blocks: call it in a thread)."""
         self.slots.close()
+        if self.cuda is not None:
+            self.cuda.close()
 
 
 async def run_concurrently(*fns: Callable[[], Any]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import _io
+from . import _io, cuda
 from ._dtypes import SAFETENSORS_TO_TORCH
 from ._plan import SavePlan, check_tensor, plan_save
 from .buffers import StagingPool, round_up
@@ -176,7 +176,8 @@ class TensorStore:
         self.shard_bytes = shard_bytes
         self.verify = verify
         self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes)
-        self.staging = StagingPool(max_staged)
+        cuda_ = self.scheduler.cuda
+        self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None)
         self._committed: set[int] = set()
         self._in_flight: dict[int, SaveHandle] = {}
         self._readers: Counter[int] = Counter()
@@ -305,21 +306,25 @@ class TensorStore:
         if step in self._committed or step in self._in_flight:
             where = "committed" if step in self._committed else "being saved"
             raise CheckpointExistsError(f"step {step} is already {where} in {self.root}")
-        plan, sources = plan_save(state, shard_bytes=self.shard_bytes)
+        plan, sources = plan_save(state, shard_bytes=self.shard_bytes, devices=self.scheduler.devices)
+        # CUDA sources are copied as of now: after the kernels already queued on their streams
+        producers = cuda.record_producers(sources.values()) if self.scheduler.cuda is not None else {}
         handle = SaveHandle(step, plan.nbytes)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
-        self._tg.start_soon(self._run_save, handle, plan, sources, prio)
+        self._tg.start_soon(self._run_save, handle, plan, sources, prio, producers)
         return handle
 
-    async def _run_save(self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int) -> None:
+    async def _run_save(
+        self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int, producers: dict[Any, Any]
+    ) -> None:
         error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
                 h._scope = scope
                 if h._cancel_requested:
                     scope.cancel()
-                await self._save(h, plan, sources, prio)
+                await self._save(h, plan, sources, prio, producers)
             if scope.cancelled_caught:
                 error = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         except Exception as e:
@@ -333,11 +338,13 @@ class TensorStore:
                 self._unobserved.append(h)
             h._finish(error)
 
-    async def _save(self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int) -> None:
+    async def _save(
+        self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int, producers: dict[Any, Any]
+    ) -> None:
         t0 = anyio.current_time()
         arena = await self.staging.acquire(plan.arena_bytes)
         try:
-            pieces = await _io.stage(self.scheduler, plan, sources, arena, prio)
+            pieces = await _io.stage(self.scheduler, plan, sources, arena, prio, producers)
             sources.clear()  # the caller's tensors are free to change from here on
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()
@@ -444,12 +451,16 @@ class TensorStore:
 
     # --- load ------------------------------------------------------------------------------
 
-    async def load(self, step: int | None = None, *, into: Any = None, verify: bool | None = None) -> Any:
+    async def load(
+        self, step: int | None = None, *, into: Any = None, verify: bool | None = None, device: str | torch.device = "cpu"
+    ) -> Any:
         """Load a committed step (default: the newest) as the nested state it was saved as.
 
         With ``into`` (a state of the same structure, e.g. ``{"model": model.state_dict(), ...}``),
         tensors are read straight into its tensors, in place; the returned state holds those tensors
-        and the saved non-tensor values.
+        and the saved non-tensor values. ``into`` tensors may be on CUDA; without ``into``, new
+        tensors are made on ``device`` (``"cuda"``: read through bounce slots, copied host → device
+        on a copy stream; complete when this returns).
 
         Raises:
             CheckpointNotFoundError: no such committed step (or none at all).
@@ -474,7 +485,7 @@ class TensorStore:
         self._readers[step] += 1
         try:
             return await load_checkpoint(
-                self.scheduler, self.path(step), into=into, verify=self.verify if verify is None else verify
+                self.scheduler, self.path(step), into=into, verify=self.verify if verify is None else verify, device=device
             )
         finally:
             self._readers[step] -= 1
@@ -490,8 +501,12 @@ def _ensure_dir(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
-async def load_checkpoint(sched: Scheduler, folder: str, *, into: Any = None, verify: bool = True) -> Any:
+async def load_checkpoint(
+    sched: Scheduler, folder: str, *, into: Any = None, verify: bool = True, device: str | torch.device = "cpu"
+) -> Any:
     """Load one checkpoint folder (see :meth:`TensorStore.load`)."""
+    if torch.device(device).type not in sched.devices:
+        raise ValueError(f"cannot load to {device}: this machine's store handles {', '.join(sched.devices)} tensors")
     mpath = os.path.join(folder, MANIFEST)
     m = mf.loads(await _io.read_bytes(sched, mpath, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), mpath)
     by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
@@ -504,7 +519,8 @@ async def load_checkpoint(sched: Scheduler, folder: str, *, into: Any = None, ve
             fd = await _io.open_read(sched, path)
             try:
                 layout = await _io.read_layout(sched, fd, path)
-                if layout.file_size != size or {s.key: s for s in layout.tensors} != {e.spec.key: e.spec for e in by_shard[shard]}:
+                listed = {e.spec.key: e.spec for e in by_shard[shard]}
+                if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
                     raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
                 if read:
                     targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
@@ -515,7 +531,7 @@ async def load_checkpoint(sched: Scheduler, folder: str, *, into: Any = None, ve
     # every shard's header and size must agree with the manifest before anything is allocated:
     # a hostile manifest cannot make us allocate what the files do not hold
     await each_shard(read=False)
-    dest = _destinations(m, into)
+    dest = _destinations(m, into, torch.device(device), sched.devices)
     await each_shard(read=True)
     for alias, target in m.aliases.items():
         if alias not in dest:
@@ -529,11 +545,12 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
-def _destinations(m: mf.Manifest, into: Any) -> dict[str, torch.Tensor]:
+def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
     if into is None:
         return {
-            k: torch.empty(e.spec.shape, dtype=SAFETENSORS_TO_TORCH[e.spec.dtype]) for k, e in m.entries.items()
+            k: torch.empty(e.spec.shape, dtype=SAFETENSORS_TO_TORCH[e.spec.dtype], device=device)
+            for k, e in m.entries.items()
         }
     _, tensors = flatten(into)
     given = dict(tensors)
@@ -546,7 +563,7 @@ def _destinations(m: mf.Manifest, into: Any) -> dict[str, torch.Tensor]:
         )
     for k, t in given.items():
         e = m.entries.get(k) or m.entries[m.aliases[k]]
-        check_tensor(k, t)
+        check_tensor(k, t, devices)
         want_dtype = SAFETENSORS_TO_TORCH[e.spec.dtype]
         if tuple(t.shape) != e.spec.shape or t.dtype != want_dtype:
             raise MismatchError(

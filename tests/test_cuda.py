@@ -1,0 +1,199 @@
+"""The CUDA path: the event bridge and pinning on CPU (stand-in events, real threads, real loop);
+round trips and staging semantics on a GPU (marked ``gpu``, skipped without CUDA)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aiotensor import TensorStore
+from aiotensor.buffers import StagingPool
+from aiotensor.cuda import EventBridge, Pinning
+
+from .conftest import assert_state_equal
+from .test_store import DTYPES, random_tensor
+
+pytestmark = pytest.mark.anyio
+
+
+class StandInEvent:
+    """An event whose completion the test controls; ``synchronize`` blocks a real thread."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self._done = threading.Event()
+        self.error = error
+        self.synchronize_calls = 0
+
+    def complete(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self.synchronize_calls += 1
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class Source:
+    """Something to keep alive (a stand-in for a source tensor); weakly referenceable."""
+
+
+async def test_completed_event_returns_without_a_thread() -> None:
+    bridge = EventBridge()
+    ev = StandInEvent()
+    ev.complete()
+    await bridge.wait(ev)
+    assert ev.synchronize_calls == 0 and bridge._thread is None
+
+
+async def test_pending_event_wakes_the_loop_which_keeps_running() -> None:
+    bridge = EventBridge()
+    ev = StandInEvent()
+    ticks = 0
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        threading.Timer(0.05, ev.complete).start()
+        await bridge.wait(ev)
+        done.set()
+    assert ev.synchronize_calls == 1
+    assert ticks >= 5  # the loop ran while the event was pending: nothing blocked it
+    await anyio.to_thread.run_sync(bridge.close)
+
+
+async def test_events_complete_in_order_and_errors_reach_the_awaiting_task() -> None:
+    bridge = EventBridge()
+    evs = [StandInEvent(), StandInEvent(RuntimeError("CUDA error: an illegal memory access")), StandInEvent()]
+    results: list[Any] = [None] * 3
+
+    async def waiter(i: int) -> None:
+        try:
+            await bridge.wait(evs[i])
+            results[i] = "ok"
+        except RuntimeError as e:
+            results[i] = str(e)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(waiter, i)
+        await anyio.sleep(0.01)
+        for ev in evs:
+            ev.complete()
+    assert results == ["ok", "CUDA error: an illegal memory access", "ok"]
+    await anyio.to_thread.run_sync(bridge.close)
+
+
+async def test_cancelled_wait_keeps_the_sources_alive_until_the_event_completes() -> None:
+    bridge = EventBridge()
+    ev = StandInEvent()
+    src = Source()
+    ref = weakref.ref(src)
+    with anyio.move_on_after(0.02) as scope:
+        await bridge.wait(ev, keep=[src])
+    assert scope.cancelled_caught
+    del src
+    gc.collect()
+    assert ref() is not None  # the copy may still read it: still referenced by the waiter
+    ev.complete()
+    await anyio.to_thread.run_sync(bridge.close)  # the waiter has handled the event
+    gc.collect()
+    assert ref() is None  # and let go once the event completed
+
+
+async def test_close_stops_the_waiter_thread() -> None:
+    bridge = EventBridge(name="bridge-under-test")
+    ev = StandInEvent()
+    threading.Timer(0.01, ev.complete).start()
+    await bridge.wait(ev)
+    await anyio.to_thread.run_sync(bridge.close)
+    assert not any(t.name == "bridge-under-test" for t in threading.enumerate())
+
+
+async def test_staging_arenas_are_pinned_once_and_unpinned_when_unmapped() -> None:
+    calls: list[tuple[str, int]] = []
+    pinning = Pinning(register=lambda a, n: calls.append(("pin", n)), unregister=lambda a: calls.append(("unpin", 0)))
+    pool = StagingPool(1, pinning=pinning)
+    for _ in range(5):  # reused: pinned once
+        arena = await pool.acquire(10_000)
+        pool.release(arena)
+    assert calls == [("pin", 12288)] and pinning.pinned_bytes == 12288
+    arena = await pool.acquire(100_000)  # grows: the small one is unpinned and unmapped
+    pool.release(arena)
+    assert calls == [("pin", 12288), ("unpin", 0), ("pin", 102400)]
+    pool.close()
+    assert calls[-1] == ("unpin", 0) and pinning.pinned_bytes == 0
+
+
+# --- on a GPU -----------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@gpu
+@needs_cuda
+async def test_cuda_round_trip_of_every_dtype(tmp_path: Any) -> None:
+    state = {str(d): random_tensor(d, (33, 7), i).cuda() for i, d in enumerate(DTYPES)}
+    state["t"] = state["torch.float32"].t()  # non-contiguous
+    state["scalar"] = torch.tensor(2.5, device="cuda")
+    state["empty"] = torch.empty(0, 3, device="cuda")
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, state)
+        back = await store.load(1, device="cuda")
+        assert all(t.is_cuda for t in back.values())
+        assert_state_equal({k: v.cpu() for k, v in state.items()}, {k: v.cpu() for k, v in back.items()})
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        await store.load(1, into=into)
+        assert_state_equal({k: v.cpu() for k, v in state.items()}, {k: v.cpu() for k, v in into.items()})
+
+
+@gpu
+@needs_cuda
+async def test_cuda_staged_means_the_trainer_may_change_every_parameter(tmp_path: Any) -> None:
+    params = {f"p{i}": torch.randn(1 << 20, device="cuda") for i in range(8)}
+    before = {k: v.cpu() for k, v in params.items()}
+    async with TensorStore(tmp_path) as store:
+        h = store.save(1, params)
+        await h.staged
+        for p in params.values():
+            p.add_(1.0)  # the optimizer step
+        await h
+        assert_state_equal(before, await store.load(1))
+
+
+@gpu
+@needs_cuda
+async def test_fifty_cuda_saves_leak_no_threads(tmp_path: Any) -> None:
+    state = {"w": torch.randn(1 << 16, device="cuda")}
+    async with TensorStore(tmp_path, keep_last=2) as store:
+        await store.save(0, state)
+        threads = threading.active_count()
+        for step in range(1, 51):
+            await store.save(step, state)
+        assert threading.active_count() <= threads
+    assert not any(t.name.startswith("aiotensor-cuda") for t in threading.enumerate())
+
+
+async def test_loading_to_an_absent_device_is_a_clear_error(tmp_path: Any) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(2)})
+        with pytest.raises(ValueError, match="cannot load to cuda"):
+            await store.load(1, device="cuda")
