@@ -13,7 +13,7 @@ import crc32c as _crc32c
 _POLY = 0x82F63B78  # crc32c (Castagnoli), reflected
 
 
-def crc32c(data: object, value: int = 0) -> int:
+def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """crc32c of a bytes-like object, continuing from ``value``; releases the GIL on large buffers."""
     return int(_crc32c.crc32c(data, value))
 

@@ -31,7 +31,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def direct(t: torch.Tensor) -> bool:

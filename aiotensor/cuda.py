@@ -150,13 +150,13 @@ class Pinning:
 
 
 def _cuda_host_register(address: int, nbytes: int) -> None:
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
 
 
 def _cuda_host_unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
 class CopyStreams:
@@ -170,7 +170,7 @@ class CopyStreams:
     def stream(self, device: torch.device) -> Any:
         i = device.index if device.index is not None else torch.cuda.current_device()
         if i not in self._streams:
-            self._streams[i] = torch.cuda.Stream(device=i)
+            self._streams[i] = torch.cuda.Stream(device=i)  # type: ignore[no-untyped-call]
             self._bridges[i] = EventBridge(f"aiotensor-cuda{i}-events")
         return self._streams[i]
 
@@ -191,7 +191,7 @@ def record_producers(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]
     events = {}
     for t in tensors:
         if t.device.type == "cuda" and t.device not in events:
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(torch.cuda.current_stream(t.device))
             events[t.device] = ev
     return events
@@ -202,7 +202,7 @@ def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, to
     sources' device after ``producer``; return the completion event (not waited for)."""
     device = copies[0][1].device
     stream = streams.stream(device)
-    done = torch.cuda.Event(blocking=True)
+    done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         stream.wait_event(producer)
         for dst, src in copies:
@@ -215,7 +215,7 @@ def h2d(streams: CopyStreams, dst: torch.Tensor, src: torch.Tensor) -> None:
     """In a worker thread: copy host ``src`` into CUDA ``dst`` on the copy stream, and wait for it
     (the bounce slot holding ``src`` is reused as soon as this returns)."""
     stream = streams.stream(dst.device)
-    done = torch.cuda.Event(blocking=True)
+    done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
         done.record(stream)

@@ -196,9 +196,7 @@ class TensorStore:
         await self.open()
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.close(cancel=exc is not None)
 
     async def open(self) -> None:
@@ -376,9 +374,7 @@ class TensorStore:
                 step=step,
                 tree=plan.tree,
                 shards={sh.file: sh.layout.file_size for sh in plan.shards},
-                entries={
-                    s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors
-                },
+                entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
                 aliases=plan.aliases,
             )
             await _io.write_file(self.scheduler, os.path.join(tmp, MANIFEST), [(0, memoryview(mf.dumps(manifest)))], prio)
@@ -549,8 +545,7 @@ def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tupl
     """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
     if into is None:
         return {
-            k: torch.empty(e.spec.shape, dtype=SAFETENSORS_TO_TORCH[e.spec.dtype], device=device)
-            for k, e in m.entries.items()
+            k: torch.empty(e.spec.shape, dtype=SAFETENSORS_TO_TORCH[e.spec.dtype], device=device) for k, e in m.entries.items()
         }
     _, tensors = flatten(into)
     given = dict(tensors)

@@ -330,9 +330,7 @@ def report(res: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for k in res["save_s"]:
-        lines.append(
-            f"| {k} | {gb / res['save_s'][k]:.2f} | {gb / res['cold_s'][k]:.2f} | {gb / res['warm_s'][k]:.2f} |"
-        )
+        lines.append(f"| {k} | {gb / res['save_s'][k]:.2f} | {gb / res['cold_s'][k]:.2f} | {gb / res['warm_s'][k]:.2f} |")
     peers = [k for k in res["save_s"] if k != "aiotensor"]
     best = {m: max(gb / res[m][k] for k in peers) for m in ("save_s", "cold_s", "warm_s")}
     a = {m: gb / res[m]["aiotensor"] for m in ("save_s", "cold_s", "warm_s")}

@@ -78,12 +78,16 @@ async def train(root: str, steps: int, every: int) -> None:
         saved = handles[-1].nbytes
         stage = [h.stage_seconds for h in handles if h.stage_seconds is not None]
         print(f"\nsaved {len(handles)} snapshots of {saved / 1e6:.1f} MB each; kept steps {store.steps()} in {root}")
-        print(f"trainer held by `await staged`: median {1e3 * statistics.median(held):.1f} ms, "
-              f"max {1e3 * max(held):.1f} ms (staging copy took median {1e3 * statistics.median(stage):.1f} ms, "
-              f"{saved / statistics.median(stage) / 1e9:.2f} GB/s)")
+        print(
+            f"trainer held by `await staged`: median {1e3 * statistics.median(held):.1f} ms, "
+            f"max {1e3 * max(held):.1f} ms (staging copy took median {1e3 * statistics.median(stage):.1f} ms, "
+            f"{saved / statistics.median(stage) / 1e9:.2f} GB/s)"
+        )
         commit = statistics.median(h.commit_seconds for h in handles if h.commit_seconds)
-        print(f"each snapshot committed (durable) {commit:.2f} s after save() (median), "
-              f"{saved / commit / 1e9:.2f} GB/s while training ran")
+        print(
+            f"each snapshot committed (durable) {commit:.2f} s after save() (median), "
+            f"{saved / commit / 1e9:.2f} GB/s while training ran"
+        )
         print(f"training ran {train_s:.2f} s; waiting for the last writes after it took {drain_s:.2f} s")
 
         fresh = make_model()
@@ -94,8 +98,10 @@ async def train(root: str, steps: int, every: int) -> None:
         fresh.load_state_dict(restored["model"])
         fresh_opt.load_state_dict(restored["optim"])
         same = all(torch.equal(fresh.state_dict()[k], v) for k, v in reference.items())
-        print(f"restored step {restored['step']} in {load_s:.3f} s ({saved / load_s / 1e9:.2f} GB/s, checksums verified); "
-              f"bit-exact with the weights at that step: {same}")
+        print(
+            f"restored step {restored['step']} in {load_s:.3f} s ({saved / load_s / 1e9:.2f} GB/s, checksums verified); "
+            f"bit-exact with the weights at that step: {same}"
+        )
         if not same:
             raise SystemExit("restore mismatch")
 

@@ -41,7 +41,11 @@ MALFORMED = {
     "not json": (None, 0, b"{nope"),
     "not an object": ([1, 2], 0, None),
     "not utf-8": (None, 0, b'{"\xff": 1}'),
-    "duplicate keys": (None, 0, b'{"a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}, "a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'),
+    "duplicate keys": (
+        None,
+        0,
+        b'{"a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}, "a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    ),
     "unknown dtype": ({"a": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}}, 1, None),
     "extra field": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": 1}}, 1, None),
     "negative offset": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [-1, 0]}}, 1, None),
@@ -87,7 +91,13 @@ def test_a_million_tiny_tensors_are_refused_quickly() -> None:
 
 
 def test_empty_and_zero_size_tensors_parse() -> None:
-    layout = _parse({"a": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}, "b": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}, 4)
+    layout = _parse(
+        {
+            "a": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
+            "b": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]},
+        },
+        4,
+    )
     assert [t.key for t in layout.tensors] == ["a", "b"]
 
 
@@ -145,7 +155,9 @@ def _manifest(**over: object) -> bytes:
         "version": 1,
         "step": 5,
         "shards": [{"file": "shard-00000.safetensors", "size": 4100}],
-        "tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 4096, "nbytes": 4, "crc32c": 1}},
+        "tensors": {
+            "w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 4096, "nbytes": 4, "crc32c": 1}
+        },
         "aliases": {},
         "tree": {"dict": {"w": {"tensor": "w"}}},
     }
@@ -186,9 +198,33 @@ def test_manifest_refuses_shard_paths_outside_the_folder(name: str) -> None:
         ({"format": "x"}, "not an aiotensor manifest"),
         ({"version": 9}, "version 9"),
         ({"step": -1}, "step"),
-        ({"tensors": {"w": {"shard": "nope", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "not listed"),
-        ({"tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [2], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "is not 4 bytes"),
-        ({"tensors": {"w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 4099, "nbytes": 4, "crc32c": 1}}}, "past the end"),
+        (
+            {"tensors": {"w": {"shard": "nope", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}},
+            "not listed",
+        ),
+        (
+            {
+                "tensors": {
+                    "w": {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [2], "offset": 0, "nbytes": 4, "crc32c": 1}
+                }
+            },
+            "is not 4 bytes",
+        ),
+        (
+            {
+                "tensors": {
+                    "w": {
+                        "shard": "shard-00000.safetensors",
+                        "dtype": "F32",
+                        "shape": [1],
+                        "offset": 4099,
+                        "nbytes": 4,
+                        "crc32c": 1,
+                    }
+                }
+            },
+            "past the end",
+        ),
         # found by the fuzzer (test_fuzz.py): an unhashable shard name raised TypeError
         ({"tensors": {"w": {"shard": [], "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "not listed"),
         ({"aliases": {"v": "nope"}}, "aliases"),

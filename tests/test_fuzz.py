@@ -139,7 +139,11 @@ def test_any_bytes_as_a_manifest_raise_manifest_error(data: bytes) -> None:
 
 
 JSON = hs.recursive(
-    hs.none() | hs.booleans() | hs.integers(-(2**70), 2**70) | hs.floats(allow_nan=False, allow_infinity=False) | hs.text(max_size=20),
+    hs.none()
+    | hs.booleans()
+    | hs.integers(-(2**70), 2**70)
+    | hs.floats(allow_nan=False, allow_infinity=False)
+    | hs.text(max_size=20),
     lambda kids: hs.lists(kids, max_size=4) | hs.dictionaries(hs.text(max_size=10), kids, max_size=4),
     max_leaves=12,
 )

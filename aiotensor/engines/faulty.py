@@ -1,8 +1,8 @@
 """An engine for tests: records every operation and fails chosen ones with a chosen errno.
 
-    eng = FaultyEngine(fail={"sync": (2, errno.EIO)})     # the 2nd sync raises EIO
-    async with TensorStore(root, engine=eng) as store: ...
-    eng.ops   # [("mkdir", path), ("create", path, direct), ("pwrite", path, offset, n), ("sync", path), ...]
+eng = FaultyEngine(fail={"sync": (2, errno.EIO)})     # the 2nd sync raises EIO
+async with TensorStore(root, engine=eng) as store: ...
+eng.ops   # [("mkdir", path), ("create", path, direct), ("pwrite", path, offset, n), ("sync", path), ...]
 """
 
 from __future__ import annotations

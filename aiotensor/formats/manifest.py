@@ -155,7 +155,8 @@ def loads(data: bytes, path: object) -> Manifest:
     if "tree" not in doc:
         raise bad("tree is missing")
     keys: list[str] = []
-    unflatten(doc["tree"], lambda k: keys.append(k), path)  # type: ignore[func-returns-value]
+    unflatten(doc["tree"], keys.append, path)
     if set(keys) != set(entries) | set(aliases) or len(keys) != len(entries) + len(aliases):
         raise bad("the state tree and the tensor table do not list the same tensors")
+    assert isinstance(step, int)
     return Manifest(step, doc["tree"], shards, entries, aliases)

@@ -47,9 +47,7 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * ITEMSIZE[dtype]
 
 
-def build(
-    entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> tuple[bytes, Layout]:
+def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
     """Header bytes (length prefix included, padded with spaces to a multiple of 4096) and the layout.
 
     ``entries`` are ``(key, dtype, shape)`` in the order their bytes follow each other. Callers order
@@ -82,7 +80,7 @@ def header_length(prefix: bytes, file_size: int, path: object) -> int:
     """Validate the 8-byte prefix; return the JSON header's length."""
     if file_size < 8 or len(prefix) < 8:
         raise HeaderError(f"file is {file_size} bytes, too small for a safetensors header", path)
-    (n,) = struct.unpack("<Q", prefix[:8])
+    n = int(struct.unpack("<Q", prefix[:8])[0])
     if n > MAX_HEADER_BYTES:
         raise HeaderError(f"header claims {n} bytes, more than the {MAX_HEADER_BYTES} byte cap", path)
     if 8 + n > file_size:
@@ -138,9 +136,7 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
         raise HeaderError(f"more than {max_tensors} tensors in one file", path)
     obj = loads_json_object(header, path, "header")
     metadata = obj.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise HeaderError("__metadata__ must map strings to strings", path)
     specs = []
     for key, info in obj.items():
@@ -156,8 +152,7 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
         begin, end = offsets
         if begin > end or data_start + end > file_size:
             raise HeaderError(
-                f"tensor {key!r}: data_offsets [{begin}, {end}] outside the data section of "
-                f"{file_size - data_start} bytes",
+                f"tensor {key!r}: data_offsets [{begin}, {end}] outside the data section of {file_size - data_start} bytes",
                 path,
             )
         n = nbytes_of(dtype, shape)  # Python ints: no overflow; compared against real sizes below

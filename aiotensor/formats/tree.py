@@ -83,7 +83,7 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     return walk(state, ()), tensors
 
 
-def unflatten(tree: Any, tensor: Callable[[str], torch.Tensor], where: object = None) -> Any:
+def unflatten(tree: Any, tensor: Callable[[str], Any], where: object = None) -> Any:
     """Rebuild the state from a JSON tree; ``tensor(key)`` supplies each tensor.
 
     Raises:
