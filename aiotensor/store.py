@@ -459,7 +459,8 @@ class TensorStore:
         on a copy stream; complete when this returns).
 
         Raises:
-            CheckpointNotFoundError: no such committed step (or none at all).
+            CheckpointNotFoundError: no such committed step (or none at all), or another process
+                retired the step while it was being read.
             MismatchError: ``into`` lacks a key, has an extra one, or a shape/dtype differs (named).
             ChecksumError: stored bytes are corrupt (names the file and the tensor).
             ManifestError / HeaderError: a malformed manifest or shard (names the file).
@@ -480,11 +481,20 @@ class TensorStore:
             )
         self._readers[step] += 1
         try:
-            return await load_checkpoint(
-                self.scheduler, self.path(step), into=into, verify=self.verify if verify is None else verify, device=device
-            )
+            return await self._load(step, into, verify, device)
+        except FileNotFoundError as e:
+            if await self._call(self.engine.exists, self.path(step)):
+                raise
+            self._committed.discard(step)
+            raise CheckpointNotFoundError(
+                f"step {step} was retired while it was being loaded (by another process writing to {self.root})"
+            ) from e
         finally:
             self._readers[step] -= 1
+
+    async def _load(self, step: int, into: Any, verify: bool | None, device: str | torch.device) -> Any:
+        verify = self.verify if verify is None else verify
+        return await load_checkpoint(self.scheduler, self.path(step), into=into, verify=verify, device=device)
 
     async def _call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
         try:

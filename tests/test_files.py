@@ -80,3 +80,17 @@ async def test_load_file_errors(tmp_path: Any) -> None:
     (tmp_path / "empty").write_bytes(b"")
     with pytest.raises(HeaderError, match="empty: file is 0 bytes"):
         await aiotensor.load_file(tmp_path / "empty")
+
+
+async def test_saving_over_a_file_a_reader_has_mmapped_leaves_the_reader_intact(tmp_path: Any) -> None:
+    """safetensors#762: writing in place over a mapped file showed the reader zeros. save_file
+    writes a new file and renames it over the old one, so the old mapping keeps the old bytes."""
+    from safetensors import safe_open
+
+    path = tmp_path / "m.safetensors"
+    old = {"w": torch.arange(100_000, dtype=torch.float32)}
+    await aiotensor.save_file(old, path)
+    with safe_open(str(path), framework="pt") as reader:  # mmaps the file
+        await aiotensor.save_file({"w": torch.zeros(100_000)}, path)
+        assert torch.equal(reader.get_tensor("w"), old["w"])
+    assert torch.equal((await aiotensor.load_file(path))["w"], torch.zeros(100_000))

@@ -404,3 +404,37 @@ async def test_staging_memory_is_reused(tmp_path: Any) -> None:
             await store.save(step, {"w": torch.randn(1 << 16)})
             sizes.append(store.staging.mapped_bytes)
     assert sizes == [(1 << 18) + 4096] * 5  # one header page + the data, mapped once
+
+
+async def test_a_reader_polling_from_another_store_never_sees_an_uncommitted_step(tmp_path: Any) -> None:
+    """RELIABILITY 6: a second store on the same root (another process, in effect) polls the newest
+    step while saves commit and retire steps; every load it completes is exact, and a step
+    retired under it is a CheckpointNotFoundError, never partial data."""
+    states = {s: {"w": torch.full((50_000,), float(s)), "step": s} for s in range(12)}
+    seen: list[int] = []
+    vanished = 0
+    async with TensorStore(tmp_path, keep_last=2, chunk_bytes=4096) as writer:
+        await writer.save(0, states[0])
+        async with TensorStore(tmp_path) as reader:
+            done = False
+
+            async def poll() -> None:
+                nonlocal vanished
+                while not done:
+                    await reader.refresh()
+                    step = reader.latest()
+                    assert step is not None and step in states
+                    try:
+                        got = await reader.load(step)
+                    except CheckpointNotFoundError:
+                        vanished += 1
+                        continue
+                    assert_state_equal(states[step], got)
+                    seen.append(step)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(poll)
+                for s in range(1, 12):
+                    await writer.save(s, states[s])
+                done = True
+    assert seen and all(s in states for s in seen)
