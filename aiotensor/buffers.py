@@ -137,6 +137,7 @@ class SlotPool:
         self.slot_bytes = round_up(slot_bytes)
         self._buf: HostBuffer | None = None
         self._free: list[int] = []
+        self._pinning: Any = None  # the cuda.Pinning that pinned the slots, if any
 
     def take(self) -> int:
         """Take a free slot's index."""
@@ -162,7 +163,7 @@ class SlotPool:
 
     def close(self) -> None:
         if self._buf is not None and len(self._free) == self.slots:
-            if getattr(self, "_pinning", None) is not None:
+            if self._pinning is not None:
                 self._pinning.unpin(self._buf.address)
             self._buf.close()
             self._buf = None

@@ -4,7 +4,7 @@ NOT YET RUN ON A GPU: no device was lent while this was written. The event bridg
 loop delivery, errors, cancellation, keeping sources alive) is tested on CPU with stand-in events;
 the CUDA calls themselves (``cudaHostRegister``, streams, ``copy_(non_blocking=True)``) are not.
 
-How a save of CUDA tensors stages (see :func:`stage_cuda`):
+How a save of CUDA tensors stages (see :func:`aiotensor._io.stage`):
 
 1. ``save()`` records an event on each source device's current stream, on the caller's thread:
    the copies must see the values as of that call, after the kernels already queued.
@@ -167,17 +167,18 @@ class CopyStreams:
         self._bridges: dict[int, EventBridge] = {}
         self.pinning = pinning or Pinning()  # staging arenas and bounce slots
 
-    def stream(self, device: torch.device) -> Any:
+    def _index(self, device: torch.device) -> int:
         i = device.index if device.index is not None else torch.cuda.current_device()
         if i not in self._streams:
             self._streams[i] = torch.cuda.Stream(device=i)  # type: ignore[no-untyped-call]
             self._bridges[i] = EventBridge(f"aiotensor-cuda{i}-events")
-        return self._streams[i]
+        return i
+
+    def stream(self, device: torch.device) -> Any:
+        return self._streams[self._index(device)]
 
     def bridge(self, device: torch.device) -> EventBridge:
-        self.stream(device)
-        i = device.index if device.index is not None else torch.cuda.current_device()
-        return self._bridges[i]
+        return self._bridges[self._index(device)]
 
     def close(self) -> None:
         for b in self._bridges.values():

@@ -481,7 +481,8 @@ class TensorStore:
             )
         self._readers[step] += 1
         try:
-            return await self._load(step, into, verify, device)
+            verify = self.verify if verify is None else verify
+            return await load_checkpoint(self.scheduler, self.path(step), into=into, verify=verify, device=device)
         except FileNotFoundError as e:
             if await self._call(self.engine.exists, self.path(step)):
                 raise
@@ -491,10 +492,6 @@ class TensorStore:
             ) from e
         finally:
             self._readers[step] -= 1
-
-    async def _load(self, step: int, into: Any, verify: bool | None, device: str | torch.device) -> Any:
-        verify = self.verify if verify is None else verify
-        return await load_checkpoint(self.scheduler, self.path(step), into=into, verify=verify, device=device)
 
     async def _call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
         try:
@@ -518,27 +515,24 @@ async def load_checkpoint(
     by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
     for e in m.entries.values():
         by_shard[e.shard].append(e)
-
-    async def each_shard(read: bool) -> None:
+    fds: dict[str, int] = {}
+    try:
+        # every shard's header and size must agree with the manifest before anything is allocated:
+        # a hostile manifest cannot make us allocate what the files do not hold
         for shard, size in m.shards.items():
             path = os.path.join(folder, shard)
-            fd = await _io.open_read(sched, path)
-            try:
-                layout = await _io.read_layout(sched, fd, path)
-                listed = {e.spec.key: e.spec for e in by_shard[shard]}
-                if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
-                    raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
-                if read:
-                    targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
-                    await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
-            finally:
-                await _io.close(sched, fd)
-
-    # every shard's header and size must agree with the manifest before anything is allocated:
-    # a hostile manifest cannot make us allocate what the files do not hold
-    await each_shard(read=False)
-    dest = _destinations(m, into, torch.device(device), sched.devices)
-    await each_shard(read=True)
+            fds[shard] = await _io.open_read(sched, path)
+            layout = await _io.read_layout(sched, fds[shard], path)
+            listed = {e.spec.key: e.spec for e in by_shard[shard]}
+            if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
+                raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
+        dest = _destinations(m, into, torch.device(device), sched.devices)
+        for shard, fd in fds.items():
+            targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
+            await _io.read_tensors(sched, fd, os.path.join(folder, shard), targets, Priority.LOAD)
+    finally:
+        for fd in fds.values():
+            await _io.close(sched, fd)
     for alias, target in m.aliases.items():
         if alias not in dest:
             dest[alias] = dest[target]

@@ -5,8 +5,7 @@ change to the file system the store makes goes through an engine, so a test engi
 the operations (commit order, power-loss replay) or fail any one of them.
 
 Call order for a file the store writes: ``create`` → ``pwrite``… → (``truncate``) → ``sync`` →
-``close``; then for
-the checkpoint folder ``sync_dir`` → ``rename`` → ``sync_dir(parent)``.
+``close``; then for the checkpoint folder ``sync_dir`` → ``rename`` → ``sync_dir(parent)``.
 """
 
 from __future__ import annotations
