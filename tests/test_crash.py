@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from aiotensor import FaultyEngine, TensorStore
+from aiotensor.store import step_dir_name
 
 from .conftest import assert_state_equal, tmp_leftovers
 
@@ -69,40 +70,56 @@ def count_ops(root: str) -> int:
             await s.save(2, state_for(2))
 
     anyio.run(main)
-    shutil.rmtree(os.path.join(root, "step-000000000002"))
+    reset_to_step_1(root)
     return len(eng.ops)
 
 
-def check_after_crash(root: str) -> int:
-    """Open, check invariants, return the newest step; then reset the root to step 1 only."""
+def reset_to_step_1(root: str) -> None:
+    """Back to the disk before the save: step 1, named by `latest`."""
+    shutil.rmtree(os.path.join(root, step_dir_name(2)))
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write(step_dir_name(1) + "\n")
+
+
+def check_recovered(root: str, allowed: tuple[list[int], ...] = ([1], [1, 2])) -> int:
+    """Open the store after a crash; check it lists ``allowed`` steps only, left no leftovers,
+    loads the newest bit for bit, and that `latest` names a committed step. Return the newest."""
 
     async def main() -> int:
         async with TensorStore(root) as s:
             steps = s.steps()
-            assert steps in ([1], [1, 2]), steps
+            assert steps in allowed, steps
             assert tmp_leftovers(root) == []
             newest = steps[-1]
             assert_state_equal(state_for(newest), await s.load())
             with open(os.path.join(root, "latest")) as f:
                 latest = f.read().strip()
-            assert latest in ("step-000000000001", "step-000000000002")
+            assert latest in [step_dir_name(n) for n in steps], f"`latest` names {latest!r}; committed: {steps}"
             return newest
 
-    newest = anyio.run(main)
+    return anyio.run(main)
+
+
+def commit_step_1(root: str) -> None:
+    async def main() -> None:
+        async with TensorStore(root) as s:
+            await s.save(1, state_for(1))
+
+    anyio.run(main)
+
+
+def check_after_crash(root: str) -> int:
+    """:func:`check_recovered`, then reset the root to step 1 only."""
+    newest = check_recovered(root)
     if newest == 2:
-        shutil.rmtree(os.path.join(root, "step-000000000002"))
+        reset_to_step_1(root)
     return newest
 
 
 @pytest.fixture
 def root(tmp_path: Any) -> str:
     r = str(tmp_path / "store")
-
-    async def main() -> None:
-        async with TensorStore(r) as s:
-            await s.save(1, state_for(1))
-
-    anyio.run(main)
+    commit_step_1(r)
     return r
 
 
