@@ -438,3 +438,15 @@ async def test_a_reader_polling_from_another_store_never_sees_an_uncommitted_ste
                     await writer.save(s, states[s])
                 done = True
     assert seen and all(s in states for s in seen)
+
+
+async def test_a_step_retired_by_another_store_is_not_found_not_an_oserror(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, keep_last=1) as writer:
+        await writer.save(1, {"w": torch.ones(3)})
+        async with TensorStore(tmp_path) as reader:
+            assert reader.steps() == [1]
+            await writer.save(2, {"w": torch.zeros(3)})  # retires step 1 under the reader
+            with pytest.raises(CheckpointNotFoundError, match="step 1 was retired while it was being loaded"):
+                await reader.load(1)
+            assert reader.steps() == []  # forgotten; refresh() finds step 2
+            assert await reader.refresh() == [2]
