@@ -5,7 +5,7 @@ background; ``save_file``/``load_file`` read and write single safetensors files.
 """
 
 from . import errors
-from .engines import Engine, FaultyEngine, PosixEngine
+from .engines import Engine, FaultyEngine, KvikioEngine, PosixEngine
 from .files import load_file, save_file
 from .scheduler import Priority, Scheduler
 from .store import SaveHandle, TensorStore, load_checkpoint
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine",
     "FaultyEngine",
+    "KvikioEngine",
     "PosixEngine",
     "Priority",
     "SaveHandle",

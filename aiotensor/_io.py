@@ -8,8 +8,9 @@ contiguous CPU block) and verifies their checksums.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,17 +27,38 @@ from .formats import safetensors as st
 from .scheduler import Priority, Scheduler, run_concurrently
 
 
+def byte_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor on its device (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
+    if t.numel() == 0:
         return memoryview(bytearray())
-    return flat.view(torch.uint8).numpy().data.cast("B")
+    return byte_tensor(t).numpy().data.cast("B")
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Are ``t``'s values its memory's bytes, in order (contiguous, no lazy conj/neg bit)?"""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def direct(t: torch.Tensor) -> bool:
     """Can bytes be read straight into (or written straight from) ``t``'s memory?"""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return t.device.type == "cpu" and plain(t)
+
+
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """A :func:`plain` tensor with ``t``'s values (``t`` itself when it is one; blocks)."""
+    return t if plain(t) else t.resolve_conj().resolve_neg().contiguous()
+
+
+def io_bytes(eng: Any, t: torch.Tensor) -> memoryview | torch.Tensor:
+    """A :func:`plain` tensor's bytes as an engine moves them: a flat uint8 tensor where the engine
+    reads and writes that memory itself (or must bounce it: CUDA memory, posix engine), else a
+    memoryview of host memory."""
+    return byte_tensor(t) if eng.handles_device(t) or t.device.type != "cpu" else byte_view(t)
 
 
 def _pieces(n: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -156,12 +178,15 @@ def _per_cpu(sched: Scheduler, units: Sequence[_StageUnit]) -> int:
 async def write_file(
     sched: Scheduler,
     path: str,
-    ranges: Sequence[tuple[int, memoryview]],
+    ranges: Sequence[tuple[int, memoryview | torch.Tensor]],
     priority: int = Priority.SAVE,
     *,
     size: int | None = None,
 ) -> None:
     """Create ``path`` (it must not exist), write ``(offset, bytes)`` ranges, fdatasync, close.
+
+    A range's bytes are host memory, or a flat uint8 CUDA tensor: written by the engine from
+    device memory where it can (kvikio), else copied through a pinned bounce slot.
 
     With ``size``, the file is cut to ``size`` bytes after writing: the ranges may then run past
     it, so that a page-aligned image (a staging arena) is written whole, bypassing the page cache
@@ -174,23 +199,32 @@ async def write_file(
     removes it: it lives in a temporary name).
     """
     eng = sched.engine
-    direct = size is not None and all(off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
+    direct = size is not None and all(isinstance(mv, memoryview) and off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
     try:
         fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority)
     except OSError as e:
         raise annotate_oserror(e, f"creating {path}") from e
     try:
         units = [(off + a, mv[a:b]) for off, mv in ranges for a, b in _pieces(len(mv), sched.chunk_bytes)]
+        bounce = any(isinstance(mv, torch.Tensor) and not eng.handles_device(mv) for _, mv in units)
 
-        def run(u: tuple[int, memoryview]) -> None:
-            off, mv = u
-            while len(mv):
-                n = eng.pwrite(fd, mv, off)
+        def run(slot: memoryview | None, u: tuple[int, memoryview | torch.Tensor]) -> None:
+            off, src = u
+            if isinstance(src, torch.Tensor) and not eng.handles_device(src):
+                assert slot is not None
+                _copy(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, len(src))), src)
+                src = slot[: len(src)]
+            write = eng.pwrite_device if isinstance(src, torch.Tensor) else eng.pwrite
+            while len(src):
+                n = write(fd, src, off)  # type: ignore[arg-type]
                 if n <= 0:
                     raise OSError(28, "no progress writing (disk full?)")
-                mv, off = mv[n:], off + n
+                src, off = src[n:], off + n
 
-        await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority)
+        if bounce:
+            await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority, slot=True)
+        else:
+            await sched.map(functools.partial(run, None), units, nbytes=lambda u: len(u[1]), priority=priority)
         if size is not None:
             await sched.call(eng.truncate, fd, size, priority=priority)
         await sched.call(eng.sync, fd, priority=priority)
@@ -237,15 +271,28 @@ async def close(sched: Scheduler, fd: int) -> None:
         await sched.call(sched.engine.close, fd, priority=Priority.LOAD)
 
 
-def _read_exact(sched: Scheduler, fd: int, mv: memoryview, off: int, path: str, what: str) -> None:
-    while len(mv):
+def _read_exact(sched: Scheduler, fd: int, buf: memoryview | torch.Tensor, off: int, path: str, what: str) -> None:
+    """Fill ``buf`` (host bytes, or a flat uint8 device tensor the engine reads into) from ``off``."""
+    read = sched.engine.pread_device if isinstance(buf, torch.Tensor) else sched.engine.pread
+    while len(buf):
         try:
-            n = sched.engine.pread(fd, mv, off)
+            n = read(fd, buf, off)  # type: ignore[arg-type]
         except OSError as e:
             raise annotate_oserror(e, f"reading {what} from {path}") from e
         if n <= 0:
             raise FormatError(f"file ends at byte {off}, inside {what}", path)
-        mv, off = mv[n:], off + n
+        buf, off = buf[n:], off + n
+
+
+def _copy(sched: Scheduler, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` in a worker thread; between a bounce slot and CUDA memory on the copy
+    stream, returning once the copy is done (the slot is then free again)."""
+    if dst.device.type == "cuda" or src.device.type == "cuda":
+        assert sched.cuda is not None
+        sched.slots.pin(sched.cuda.pinning)
+        cuda.copy(sched.cuda, dst, src)
+    else:
+        dst.copy_(src)
 
 
 async def _read_exact_async(sched: Scheduler, fd: int, mv: memoryview, off: int, path: str, what: str) -> None:
@@ -263,6 +310,25 @@ async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
     return st.parse(bytes(header), size, path)
 
 
+def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device, or ValueError where this machine cannot load to it."""
+    dev = torch.device(device)
+    if dev.type not in sched.devices:
+        raise ValueError(f"cannot load to {device}: this machine handles {', '.join(sched.devices)} tensors")
+    return dev
+
+
+async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) -> None:
+    """Before writing into CUDA tensors: wait (in a worker thread) for the work already queued on
+    their devices' current streams, which may still read them. Copies on the copy stream and
+    cuFile reads are not ordered after that work otherwise."""
+    if sched.cuda is None:
+        return
+    events = list(cuda.record_producers(tensors).values())
+    if events:
+        await sched.call(lambda: [e.synchronize() for e in events], priority=Priority.LOAD)
+
+
 @dataclass(frozen=True)
 class Target:
     """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given."""
@@ -276,7 +342,9 @@ class Target:
 class _ReadUnit:
     target: int
     offset: int  # file offset
-    dest: memoryview | None  # direct destination bytes; None: bounce rows [row0, row1)
+    # the destination bytes: host memory, or device memory the engine reads into (checksummed
+    # through a bounce slot); None: read into a bounce slot, then copy rows [row0, row1)
+    dest: memoryview | torch.Tensor | None
     nbytes: int
     row0: int = 0
     row1: int = 0
@@ -297,9 +365,9 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
             continue
-        if direct(dst):
-            mv = byte_view(dst)
-            units += [_ReadUnit(i, spec.offset + a, mv[a:b], b - a) for a, b in _pieces(spec.nbytes, sched.chunk_bytes)]
+        if sched.engine.handles_device(dst) or direct(dst):
+            whole = io_bytes(sched.engine, dst)
+            units += [_ReadUnit(i, spec.offset + a, whole[a:b], b - a) for a, b in _pieces(spec.nbytes, sched.chunk_bytes)]
             continue
         rows = dst.shape[0] if dst.dim() else 1
         row_bytes = spec.nbytes // rows
@@ -311,21 +379,22 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     def run(slot: memoryview, u: _ReadUnit) -> int:
         t = targets[u.target]
         what = f"tensor {t.spec.key!r}"
-        if u.dest is not None:
+        if isinstance(u.dest, memoryview):
             _read_exact(sched, fd, u.dest, u.offset, path, what)
             return _checksum.crc32c(u.dest) if t.crc is not None else 0
+        if u.dest is not None:  # device memory: read back through the slot to checksum it
+            _read_exact(sched, fd, u.dest, u.offset, path, what)
+            if t.crc is None:
+                return 0
+            _copy(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
+            return _checksum.crc32c(slot[: u.nbytes])
         buf = slot if u.nbytes <= len(slot) else memoryview(bytearray(u.nbytes))
         _read_exact(sched, fd, buf[: u.nbytes], u.offset, path, what)
         dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
         src = torch.from_numpy(np.frombuffer(buf, np.uint8, u.nbytes)).view(dtype)
         dst = t.tensor[u.row0 : u.row1] if t.tensor.dim() else t.tensor
         src = src.view((u.row1 - u.row0, *t.spec.shape[1:])) if t.tensor.dim() else src.view(())
-        if dst.device.type == "cuda":
-            assert sched.cuda is not None
-            sched.slots.pin(sched.cuda.pinning)
-            cuda.h2d(sched.cuda, dst, src)  # returns once the copy is done: the slot is free again
-        else:
-            dst.copy_(src)
+        _copy(sched, dst, src)
         return _checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)

@@ -16,8 +16,10 @@ How a save of CUDA tensors stages (see :func:`aiotensor._io.stage`):
    a thread hop. The source tensors stay referenced until the event has completed, even if the
    save is cancelled, so the caching allocator cannot hand their memory out while a copy reads it.
 
-Loads into CUDA tensors read into bounce slots, copy host → device on the copy stream, and wait
-for the copy's event in the worker thread before the slot is reused (:func:`h2d`).
+Loads into CUDA tensors first wait (in a worker thread) for the work already queued on the
+destinations' current streams, then either read into bounce slots and copy host → device on the
+copy stream, waiting for the copy before the slot is reused (:func:`copy`), or, with the kvikio
+engine, read straight into device memory through cuFile.
 """
 
 from __future__ import annotations
@@ -212,10 +214,10 @@ def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, to
     return done
 
 
-def h2d(streams: CopyStreams, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """In a worker thread: copy host ``src`` into CUDA ``dst`` on the copy stream, and wait for it
-    (the bounce slot holding ``src`` is reused as soon as this returns)."""
-    stream = streams.stream(dst.device)
+def copy(streams: CopyStreams, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """In a worker thread: ``dst.copy_(src)`` between pinned host memory and a CUDA device, on that
+    device's copy stream, and wait for it (the host side, a bounce slot, is reused on return)."""
+    stream = streams.stream(dst.device if dst.device.type == "cuda" else src.device)
     done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)

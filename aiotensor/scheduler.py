@@ -135,7 +135,7 @@ class Scheduler:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
-        self.engine = engine if engine is not None else default_engine()
+        self.engine = engine if engine is not None else default_engine(workers=workers, chunk_bytes=chunk_bytes)
         self.workers = workers
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = max(batch_bytes, chunk_bytes)

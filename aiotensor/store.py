@@ -508,8 +508,7 @@ async def load_checkpoint(
     sched: Scheduler, folder: str, *, into: Any = None, verify: bool = True, device: str | torch.device = "cpu"
 ) -> Any:
     """Load one checkpoint folder (see :meth:`TensorStore.load`)."""
-    if torch.device(device).type not in sched.devices:
-        raise ValueError(f"cannot load to {device}: this machine's store handles {', '.join(sched.devices)} tensors")
+    dev = _io.check_device(sched, device)
     mpath = os.path.join(folder, MANIFEST)
     m = mf.loads(await _io.read_bytes(sched, mpath, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), mpath)
     by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
@@ -526,7 +525,8 @@ async def load_checkpoint(
             listed = {e.spec.key: e.spec for e in by_shard[shard]}
             if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
                 raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
-        dest = _destinations(m, into, torch.device(device), sched.devices)
+        dest = _destinations(m, into, dev, sched.devices)
+        await _io.wait_for_streams(sched, dest.values())
         for shard, fd in fds.items():
             targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
             await _io.read_tensors(sched, fd, os.path.join(folder, shard), targets, Priority.LOAD)

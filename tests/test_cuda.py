@@ -12,7 +12,7 @@ import anyio
 import pytest
 import torch
 
-from aiotensor import TensorStore
+from aiotensor import PosixEngine, Scheduler, TensorStore, load_file, save_file
 from aiotensor.buffers import StagingPool
 from aiotensor.cuda import EventBridge, Pinning
 
@@ -188,6 +188,27 @@ async def test_fifty_cuda_saves_leak_no_threads(tmp_path: Any) -> None:
             await store.save(step, state)
         assert threading.active_count() <= threads
     assert not any(t.name.startswith("aiotensor-cuda") for t in threading.enumerate())
+
+
+@gpu
+@needs_cuda
+async def test_cuda_io_is_ordered_after_the_kernels_already_queued(tmp_path: Any) -> None:
+    """save sees, and load overwrites, the values as of after the work queued before the call."""
+    x = torch.zeros(1 << 20, device="cuda")
+    async with TensorStore(tmp_path, engine=PosixEngine()) as store:
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # keep the stream busy
+        x.fill_(7.0)
+        await store.save(1, {"x": x})
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+        x.add_(1.0)  # queued before the load: the load must land after it
+        await store.load(1, into={"x": x})
+        assert bool((x == 7.0).all())
+    path = str(tmp_path / "x.safetensors")
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    x.fill_(3.0)
+    await save_file({"x": x}, path, scheduler=Scheduler(PosixEngine()))  # bounced through pinned slots
+    got = await load_file(path, device="cuda", scheduler=Scheduler(PosixEngine()))
+    assert got["x"].is_cuda and bool((got["x"] == 3.0).all())
 
 
 async def test_loading_to_an_absent_device_is_a_clear_error(tmp_path: Any) -> None:

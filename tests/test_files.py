@@ -94,3 +94,24 @@ async def test_saving_over_a_file_a_reader_has_mmapped_leaves_the_reader_intact(
         await aiotensor.save_file({"w": torch.zeros(100_000)}, path)
         assert torch.equal(reader.get_tensor("w"), old["w"])
     assert torch.equal((await aiotensor.load_file(path))["w"], torch.zeros(100_000))
+
+
+async def test_lazy_conj_and_neg_views_are_written_as_their_values(tmp_path: Any) -> None:
+    # regression: save_file wrote these from their raw memory (RuntimeError from torch.view)
+    x = torch.randn(7, dtype=torch.complex64)
+    n = torch.randn(5)._neg_view()
+    path = str(tmp_path / "v.safetensors")
+    await aiotensor.save_file({"conj": x.conj(), "neg": n}, path)
+    got = st_load(path)
+    assert torch.equal(got["conj"], x.conj().resolve_conj()) and torch.equal(got["neg"], n.resolve_neg())
+
+
+async def test_load_file_to_a_device_this_machine_lacks_is_a_clear_error(tmp_path: Any) -> None:
+    path = str(tmp_path / "d.safetensors")
+    await aiotensor.save_file({"a": torch.ones(3)}, path)
+    assert (await aiotensor.load_file(path, device="cpu"))["a"].equal(torch.ones(3))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cannot load to cuda"):
+            await aiotensor.load_file(path, device="cuda")
+        with pytest.raises(StateError, match="'a'"):
+            await aiotensor.save_file({"a": torch.ones(3, device="meta")}, path)

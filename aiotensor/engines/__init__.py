@@ -2,11 +2,15 @@
 
 from .base import Engine
 from .faulty import FaultyEngine
+from .kvikio import KvikioEngine, kvikio_usable
 from .posix import PosixEngine
 
-__all__ = ["Engine", "FaultyEngine", "PosixEngine", "default_engine"]
+__all__ = ["Engine", "FaultyEngine", "KvikioEngine", "PosixEngine", "default_engine", "kvikio_usable"]
 
 
-def default_engine() -> Engine:
-    """The engine for this machine: posix everywhere (kvikio is chosen per device buffer, not here)."""
+def default_engine(*, workers: int = 4, chunk_bytes: int = 16 << 20) -> Engine:
+    """The engine for this machine, chosen at run time: kvikio where torch sees CUDA and kvikio
+    imports (CUDA tensors then move through cuFile), posix everywhere else."""
+    if kvikio_usable():
+        return KvikioEngine(num_threads=workers, task_size=chunk_bytes)
     return PosixEngine()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import abc
 import os
 
+import torch
+
 
 class Engine(abc.ABC):
     """Blocking file operations on paths and integer handles."""
@@ -67,6 +69,20 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def remove_tree(self, path: str) -> None:
         """Remove a file or a folder and everything in it; a missing path is not an error."""
+
+    # --- device memory (engines that move bytes between files and GPU memory themselves) ---
+
+    def handles_device(self, t: torch.Tensor) -> bool:
+        """Can :meth:`pread_device`/:meth:`pwrite_device` move ``t``'s bytes (no host bounce)?"""
+        return False
+
+    def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:
+        """Read up to ``dst.nbytes`` bytes at ``offset`` into ``dst``'s memory; return the count."""
+        raise NotImplementedError(f"the {self.name} engine cannot read into {dst.device} memory")
+
+    def pwrite_device(self, fd: int, src: torch.Tensor, offset: int) -> int:
+        """Write ``src``'s bytes at ``offset``; return how many were written (may be short)."""
+        raise NotImplementedError(f"the {self.name} engine cannot write from {src.device} memory")
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)

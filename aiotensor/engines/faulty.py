@@ -12,6 +12,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+import torch
+
 from .base import Engine
 from .posix import PosixEngine
 
@@ -83,6 +85,20 @@ class FaultyEngine(Engine):
         else:
             self._op("pwrite", self._paths.get(fd), offset, len(buf))
         return self.inner.pwrite(fd, buf, offset)
+
+    def handles_device(self, t: torch.Tensor) -> bool:
+        return self.inner.handles_device(t)
+
+    def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:
+        self._op("pread", self._paths.get(fd), offset, dst.nbytes)
+        return self.inner.pread_device(fd, dst, offset)
+
+    def pwrite_device(self, fd: int, src: torch.Tensor, offset: int) -> int:
+        if self.record_data:
+            self._op("pwrite", self._paths.get(fd), offset, src.nbytes, src.cpu().numpy().tobytes())
+        else:
+            self._op("pwrite", self._paths.get(fd), offset, src.nbytes)
+        return self.inner.pwrite_device(fd, src, offset)
 
     def truncate(self, fd: int, size: int) -> None:
         self._op("truncate", self._paths.get(fd), size)
