@@ -8,6 +8,7 @@ from . import errors
 from .engines import Engine, FaultyEngine, KvikioEngine, PosixEngine
 from .files import load_file, save_file
 from .scheduler import Priority, Scheduler
+from .snapshot import Snapshotter
 from .store import SaveHandle, TensorStore, load_checkpoint
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "Priority",
     "SaveHandle",
     "Scheduler",
+    "Snapshotter",
     "TensorStore",
     "errors",
     "load_checkpoint",

@@ -190,6 +190,13 @@ class TensorStore:
     def engine(self) -> Engine:
         return self.scheduler.engine
 
+    @property
+    def io_mode(self) -> str:
+        """The I/O path in use: ``"posix"``, or ``"kvikio (gds)"`` / ``"kvikio (compat)"``... (see
+        :class:`~aiotensor.KvikioEngine`) where CUDA tensors move through cuFile."""
+        e = self.engine
+        return f"{e.name} ({e.mode})" if e.mode else e.name
+
     # --- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> TensorStore:

@@ -1,9 +1,11 @@
 """An async training loop that snapshots in the background, then restores and checks.
 
-The recommended pattern: call ``store.save(...)`` right after ``optimizer.step()``, let staging run
-while the next forward/backward runs, and ``await handle.staged`` just before the next
-``optimizer.step()`` (the only thing that mutates the saved tensors). The trainer is held only by
-that await; the write to disk overlaps training. On a CPU the forward/backward must run in a
+The recommended pattern, as ``aiotensor.Snapshotter`` runs it: save right after
+``optimizer.step()``, let staging run while the next forward/backward runs, and wait for the copy
+out (``await snap.before_update()``) just before the next ``optimizer.step()`` (the only thing
+that mutates the saved tensors). The trainer is held only by that await; the write to disk
+overlaps training. If the disk falls behind, saves are skipped (``policy="skip"``) rather than
+queued in memory. On a CPU the forward/backward must run in a
 worker thread (as any blocking work in an async program should), or the loop, and with it the
 store, stands still while it computes.
 
@@ -40,11 +42,10 @@ async def train(root: str, steps: int, every: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = nn.CrossEntropyLoss()
     data = torch.randint(0, 4096, (8, 65), generator=torch.Generator().manual_seed(1))
-    held: list[float] = []
     handles: list[aiotensor.SaveHandle] = []
-    pending: aiotensor.SaveHandle | None = None
     reference: dict[str, torch.Tensor] = {}
     async with aiotensor.TensorStore(root, keep_last=2) as store:
+        snap = aiotensor.Snapshotter(store, policy="skip")
         t_train = time.perf_counter()
 
         def forward_backward() -> torch.Tensor:
@@ -58,26 +59,26 @@ async def train(root: str, steps: int, every: int) -> None:
             # CPU compute runs in a worker thread so the event loop (and the store) keeps going;
             # on a GPU the kernels are launched asynchronously and this is not needed
             loss = await asyncio.to_thread(forward_backward)
-            if pending is not None:  # the only wait: tensors copied out before they change
-                t0 = time.perf_counter()
-                await pending.staged
-                held.append(time.perf_counter() - t0)
-                pending = None
+            await snap.before_update()  # the only wait: tensors copied out before they change
             opt.step()
             if step % every == 0:
-                pending = store.save(step, snapshot_state(model, opt, step), background=True)
-                handles.append(pending)
-                reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                print(f"step {step:4d}  loss {loss.item():.4f}  snapshot started")
+                h = snap.save(step, snapshot_state(model, opt, step))
+                if h is not None:
+                    handles.append(h)
+                    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                print(f"step {step:4d}  loss {loss.item():.4f}  snapshot {'started' if h else 'skipped: disk busy'}")
         train_s = time.perf_counter() - t_train
         t0 = time.perf_counter()
-        for h in handles:
-            await h  # all committed and durable (or raises)
+        await snap.drain()  # all committed and durable (or raises)
         drain_s = time.perf_counter() - t0
 
         saved = handles[-1].nbytes
         stage = [h.stage_seconds for h in handles if h.stage_seconds is not None]
-        print(f"\nsaved {len(handles)} snapshots of {saved / 1e6:.1f} MB each; kept steps {store.steps()} in {root}")
+        print(
+            f"\nsaved {len(handles)} snapshots of {saved / 1e6:.1f} MB each ({snap.skipped} skipped); "
+            f"kept steps {store.steps()} in {root}"
+        )
+        held = snap.held_seconds
         print(
             f"trainer held by `await staged`: median {1e3 * statistics.median(held):.1f} ms, "
             f"max {1e3 * max(held):.1f} ms (staging copy took median {1e3 * statistics.median(stage):.1f} ms, "

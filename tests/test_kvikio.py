@@ -138,6 +138,7 @@ async def test_checkpoints_load_through_cufile_into_tensors(tmp_path: Any) -> No
     kv = FakeKvikio(max_io=3000)  # short reads: the engine call is repeated for the rest
     eng = HostKvikio(kvikio_module=kv)
     async with TensorStore(tmp_path / "ck", engine=eng, chunk_bytes=4096) as store:
+        assert store.io_mode == "kvikio (gds)"
         got = await store.load(1)
         assert eng._files == {}
     assert_state_equal(got, state)

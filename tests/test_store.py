@@ -450,3 +450,10 @@ async def test_a_step_retired_by_another_store_is_not_found_not_an_oserror(tmp_p
                 await reader.load(1)
             assert reader.steps() == []  # forgotten; refresh() finds step 2
             assert await reader.refresh() == [2]
+
+
+async def test_the_store_reports_its_io_path(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, engine=aiotensor.PosixEngine()) as store:
+        assert store.io_mode == "posix"
+    async with TensorStore(tmp_path, engine=aiotensor.FaultyEngine()) as store:
+        assert store.io_mode == "faulty"

@@ -20,6 +20,7 @@ class Engine(abc.ABC):
     """Blocking file operations on paths and integer handles."""
 
     name: str = "engine"
+    mode: str = ""  # how the engine moves device memory, where it has modes (kvikio: gds/compat)
 
     @abc.abstractmethod
     def open_read(self, path: str) -> int: ...

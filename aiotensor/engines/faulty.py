@@ -41,6 +41,7 @@ class FaultyEngine(Engine):
         record_data: bool = False,
     ):
         self.inner = inner or PosixEngine()
+        self.mode = self.inner.mode
         self.record_data = record_data
         self.fail = dict(fail or {})
         self.hook = hook

@@ -1,0 +1,97 @@
+"""Snapshotter: the recommended trainer pattern, with a bounded policy for a disk that falls behind."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from .store import SaveHandle, TensorStore
+
+Policy = Literal["skip", "wait"]
+
+
+class Snapshotter:
+    """Checkpoints a training loop in the background, holding the trainer only while tensors are
+    copied out, and never letting memory grow when the disk is slower than the checkpoints::
+
+        snap = Snapshotter(store)
+        for step in range(n):
+            loss = forward_backward()     # (on CPU, in a worker thread) the last save stages meanwhile
+            await snap.before_update()    # the only hold: the last save's tensors are copied out
+            optimizer.step()
+            snap.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+        await snap.drain()                # every started save committed (or its error raised)
+
+    Forward and backward do not change parameters or optimizer state, so the copy out of step N's
+    state runs alongside step N+1's forward/backward and the trainer waits only for what is left.
+
+    Policy when the disk cannot absorb a checkpoint per ``save`` call (every staging arena of the
+    store — ``max_staged``, default 2 — belongs to a save that has not committed):
+
+    - ``"skip"`` (default): that ``save`` is skipped and returns None (counted in ``skipped``).
+      The trainer never waits for the disk; checkpoints come as often as the disk can write them.
+    - ``"wait"``: the save starts anyway and waits for an arena before it stages, so
+      ``before_update`` holds the trainer until the disk has caught up with one save.
+
+    Either way at most ``max_staged`` states are held in memory and at most one save waits.
+
+    A save that fails raises its error from the next ``save``, ``before_update`` or ``drain``.
+    """
+
+    def __init__(self, store: TensorStore, *, policy: Policy = "skip", background: bool = True) -> None:
+        if policy not in ("skip", "wait"):
+            raise ValueError(f"policy must be 'skip' or 'wait', got {policy!r}")
+        self.store = store
+        self.policy = policy
+        self.background = background
+        self.started = 0
+        self.skipped = 0
+        self.held_seconds: list[float] = []  # one per before_update that waited for a save
+        self._handles: list[SaveHandle] = []  # not yet known committed
+        self._last: SaveHandle | None = None  # not yet known staged
+
+    def save(self, step: int, state: Any) -> SaveHandle | None:
+        """Start saving ``state`` as ``step`` unless the policy skips it; returns at once.
+
+        Raises: what :meth:`TensorStore.save` raises, and the error of an earlier failed save.
+        """
+        self._collect()
+        if self.policy == "skip" and len(self._handles) >= self.store.staging.max_arenas:
+            self.skipped += 1
+            return None
+        h = self.store.save(step, state, background=self.background)
+        self.started += 1
+        self._handles.append(h)
+        self._last = h
+        return h
+
+    async def before_update(self) -> None:
+        """Wait until the last save's tensors are copied out; call it just before they change.
+
+        Cancellation: cancels that save (see :class:`~aiotensor.SaveHandle`) and raises.
+        """
+        h, self._last = self._last, None
+        if h is not None:
+            t0 = time.perf_counter()
+            await h.staged
+            self.held_seconds.append(time.perf_counter() - t0)
+        self._collect()
+
+    async def drain(self) -> None:
+        """Wait for every started save to commit; raise the first failure.
+
+        Cancellation: cancels the save being awaited (see :class:`~aiotensor.SaveHandle`).
+        """
+        while self._handles:
+            h = self._handles[0]
+            await h
+            self._handles.pop(0)
+        self._last = None
+
+    def _collect(self) -> None:
+        """Forget finished saves; raise the error of a failed one (the store raises any others)."""
+        failed = next((h for h in self._handles if h.done() and h.exception() is not None), None)
+        self._handles = [h for h in self._handles if not h.done()]
+        if failed is not None:
+            failed.observed = True
+            raise failed.exception()  # type: ignore[misc]

@@ -1,0 +1,99 @@
+"""Snapshotter: the trainer pattern keeps each step's values, and a slow disk never grows memory."""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from aiotensor import FaultyEngine, Snapshotter, TensorStore
+
+pytestmark = pytest.mark.anyio
+
+
+def _params() -> dict[str, torch.Tensor]:
+    return {f"p{i}": torch.zeros(50_000) for i in range(4)}
+
+
+async def _train(snap: Snapshotter, params: dict[str, torch.Tensor], steps: int, probe: Any = None) -> list[int]:
+    saved = []
+    for step in range(1, steps + 1):
+        await anyio.lowlevel.checkpoint()  # forward/backward: staging of the last save runs meanwhile
+        await snap.before_update()
+        for p in params.values():
+            p.fill_(float(step))  # optimizer.step(): every saved tensor changes
+        if snap.save(step, {"params": params, "step": step}) is not None:
+            saved.append(step)
+        if probe is not None:
+            probe()
+    await snap.drain()
+    return saved
+
+
+async def test_every_checkpoint_holds_the_values_of_its_step(tmp_path: Any) -> None:
+    params = _params()
+    async with TensorStore(tmp_path) as store:
+        snap = Snapshotter(store, policy="wait")
+        saved = await _train(snap, params, 8)
+        assert saved == store.steps() == list(range(1, 9))
+        for step in saved:
+            got = await store.load(step)
+            assert got["step"] == step
+            assert all(bool((t == step).all()) for t in got["params"].values()), step
+    assert snap.started == 8 and snap.skipped == 0 and len(snap.held_seconds) == 7
+
+
+def _slow_disk(seconds: float) -> FaultyEngine:
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "sync":
+            time.sleep(seconds)  # in a worker thread: a disk slower than the trainer
+
+    return FaultyEngine(hook=hook)
+
+
+@pytest.mark.parametrize("policy", ["skip", "wait"])
+async def test_a_slow_disk_skips_or_waits_and_memory_stays_bounded(tmp_path: Any, policy: Any) -> None:
+    params = _params()
+    async with TensorStore(tmp_path, engine=_slow_disk(0.05), max_staged=2, keep_last=3) as store:
+        snap = Snapshotter(store, policy=policy)
+        in_flight: list[int] = []
+        saved = await _train(snap, params, 12, probe=lambda: in_flight.append(len(store._in_flight)))
+        assert snap.started + snap.skipped == 12 and snap.started == len(saved)
+        assert max(in_flight) <= (2 if policy == "skip" else 3)  # max_staged arenas, plus one waiting
+        assert store.staging._count <= 2
+        if policy == "skip":
+            assert snap.skipped > 0  # the disk could not keep up: checkpoints got sparser
+        else:
+            assert snap.skipped == 0
+        assert store.steps() == saved[-3:]
+        latest = await store.load()
+        assert all(bool((t == latest["step"]).all()) for t in latest["params"].values())
+
+
+async def test_a_failed_save_is_raised_by_the_next_call(tmp_path: Any) -> None:
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "sync" and "step-000000000001" in str(op[1]):
+            raise OSError(errno.EIO, "injected EIO")
+
+    async with TensorStore(tmp_path, engine=FaultyEngine(hook=hook)) as store:
+        snap = Snapshotter(store)
+        snap.save(1, {"w": torch.ones(3)})
+        await snap.before_update()  # staged fine; the write fails later
+        with pytest.raises(OSError, match="injected EIO"):
+            for _ in range(200):
+                await anyio.sleep(0.01)
+                snap.save(1000, {"w": torch.ones(3)})  # raises before it would save step 1000 twice
+        assert snap.skipped + snap.started < 200
+        snap.save(2, {"w": torch.ones(3)})
+        await snap.drain()
+        assert 1 not in store.steps() and 2 in store.steps()
+
+
+async def test_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        Snapshotter(None, policy="drop")  # type: ignore[arg-type]
