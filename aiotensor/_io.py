@@ -50,8 +50,14 @@ def direct(t: torch.Tensor) -> bool:
 
 
 def materialize(t: torch.Tensor) -> torch.Tensor:
-    """A :func:`plain` tensor with ``t``'s values (``t`` itself when it is one; blocks)."""
-    return t if plain(t) else t.resolve_conj().resolve_neg().contiguous()
+    """A :func:`plain` tensor with ``t``'s values (``t`` itself when it is one; blocks: on CUDA it
+    returns once the copy is done, so a copy stream or cuFile may read the result)."""
+    if plain(t):
+        return t
+    out = t.resolve_conj().resolve_neg().contiguous()
+    if out.device.type == "cuda":
+        torch.cuda.current_stream(out.device).synchronize()
+    return out
 
 
 def io_bytes(eng: Any, t: torch.Tensor) -> memoryview | torch.Tensor:

@@ -206,9 +206,10 @@ async def test_cuda_io_is_ordered_after_the_kernels_already_queued(tmp_path: Any
     path = str(tmp_path / "x.safetensors")
     torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
     x.fill_(3.0)
-    await save_file({"x": x}, path, scheduler=Scheduler(PosixEngine()))  # bounced through pinned slots
+    t = torch.arange(12.0, device="cuda").view(3, 4).t()  # made contiguous on the device first
+    await save_file({"x": x, "t": t}, path, scheduler=Scheduler(PosixEngine()))  # bounced through pinned slots
     got = await load_file(path, device="cuda", scheduler=Scheduler(PosixEngine()))
-    assert got["x"].is_cuda and bool((got["x"] == 3.0).all())
+    assert got["x"].is_cuda and bool((got["x"] == 3.0).all()) and torch.equal(got["t"], t)
 
 
 async def test_loading_to_an_absent_device_is_a_clear_error(tmp_path: Any) -> None:
