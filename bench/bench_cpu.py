@@ -170,6 +170,16 @@ async def atimed(coro: Any) -> float:
     return time.perf_counter() - t
 
 
+async def timed_save(store: aiotensor.TensorStore, step: int, state: Any) -> tuple[float, float]:
+    """Seconds from ``save()`` to ``staged``, and to committed."""
+    t0 = time.perf_counter()
+    h = store.save(step, state)
+    await h.staged
+    t_staged = time.perf_counter() - t0
+    await h
+    return t_staged, time.perf_counter() - t0
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -247,12 +257,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             keep = rep > 0
             ticker, stop = Ticker(), asyncio.Event()
             task = asyncio.create_task(ticker.run(stop))
-            t0 = time.perf_counter()
-            h = store.save(rep, state)
-            await h.staged
-            t_staged = time.perf_counter() - t0
-            await h
-            t_save = time.perf_counter() - t0
+            t_staged, t_save = await timed_save(store, rep, state)
             stop.set()
             await task
             if not keep:
@@ -315,6 +320,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def ratio_table(targets: list[tuple[str, float, str]]) -> list[str]:
+    return ["", "| ratio | value | target |", "|---|---|---|", *(f"| {n} | {v:.2f} | {t} |" for n, v, t in targets)]
+
+
 def report(res: dict[str, Any]) -> str:
     gb = res["bytes"] / 1e9
     disk = res["disk"]
@@ -350,8 +359,7 @@ def report(res: dict[str, Any]) -> str:
             "<= 1.0",
         ),
     ]
-    lines += ["", "| ratio | value | target |", "|---|---|---|"]
-    lines += [f"| {n} | {v:.2f} | {t} |" for n, v, t in targets]
+    lines += ratio_table(targets)
     lines += [
         "",
         f"Caller held by a background save: aiotensor {1e3 * res['held_aiotensor_s']:.0f} ms (to `staged`), "
@@ -368,6 +376,15 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(folder: str, name: str, text: str, res: dict[str, Any]) -> None:
+    """The table as ``name.md`` and the raw figures as ``name.json`` in ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/tmp/aiotensor-bench")
@@ -379,11 +396,7 @@ def main() -> None:
     text = report(res)
     print(text)
     if not a.small:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "cpu.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(a.out, "cpu.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_results(a.out, "cpu", text, res)
 
 
 if __name__ == "__main__":

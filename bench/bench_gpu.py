@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import time
 from typing import Any
 
 import torch
-from bench_cpu import atimed, evict, fio_limits, fsync_path, med, timed
+from bench_cpu import atimed, evict, fio_limits, fsync_path, med, ratio_table, timed, timed_save, write_results
 from torch import nn
 
 import aiotensor
@@ -92,12 +91,7 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
         async with aiotensor.TensorStore(root, engine=make(), keep_last=1) as store:
             res.setdefault("io_mode", {})[name] = store.io_mode
             for rep in range(reps + 1):
-                t0 = time.perf_counter()
-                h = store.save(rep, state)
-                await h.staged
-                t_staged = time.perf_counter() - t0
-                await h
-                t_save = time.perf_counter() - t0
+                t_staged, t_save = await timed_save(store, rep, state)
                 evict(store.path(rep))
                 t_load = await atimed(store.load(rep, device=dev))
                 evict(store.path(rep))
@@ -300,8 +294,7 @@ def report(res: dict[str, Any]) -> str:
         ("load to device / safetensors load_file(device=)", res["load_s"]["safetensors"] / best_ours, ">= 1.5"),
         ("train step with a checkpoint every step / without", t["step_s_with"] / t["step_s_without"], "<= 1.10"),
     ]
-    lines += ["", "| ratio | value | target |", "|---|---|---|"]
-    lines += [f"| {n} | {v:.2f} | {tg} |" for n, v, tg in targets]
+    lines += ratio_table(targets)
     lines += [
         "",
         f"Held: aiotensor {1e3 * res['held_s']:.0f} ms to `staged`; DCP pinned async stager "
@@ -329,12 +322,7 @@ def main() -> None:
     text = report(res)
     print(text)
     if not a.small:
-        os.makedirs(a.out, exist_ok=True)
-        name = "gpu-10gb" if a.big else "gpu"
-        with open(os.path.join(a.out, f"{name}.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(a.out, f"{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        write_results(a.out, "gpu-10gb" if a.big else "gpu", text, res)
 
 
 if __name__ == "__main__":
