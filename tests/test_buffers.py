@@ -1,0 +1,68 @@
+"""The staging pool and the bounce slots: bounded, reused, and fair to waiters and cancellation."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from aiotensor.buffers import PAGE, SlotPool, StagingPool
+from aiotensor.cuda import Pinning
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_arenas_are_bounded_reused_and_waited_for() -> None:
+    pool = StagingPool(2)
+    a = await pool.acquire(5000)
+    b = await pool.acquire(5000)
+    assert a is not b and a.nbytes == b.nbytes == 2 * PAGE
+    got: list[object] = []
+
+    async def third() -> None:
+        got.append(await pool.acquire(100))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(third)
+        await anyio.sleep(0.05)
+        assert got == []  # both arenas busy: the third save waits, nothing new is mapped
+        pool.release(b)
+    assert got == [b]  # the released arena, reused (a small request fits a larger arena)
+    with anyio.move_on_after(0.05):  # a waiter cancelled while waiting takes nothing
+        await pool.acquire(100)
+    pool.release(a)
+    assert await pool.acquire(100) is a
+    pool.release(a)
+    pool.release(b)
+    assert pool.mapped_bytes == 4 * PAGE
+    pool.close()
+    assert pool.mapped_bytes == 0
+
+
+async def test_a_bigger_state_replaces_an_idle_arena_instead_of_adding_one() -> None:
+    pool = StagingPool(1)
+    small = await pool.acquire(PAGE)
+    pool.release(small)
+    big = await pool.acquire(10 * PAGE)
+    assert big is not small and big.nbytes == 10 * PAGE
+    pool.release(big)
+    assert pool.mapped_bytes == 10 * PAGE  # the small one was unmapped
+    pool.close()
+
+
+def test_slots_are_taken_given_back_pinned_once_and_never_over_handed() -> None:
+    calls: list[str] = []
+    pinning = Pinning(register=lambda a, n: calls.append("pin"), unregister=lambda a: calls.append("unpin"))
+    slots = SlotPool(2, 5000)
+    i, j = slots.take(), slots.take()
+    assert {i, j} == {0, 1} and len(slots.view(i)) == 2 * PAGE
+    with pytest.raises(RuntimeError, match="exhausted"):
+        slots.take()
+    slots.pin(pinning)
+    slots.pin(pinning)
+    assert calls == ["pin"]
+    slots.give(i)
+    slots.close()  # a slot is still out: nothing is unmapped under it
+    assert calls == ["pin"]
+    slots.give(j)
+    slots.close()
+    assert calls == ["pin", "unpin"]
