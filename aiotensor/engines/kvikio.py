@@ -58,7 +58,7 @@ class KvikioEngine(PosixEngine):
         self._lock = threading.Lock()
 
     def handles_device(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cuda" and t.is_contiguous()
+        return t.device.type == "cuda" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
     def open_read(self, path: str) -> int:
         fd = super().open_read(path)
