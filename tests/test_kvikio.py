@@ -191,6 +191,22 @@ async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any) -> Non
     assert eng.open_fds() == []
 
 
+async def test_a_kvikio_failure_is_an_oserror_naming_the_file(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, engine=PosixEngine()) as store:
+        await store.save(1, {"w": torch.ones(1000)})
+    kv = FakeKvikio()
+
+    def broken(*a: Any) -> Any:
+        raise RuntimeError("cuFile error: CU_FILE_IO_ERROR")
+
+    eng = HostKvikio(kvikio_module=kv)
+    async with TensorStore(tmp_path, engine=eng) as store:
+        setattr(kv, "CuFile", lambda path, flags: types.SimpleNamespace(pread=broken, close=lambda: None))  # noqa: B010
+        with pytest.raises(OSError, match="shard-00000.*CU_FILE_IO_ERROR") as e:
+            await store.load(1)
+        assert e.value.errno == errno.EIO and eng._files == {}
+
+
 def test_mode_reports_what_runs() -> None:
     assert io_mode(FakeKvikio(compat_preferred=True)) == "compat"
     assert io_mode(FakeKvikio(gds=True)) == "gds"

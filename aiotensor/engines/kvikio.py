@@ -17,6 +17,7 @@ device (so libcuda loaded) and ``import kvikio`` works.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import threading
@@ -79,10 +80,19 @@ class KvikioEngine(PosixEngine):
             return f
 
     def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:
-        return int(self._cufile(fd).pread(dst, dst.nbytes, offset).get())
+        return self._io("pread", fd, dst, offset)
 
     def pwrite_device(self, fd: int, src: torch.Tensor, offset: int) -> int:
-        return int(self._cufile(fd).pwrite(src, src.nbytes, offset).get())
+        return self._io("pwrite", fd, src, offset)
+
+    def _io(self, op: str, fd: int, buf: torch.Tensor, offset: int) -> int:
+        try:
+            f = self._cufile(fd)
+            return int(getattr(f, op)(buf, buf.nbytes, offset).get())
+        except OSError:
+            raise
+        except RuntimeError as e:  # kvikio reports cuFile and system errors as RuntimeError
+            raise OSError(errno.EIO, f"kvikio {op} of {buf.nbytes} bytes at {offset} failed: {e}") from e
 
     def close(self, fd: int) -> None:
         with self._lock:
