@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +20,9 @@ import torch
 
 from . import _checksum, cuda
 from ._dtypes import SAFETENSORS_TO_TORCH
-from ._plan import SavePlan
+from ._plan import SavePlan, check_tensor
 from .buffers import PAGE, HostBuffer
-from .errors import ChecksumError, FormatError, annotate_oserror
+from .errors import ChecksumError, FormatError, MismatchError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, Scheduler, run_concurrently
 
@@ -316,6 +316,31 @@ async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
     return st.parse(bytes(header), size, path)
 
 
+def new_tensor(spec: st.TensorSpec, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``spec``'s dtype and shape on ``device``, to read it into."""
+    return torch.empty(spec.shape, dtype=SAFETENSORS_TO_TORCH[spec.dtype], device=device)
+
+
+def check_into(
+    given: Mapping[str, torch.Tensor], specs: Mapping[str, st.TensorSpec], devices: tuple[str, ...], where: str
+) -> None:
+    """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
+    and shape on a device this machine handles; else MismatchError (StateError for the device)."""
+    missing, extra = sorted(set(specs) - set(given)), sorted(set(given) - set(specs))
+    if missing or extra:
+        raise MismatchError(f"`into` does not match {where}: missing {_few(missing)}, unexpected {_few(extra)}")
+    for k, t in given.items():
+        spec = specs[k]
+        check_tensor(k, t, devices)
+        want = SAFETENSORS_TO_TORCH[spec.dtype]
+        if tuple(t.shape) != spec.shape or t.dtype != want:
+            raise MismatchError(f"tensor {k!r}: {where} has {want} {list(spec.shape)}, `into` has {t.dtype} {list(t.shape)}")
+
+
+def _few(keys: list[str]) -> str:
+    return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
+
+
 def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
     """``device`` as a torch.device, or ValueError where this machine cannot load to it."""
     dev = torch.device(device)
@@ -364,8 +389,11 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         FormatError: the file ended early.
         OSError: the engine's error, naming the file.
 
+    CUDA targets are written only after the work already queued on their streams.
+
     Cancellation: returns only once no thread writes into any target tensor.
     """
+    await wait_for_streams(sched, (t.tensor for t in targets))
     units: list[_ReadUnit] = []
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
@@ -385,13 +413,13 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     def run(slot: memoryview, u: _ReadUnit) -> int:
         t = targets[u.target]
         what = f"tensor {t.spec.key!r}"
-        if isinstance(u.dest, memoryview):
-            _read_exact(sched, fd, u.dest, u.offset, path, what)
-            return _checksum.crc32c(u.dest) if t.crc is not None else 0
-        if u.dest is not None:  # device memory: read back through the slot to checksum it
+        if u.dest is not None:
             _read_exact(sched, fd, u.dest, u.offset, path, what)
             if t.crc is None:
                 return 0
+            if isinstance(u.dest, memoryview):
+                return _checksum.crc32c(u.dest)
+            # device memory: read back through the slot to checksum it
             _copy(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
             return _checksum.crc32c(slot[: u.nbytes])
         buf = slot if u.nbytes <= len(slot) else memoryview(bytearray(u.nbytes))

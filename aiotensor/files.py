@@ -12,9 +12,8 @@ import anyio
 import torch
 
 from . import _io
-from ._dtypes import SAFETENSORS_TO_TORCH
 from ._plan import check_tensor
-from .errors import MismatchError, StateError, annotate_oserror
+from .errors import StateError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, Scheduler
 
@@ -119,10 +118,10 @@ async def load_file(
         try:
             layout = await _io.read_layout(sched, fd, path)
             if into is None:
-                dest = {s.key: torch.empty(s.shape, dtype=SAFETENSORS_TO_TORCH[s.dtype], device=dev) for s in layout.tensors}
+                dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors}
             else:
-                dest = _check_into(layout, into, path, sched.devices)
-            await _io.wait_for_streams(sched, dest.values())
+                _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}")
+                dest = dict(into)
             targets = [_io.Target(s, dest[s.key], None) for s in layout.tensors]
             await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
         finally:
@@ -133,23 +132,3 @@ async def load_file(
 def _key_order(into: Mapping[str, Any] | None) -> Any:
     order = {k: i for i, k in enumerate(into)} if into is not None else {}
     return lambda s: order.get(s.key, s.offset)
-
-
-def _check_into(
-    layout: st.Layout, into: Mapping[str, torch.Tensor], path: str, devices: tuple[str, ...]
-) -> dict[str, torch.Tensor]:
-    keys = {s.key for s in layout.tensors}
-    if keys != set(into):
-        raise MismatchError(
-            f"{path}: `into` keys differ from the file: missing {sorted(keys - set(into))[:5]}, "
-            f"unexpected {sorted(set(into) - keys)[:5]}"
-        )
-    for s in layout.tensors:
-        t = into[s.key]
-        check_tensor(s.key, t, devices)
-        if tuple(t.shape) != s.shape or t.dtype != SAFETENSORS_TO_TORCH[s.dtype]:
-            raise MismatchError(
-                f"{path}: tensor {s.key!r} is {SAFETENSORS_TO_TORCH[s.dtype]} {list(s.shape)} in the file, "
-                f"{t.dtype} {list(t.shape)} in `into`"
-            )
-    return dict(into)

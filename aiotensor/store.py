@@ -26,15 +26,13 @@ import anyio
 import torch
 
 from . import _io, cuda
-from ._dtypes import SAFETENSORS_TO_TORCH
-from ._plan import SavePlan, check_tensor, plan_save
+from ._plan import SavePlan, plan_save
 from .buffers import StagingPool, round_up
 from .engines import Engine
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ManifestError,
-    MismatchError,
     SaveCancelledError,
     SaveFailedError,
     StoreClosedError,
@@ -462,8 +460,8 @@ class TensorStore:
         With ``into`` (a state of the same structure, e.g. ``{"model": model.state_dict(), ...}``),
         tensors are read straight into its tensors, in place; the returned state holds those tensors
         and the saved non-tensor values. ``into`` tensors may be on CUDA; without ``into``, new
-        tensors are made on ``device`` (``"cuda"``: read through bounce slots, copied host → device
-        on a copy stream; complete when this returns).
+        tensors are made on ``device`` (``"cuda"``: read straight into GPU memory by the kvikio
+        engine, else through pinned bounce slots and a copy stream; complete when this returns).
 
         Raises:
             CheckpointNotFoundError: no such committed step (or none at all), or another process
@@ -533,7 +531,6 @@ async def load_checkpoint(
             if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
                 raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
         dest = _destinations(m, into, dev, sched.devices)
-        await _io.wait_for_streams(sched, dest.values())
         for shard, fd in fds.items():
             targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
             await _io.read_tensors(sched, fd, os.path.join(folder, shard), targets, Priority.LOAD)
@@ -555,26 +552,11 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
     if into is None:
-        return {
-            k: torch.empty(e.spec.shape, dtype=SAFETENSORS_TO_TORCH[e.spec.dtype], device=device) for k, e in m.entries.items()
-        }
+        return {k: _io.new_tensor(e.spec, device) for k, e in m.entries.items()}
     _, tensors = flatten(into)
     given = dict(tensors)
-    wanted = set(m.entries) | set(m.aliases)
-    missing, extra = sorted(wanted - set(given)), sorted(set(given) - wanted)
-    if missing or extra:
-        raise MismatchError(
-            f"`into` does not match the checkpoint: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
-        )
-    for k, t in given.items():
-        e = m.entries.get(k) or m.entries[m.aliases[k]]
-        check_tensor(k, t, devices)
-        want_dtype = SAFETENSORS_TO_TORCH[e.spec.dtype]
-        if tuple(t.shape) != e.spec.shape or t.dtype != want_dtype:
-            raise MismatchError(
-                f"tensor {k!r}: checkpoint has {want_dtype} {list(e.spec.shape)}, `into` has {t.dtype} {list(t.shape)}"
-            )
+    specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
+    _io.check_into(given, specs, devices, "the checkpoint")
     return given
 
 

@@ -81,11 +81,12 @@ class FaultyEngine(Engine):
         return self.inner.pread(fd, buf, offset)
 
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
-        if self.record_data:
-            self._op("pwrite", self._paths.get(fd), offset, len(buf), bytes(buf))
-        else:
-            self._op("pwrite", self._paths.get(fd), offset, len(buf))
+        self._write_op(fd, offset, len(buf), lambda: bytes(buf))
         return self.inner.pwrite(fd, buf, offset)
+
+    def _write_op(self, fd: int, offset: int, n: int, data: Any) -> None:
+        """Record a write; with ``record_data``, with its bytes (``data()``)."""
+        self._op("pwrite", self._paths.get(fd), offset, n, *((data(),) if self.record_data else ()))
 
     def handles_device(self, t: torch.Tensor) -> bool:
         return self.inner.handles_device(t)
@@ -95,10 +96,7 @@ class FaultyEngine(Engine):
         return self.inner.pread_device(fd, dst, offset)
 
     def pwrite_device(self, fd: int, src: torch.Tensor, offset: int) -> int:
-        if self.record_data:
-            self._op("pwrite", self._paths.get(fd), offset, src.nbytes, src.cpu().numpy().tobytes())
-        else:
-            self._op("pwrite", self._paths.get(fd), offset, src.nbytes)
+        self._write_op(fd, offset, src.nbytes, lambda: src.cpu().numpy().tobytes())
         return self.inner.pwrite_device(fd, src, offset)
 
     def truncate(self, fd: int, size: int) -> None:
