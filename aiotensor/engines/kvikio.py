@@ -89,8 +89,6 @@ class KvikioEngine(PosixEngine):
         try:
             f = self._cufile(fd)
             return int(getattr(f, op)(buf, buf.nbytes, offset).get())
-        except OSError:
-            raise
         except RuntimeError as e:  # kvikio reports cuFile and system errors as RuntimeError
             raise OSError(errno.EIO, f"kvikio {op} of {buf.nbytes} bytes at {offset} failed: {e}") from e
 
