@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from aiotensor import FaultyEngine, Snapshotter, TensorStore
+from aiotensor.errors import SaveCancelledError
 
 pytestmark = pytest.mark.anyio
 
@@ -97,3 +99,21 @@ async def test_a_failed_save_is_raised_by_the_next_call(tmp_path: Any) -> None:
 async def test_policy_is_checked() -> None:
     with pytest.raises(ValueError, match="policy"):
         Snapshotter(None, policy="drop")  # type: ignore[arg-type]
+
+
+async def test_cancelling_before_update_cancels_that_save_and_keeps_the_others(tmp_path: Any) -> None:
+    params = _params()
+    async with TensorStore(tmp_path, engine=_slow_disk(0.2), max_staged=1) as store:
+        snap = Snapshotter(store, policy="wait")
+        first = snap.save(1, {"params": params})
+        await snap.before_update()  # staged: the only arena now belongs to a save still writing
+        second = snap.save(2, {"params": params})  # waits for the arena
+        assert first is not None and second is not None
+        with anyio.move_on_after(0.02) as scope:
+            await snap.before_update()
+        assert scope.cancelled_caught
+        with pytest.raises(SaveCancelledError):
+            await second
+        await first
+        assert store.steps() == [1]
+        assert not any(".tmp-" in n for n in os.listdir(tmp_path))
