@@ -5,11 +5,12 @@ background; ``save_file``/``load_file`` read and write single safetensors files.
 """
 
 from . import errors
+from ._handle import SaveHandle
 from .engines import Engine, FaultyEngine, KvikioEngine, PosixEngine
 from .files import load_file, save_file
 from .scheduler import Priority, Scheduler
 from .snapshot import Snapshotter
-from .store import SaveHandle, TensorStore, load_checkpoint
+from .store import TensorStore, load_checkpoint
 
 __version__ = "0.1.0"
 

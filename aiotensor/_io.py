@@ -433,9 +433,38 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
     sched.stats.bytes_read += sum(u.nbytes for u in units)
+    _check_crcs(path, targets, [(u.target, u.nbytes) for u in units], crcs)
+
+
+async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
+    """Check the crc32c of every target that has one by reading its bytes through bounce slots;
+    writes into no target (the first pass of an all-or-nothing load).
+
+    Raises:
+        ChecksumError, FormatError, OSError: as :func:`read_tensors`.
+
+    Cancellation: returns once no thread reads any more; nothing was changed.
+    """
+    step = sched.slots.slot_bytes
+    units = [
+        (i, t.spec.offset + a, b - a) for i, t in enumerate(targets) if t.crc is not None for a, b in _pieces(t.spec.nbytes, step)
+    ]
+
+    def run(slot: memoryview, u: tuple[int, int, int]) -> int:
+        i, off, n = u
+        _read_exact(sched, fd, slot[:n], off, path, f"tensor {targets[i].spec.key!r}")
+        return _checksum.crc32c(slot[:n])
+
+    crcs = await sched.map(run, units, nbytes=lambda u: u[2], priority=priority, slot=True)
+    sched.stats.bytes_read += sum(u[2] for u in units)
+    _check_crcs(path, targets, [(u[0], u[2]) for u in units], crcs)
+
+
+def _check_crcs(path: str, targets: Sequence[Target], pieces_read: Sequence[tuple[int, int]], crcs: Sequence[int]) -> None:
+    """Combine the crcs of the ``(target index, nbytes)`` pieces read and compare each target's."""
     pieces: dict[int, list[tuple[int, int]]] = {}
-    for u, c in zip(units, crcs, strict=True):
-        pieces.setdefault(u.target, []).append((c, u.nbytes))
+    for (i, n), c in zip(pieces_read, crcs, strict=True):
+        pieces.setdefault(i, []).append((c, n))
     for i, t in enumerate(targets):
         if t.crc is None:
             continue

@@ -7,13 +7,17 @@ Every error the library raises on purpose is an :class:`AiotensorError`::
     │   ├── HeaderError                    malformed safetensors header
     │   ├── ManifestError                  malformed checkpoint manifest
     │   ├── UnsafeFileError                a torch.save file that would need unrestricted pickle
+    │   ├── UnsafePathError                a symlink, FIFO, device or folder where a regular file belongs
     │   └── ChecksumError                  tensor bytes differ from the recorded crc32c
     ├── StateError (TypeError)             a state_dict that cannot be saved (leaf type, device, layout)
     ├── MismatchError (ValueError)         ``load(into=...)`` target has another shape/dtype/key set
     ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
     ├── CheckpointExistsError (FileExistsError)   the step is already committed or being saved
+    ├── StaleStepError (ValueError)        retention would delete the step at once (newer steps exist)
     ├── SaveCancelledError                 the save was cancelled; nothing was committed
     ├── StoreClosedError (RuntimeError)    the store was used outside ``async with``
+    ├── StoreLockedError (RuntimeError)    another writer holds the root's lock
+    ├── ReadOnlyStoreError (RuntimeError)  a write (save, delete) on a store opened ``readonly=True``
     └── SaveFailedError (RuntimeError)     an earlier background save failed and nobody awaited it
 
 Operating system failures (disk full, EIO, permission) stay :class:`OSError` — users expect
@@ -23,6 +27,10 @@ Operating system failures (disk full, EIO, permission) stay :class:`OSError` —
 from __future__ import annotations
 
 __all__ = [
+    "ReadOnlyStoreError",
+    "StoreLockedError",
+    "StaleStepError",
+    "UnsafePathError",
     "AiotensorError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -63,6 +71,11 @@ class UnsafeFileError(FormatError):
     """A torch.save file needs something aiotensor refuses to do (arbitrary pickle, compression)."""
 
 
+class UnsafePathError(FormatError):
+    """Something other than a regular file (a symbolic link inside a checkpoint, a FIFO, a device, a
+    folder) where a file was expected: refused before reading, so nothing can block or escape."""
+
+
 class ChecksumError(FormatError):
     """Tensor bytes read from disk differ from the crc32c recorded when they were written."""
 
@@ -85,6 +98,19 @@ class CheckpointNotFoundError(AiotensorError, LookupError, FileNotFoundError):
 
 class CheckpointExistsError(AiotensorError, FileExistsError):
     """The step is already committed in this store, or a save of it is in flight."""
+
+
+class StaleStepError(AiotensorError, ValueError):
+    """Retention (``keep_last``) would delete the step as soon as it commits: newer steps exist.
+    Roll back first (``TensorStore.rollback``) to re-save an older step."""
+
+
+class StoreLockedError(AiotensorError, RuntimeError):
+    """Another writer (a store in this or another process) holds the root's lock."""
+
+
+class ReadOnlyStoreError(AiotensorError, RuntimeError):
+    """A save, delete or rollback on a store opened with ``readonly=True``."""
 
 
 class SaveCancelledError(AiotensorError):

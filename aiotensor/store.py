@@ -3,141 +3,94 @@
 Layout::
 
     root/
+      .aiotensor.lock             the writer lock (flock): one writer per root, any number of readers
       step-000000000100/          committed: manifest.json + shard-00000.safetensors ...
-      step-000000000200.tmp-ab12/ being written (or left by a crash): never read, removed at open
+      step-000000000200.tmp-ab12cd34/  being written (or left by a crash): never read, removed by
+                                  the next writer that takes the lock
       latest                      name of the newest committed step (for other tools)
 
 A step folder appears under its final name only after every file in it and the folder itself are
-durable (the rename is the commit point), so a crash at any moment leaves either the old set of
-checkpoints or the old set plus a complete new one. One process writes to a root at a time.
+durable, and the root is fsync'ed after the rename: that is the commit point. A crash at any moment
+leaves either the old set of checkpoints or the old set plus a complete new one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import os
-import re
-import uuid
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
 import anyio
 import torch
 
-from . import _io, cuda
+from . import _io, _root, cuda
+from ._handle import SaveHandle
+from ._load import load_checkpoint
 from ._plan import SavePlan, plan_save
+from ._root import LATEST, step_dir_name
 from .buffers import StagingPool, round_up
 from .engines import Engine
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    ManifestError,
+    ReadOnlyStoreError,
     SaveCancelledError,
     SaveFailedError,
+    StaleStepError,
     StoreClosedError,
+    StoreLockedError,
     annotate_oserror,
 )
 from .formats import manifest as mf
-from .formats.tree import flatten, unflatten
 from .scheduler import MiB, Priority, Scheduler, run_concurrently
 
-_STEP_DIR = re.compile(r"step-(\d{12})")
-MANIFEST = "manifest.json"
-LATEST = "latest"
+log = logging.getLogger("aiotensor")
+_LOCK_POLL = 0.05
+_keep_alive: set[asyncio.Task[None]] = set()
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:012d}"
+def _spawn(fn: Callable[[], Awaitable[None]]) -> None:
+    """Run ``fn()`` as a task of the running loop, owned by no caller's task or task group: a
+    store opened in one task may be used and closed from any other. ``fn`` never raises."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        import trio
 
-
-class _Signal:
-    """An awaitable stage of a save (``handle.staged``); awaiting it twice is fine."""
-
-    def __init__(self, handle: SaveHandle, event: anyio.Event) -> None:
-        self._handle = handle
-        self._event = event
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return self._handle._wait(self._event).__await__()
-
-
-class SaveHandle:
-    """A save in flight. ``await handle`` waits until the checkpoint is committed and durable.
-
-    ``await handle.staged`` waits until every tensor has been copied out: from then on the caller
-    may change its tensors; the checkpoint holds the values they had when ``save`` was called.
-
-    Cancellation: cancelling a task that awaits the handle (or ``handle.staged``) cancels the save
-    itself: its temporary folder is removed, earlier checkpoints are untouched, and the await
-    returns (raising the cancellation) only after the save has stopped. To wait without that
-    effect, shield the await (``anyio.CancelScope(shield=True)``). ``handle.cancel()`` cancels it
-    without waiting; awaiting it afterwards raises :class:`~aiotensor.errors.SaveCancelledError`.
-    """
-
-    def __init__(self, step: int, nbytes: int) -> None:
-        self.step = step
-        self.nbytes = nbytes
-        self._staged_event = anyio.Event()
-        self._done_event = anyio.Event()
-        self.staged = _Signal(self, self._staged_event)
-        self._scope: anyio.CancelScope | None = None
-        self._cancel_requested = False
-        self._error: BaseException | None = None
-        self.observed = False
-        self.stage_seconds: float | None = None  # save() to staged
-        self.commit_seconds: float | None = None  # save() to committed
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else ("staged" if self._staged_event.is_set() else "staging")
-        return f"<SaveHandle step={self.step} {state}>"
-
-    def done(self) -> bool:
-        return self._done_event.is_set()
-
-    def exception(self) -> BaseException | None:
-        """The failure of a finished save (None while running or on success)."""
-        return self._error
-
-    def cancel(self) -> None:
-        """Ask the save to stop; it cleans up in the background. A committed save stays committed."""
-        self._cancel_requested = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return self._wait(self._done_event).__await__()
-
-    async def _wait(self, event: anyio.Event) -> None:
-        try:
-            await event.wait()
-        except anyio.get_cancelled_exc_class():
-            self.cancel()
-            with anyio.CancelScope(shield=True):
-                await self._done_event.wait()
-            raise
-        if self._error is not None and (event is self._done_event or not self._staged_event.is_set()):
-            self.observed = True
-            raise self._error
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._staged_event.set()  # wakes staged-waiters of a failed save too (they see the error)
-        self._done_event.set()
+        trio.lowlevel.spawn_system_task(fn)
+        return
+    task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
+    _keep_alive.add(task)
+    task.add_done_callback(_keep_alive.discard)
 
 
 class TensorStore:
     """Checkpoints of nested state (state_dicts, optimizer state, Python scalars) in a folder.
 
     Use it as ``async with TensorStore(root) as store``: leaving the block waits for the saves in
-    flight (or cancels them, when it is left by an exception).
+    flight (or cancels them, when it is left by an exception). ``open()`` and ``close()`` may run
+    in different tasks (fixtures, server start-up and shutdown hooks).
+
+    Several processes, one root: one *writer* at a time holds the root's lock (``flock`` on
+    ``root/.aiotensor.lock``, dropped by the kernel when the process dies, so a crash never leaves it
+    held); a second writer gets :class:`~aiotensor.errors.StoreLockedError` at ``open()`` (or waits,
+    with ``lock_timeout``). Any number of ``readonly=True`` stores read the same root: they never
+    write, lock or clean anything (a read-only mount works) and see new commits on :meth:`refresh`.
 
     Args:
-        root: the folder (created if missing).
+        root: the folder (created by a writer if missing).
         keep_last: after each commit, delete all but the newest ``keep_last`` steps (None: keep all).
             Older steps are retired (renamed away, durably) before the save's handle completes;
             their files are deleted in the background, and ``close`` waits for that.
-        engine: the I/O engine (default: posix); tests pass a fault-injecting one.
+        readonly: open for reading only (no lock, no writes, no clean-up).
+        lock_timeout: seconds ``open()`` waits for another writer to let go (0: fail at once; None:
+            wait for ever).
+        engine: the I/O engine (default: chosen for this machine); tests pass a fault-injecting one.
         workers: worker threads for I/O and staging copies.
         chunk_bytes: the largest piece of one I/O call.
         batch_bytes: the most bytes one worker-thread call moves before it returns to the loop
@@ -145,11 +98,17 @@ class TensorStore:
         shard_bytes: the largest shard file (a tensor is never split).
         max_staged: staging arenas, so saves that may be staged or writing at once; a further
             ``save`` waits for an arena before staging (memory stays ``max_staged`` × state size).
+            Arenas stay mapped between saves (no page faults on the trainer's next save) until
+            :meth:`release_memory` or ``close``.
         verify: check crc32c on load (default); ``load(verify=False)`` skips it per call.
 
     Tensors sharing memory: keys that are the very same view of one storage (tied weights) are
     stored once; ``load()`` gives them back as one tensor object, and ``load(into=...)`` fills
     each target. Partly overlapping views are stored separately and come back unshared.
+
+    What a committed step is: a folder named exactly ``step-`` + 12 ASCII digits, a real folder
+    (not a symbolic link), holding a valid manifest that names the same step. Anything else in the
+    root is ignored (listed in :attr:`ignored`), never loaded and never counted by retention.
     """
 
     def __init__(
@@ -157,6 +116,8 @@ class TensorStore:
         root: str | os.PathLike[str],
         *,
         keep_last: int | None = None,
+        readonly: bool = False,
+        lock_timeout: float | None = 0,
         engine: Engine | None = None,
         workers: int = 4,
         chunk_bytes: int = 16 * MiB,
@@ -169,18 +130,27 @@ class TensorStore:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if shard_bytes < 1:
             raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
+        if lock_timeout is not None and lock_timeout < 0:
+            raise ValueError(f"lock_timeout must be >= 0 or None, got {lock_timeout}")
         self.root = os.fspath(root)
         self.keep_last = keep_last
+        self.readonly = readonly
+        self.lock_timeout = lock_timeout
         self.shard_bytes = shard_bytes
         self.verify = verify
         self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes)
         cuda_ = self.scheduler.cuda
         self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None)
+        self.ignored: dict[str, str] = {}  # names in the root that are not committed steps, and why
+        self._errors: dict[str, Exception] = {}  # of those, the ones whose manifest failed to load
+        self._lock = None if readonly else _root.WriterLock(self.root)
+        self._known: dict[str, Any] = {}  # manifests already validated, by folder name
         self._committed: set[int] = set()
+        self._latest_on_disk: str | None = None
         self._in_flight: dict[int, SaveHandle] = {}
         self._readers: Counter[int] = Counter()
-        self._tg: anyio.abc.TaskGroup | None = None  # None once closing: no new saves or loads
-        self._group: anyio.abc.TaskGroup | None = None  # the same group, until close() returns
+        self._busy: set[anyio.Event] = set()  # one per save, load and background removal running
+        self._open = False
         self._commit_lock: anyio.Lock | None = None
         self._unobserved: list[SaveHandle] = []
 
@@ -205,42 +175,106 @@ class TensorStore:
         await self.close(cancel=exc is not None)
 
     async def open(self) -> None:
-        """Create the root if needed, remove leftovers of interrupted saves, list committed steps."""
-        if self._tg is not None:
+        """Open the store: a writer creates the root if needed and takes its lock, then removes the
+        leftovers of interrupted saves and repairs ``latest``; everyone lists the committed steps.
+
+        Raises:
+            StoreLockedError: another writer holds the lock (after ``lock_timeout``).
+            CheckpointNotFoundError: a read-only store's root does not exist.
+            OSError: the root cannot be created, locked or listed (naming it).
+
+        Cancellation: the lock, if taken, is released; the store stays closed.
+        """
+        if self._open:
             raise RuntimeError("store is already open")
-        await self._call(_ensure_dir, self.root)
-        await self.refresh(clean=True)
         self._commit_lock = anyio.Lock()
-        self._tg = self._group = anyio.create_task_group()
-        await self._tg.__aenter__()
+        try:
+            if self._lock is None:
+                if not await self._call(os.path.isdir, self.root, what=f"opening {self.root}"):
+                    raise CheckpointNotFoundError(f"{self.root} is not a folder (a read-only store never creates it)")
+            else:
+                await self._call(os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
+                await self._take_lock()
+            listing = await self._list()
+            if self._lock is not None:
+                for name in listing.leftovers:  # the lock proves the save that made them is gone
+                    await self._try(functools.partial(self._remove, name), None, f"removing {name}, left by an interrupted save")
+                await self._try(self._sync_latest, None, "repairing `latest`")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._release()
+            raise
+        self._open = True
+
+    async def _remove(self, name: str) -> None:
+        path = os.path.join(self.root, name)
+        await self._call(self.engine.remove_tree, path, what=f"removing {path}")
+
+    async def _take_lock(self) -> None:
+        assert self._lock is not None
+        deadline = None if self.lock_timeout is None else anyio.current_time() + self.lock_timeout
+        while not await self._call(self._lock.try_acquire, what=f"locking {self.root}"):
+            if deadline is not None and anyio.current_time() >= deadline:
+                pid = await self._call(self._lock.holder, what=f"reading {self._lock.path}")
+                raise StoreLockedError(
+                    f"{self.root} is being written by another store ({f'process {pid}' if pid else 'another process'}): "
+                    "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
+                )
+            await anyio.sleep(_LOCK_POLL)
 
     async def close(self, *, cancel: bool = False) -> None:
-        """Wait for the saves in flight (cancel them with ``cancel=True``), then free staging memory.
+        """Wait for the saves and loads in flight (cancel the saves with ``cancel=True``), then free
+        staging memory and release the lock.
 
         Raises:
             SaveFailedError: a save failed and its handle was never awaited.
 
         Cancellation: cancelling ``close`` cancels the saves in flight; it returns once they stopped.
         """
-        tg, self._tg = self._tg, None
-        if tg is None:
+        if not self._open:
             return
-        if cancel:
-            tg.cancel_scope.cancel()
+        self._open = False  # no new saves or loads from here on
         try:
-            await tg.__aexit__(None, None, None)
-        except BaseException:
-            tg.cancel_scope.cancel()
-            raise
+            if cancel:
+                self._cancel_saves()
+            try:
+                while self._busy:
+                    await next(iter(self._busy)).wait()
+            except BaseException:
+                self._cancel_saves()
+                with anyio.CancelScope(shield=True):
+                    while self._busy:
+                        await next(iter(self._busy)).wait()
+                raise
         finally:
-            self._group = None
-            with anyio.CancelScope(shield=True):  # unmapping gigabytes takes a while: not on the loop
-                await anyio.to_thread.run_sync(self._free_memory)
+            with anyio.CancelScope(shield=True):
+                await self._release()
         self._raise_unobserved()
 
-    def _free_memory(self) -> None:
-        self.staging.close()
-        self.scheduler.close()
+    def _cancel_saves(self) -> None:
+        for h in list(self._in_flight.values()):
+            h.cancel()
+
+    async def _release(self) -> None:
+        """Unmap staging memory and bounce slots and drop the lock (in a thread: unmapping takes a while)."""
+
+        def release() -> None:
+            self.staging.close()
+            self.scheduler.close()
+            if self._lock is not None:
+                self._lock.release()
+
+        await anyio.to_thread.run_sync(release)
+
+    async def release_memory(self) -> int:
+        """Unmap the staging arenas no save is using; returns the bytes freed. The next save maps
+        (and page-faults) new ones, so its ``staged`` takes longer. Runs in a worker thread.
+
+        Cancellation: the unmapping finishes in its thread.
+        """
+        before = self.staging.mapped_bytes
+        await anyio.to_thread.run_sync(self.staging.close)
+        return before - self.staging.mapped_bytes
 
     def _raise_unobserved(self) -> None:
         failed = [h for h in self._unobserved if not h.observed]
@@ -250,22 +284,32 @@ class TensorStore:
             h.observed = True
             raise SaveFailedError(f"the background save of step {h.step} failed and was never awaited") from h.exception()
 
-    async def refresh(self, *, clean: bool = False) -> list[int]:
-        """Re-list committed steps from disk (another process may have written); optionally clean up.
+    async def refresh(self) -> list[int]:
+        """Re-list committed steps from disk (another process may have written); returns them.
 
-        With ``clean``, leftovers of interrupted saves (``*.tmp-*``) are removed: only do that when
-        no other process saves into this root.
+        Manifests are validated once per folder (again only if their file changed). Never writes.
+
+        Cancellation: the listing finishes in its thread; the store's view is unchanged.
         """
-        names = await self._call(self.engine.listdir, self.root)
-        steps = set()
-        for n in names:
-            m = _STEP_DIR.fullmatch(n)
-            if m:
-                steps.add(int(m.group(1)))
-            elif clean and ".tmp-" in n:
-                await self._call(self.engine.remove_tree, os.path.join(self.root, n))
-        self._committed = steps
+        if not self._open:
+            raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
+        await self._list()
         return self.steps()
+
+    async def _list(self) -> _root.Listing:
+        assert self._commit_lock is not None
+        async with self._commit_lock:  # a commit landing during the listing must not be lost
+            known = dict(self._known)
+            listing: _root.Listing = await self._call(_root.scan, self.engine, self.root, known, what=f"listing {self.root}")
+            self._known = known
+            self._committed = set(listing.committed)
+            self._latest_on_disk = listing.latest
+            for name, why in listing.ignored.items():
+                if self.ignored.get(name) != why:
+                    log.warning("%s: ignoring %s: %s", self.root, name, why)
+            self.ignored = listing.ignored
+            self._errors = listing.errors
+        return listing
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -288,35 +332,66 @@ class TensorStore:
 
         ``await store.save(step, state)`` returns once the checkpoint is committed and durable;
         ``await handle.staged`` returns once the tensors are copied out. ``background=True`` runs
-        the save's I/O behind loads and foreground saves.
+        the save's I/O behind loads and foreground saves. The handle is also a coroutine object:
+        ``asyncio.create_task(store.save(...))`` works.
 
         Raises (at once, nothing written):
-            StoreClosedError: the store is not open.
+            StoreClosedError / ReadOnlyStoreError: the store is not open, or opened read-only.
             StateError: a leaf that cannot be stored (named by its key path), or an unsupported tensor.
             CheckpointExistsError: the step is committed already, or being saved.
+            StaleStepError: ``keep_last`` newer steps exist, so retention would delete it at once.
             SaveFailedError: an earlier background save failed and its handle was never awaited.
 
         Awaiting the handle raises the save's failure: ``OSError`` (disk full, I/O error, naming the
         file) or :class:`~aiotensor.errors.SaveCancelledError`. A failed save leaves nothing behind.
+        Trouble after the commit point never fails it (see :class:`SaveHandle`).
 
         Cancellation: see :class:`SaveHandle`.
         """
-        if self._tg is None:
-            raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**12:
-            raise ValueError(f"step must be an int in [0, 10**12), got {step!r}")
+        self._check_writable()
+        _check_step(step)
         self._raise_unobserved()
         if step in self._committed or step in self._in_flight:
             where = "committed" if step in self._committed else "being saved"
-            raise CheckpointExistsError(f"step {step} is already {where} in {self.root}")
+            raise CheckpointExistsError(
+                f"step {step} is already {where} in {self.root}"
+                + (" (to replace it, `await store.delete(step)` first)" if step in self._committed else "")
+            )
+        newer = sorted(s for s in self._committed if s > step)
+        if self.keep_last is not None and len(newer) >= self.keep_last:
+            raise StaleStepError(
+                f"step {step} would be deleted as soon as it commits: keep_last={self.keep_last} and {len(newer)} newer "
+                f"steps exist in {self.root} ({newer[:5]}{'...' if len(newer) > 5 else ''}). To go back to an earlier "
+                f"step, `await store.rollback({step - 1 if step else 0})` first, or raise keep_last"
+            )
         plan, sources = plan_save(state, shard_bytes=self.shard_bytes, devices=self.scheduler.devices)
         # CUDA sources are copied as of now: after the kernels already queued on their streams
         producers = cuda.record_producers(sources.values()) if self.scheduler.cuda is not None else {}
         handle = SaveHandle(step, plan.nbytes)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
-        self._tg.start_soon(self._run_save, handle, plan, sources, prio, producers)
+        self._start(lambda: self._run_save(handle, plan, sources, prio, producers))
         return handle
+
+    def _check_writable(self) -> None:
+        if not self._open:
+            raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
+        if self._lock is None:
+            raise ReadOnlyStoreError(f"this store of {self.root} was opened with readonly=True: it cannot save or delete")
+
+    def _start(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` in the background; ``close`` waits for it."""
+        done = anyio.Event()
+        self._busy.add(done)
+
+        async def run() -> None:
+            try:
+                await fn()
+            finally:
+                self._busy.discard(done)
+                done.set()
+
+        _spawn(run)
 
     async def _run_save(
         self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int, producers: dict[Any, Any]
@@ -328,11 +403,11 @@ class TensorStore:
                 if h._cancel_requested:
                     scope.cancel()
                 await self._save(h, plan, sources, prio, producers)
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and not h.committed:
                 error = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         except Exception as e:
             error = e
-        except BaseException:  # the store itself is being cancelled
+        except BaseException:  # the loop itself is shutting down
             error = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
             raise
         finally:
@@ -351,19 +426,18 @@ class TensorStore:
             sources.clear()  # the caller's tensors are free to change from here on
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()
-            await self._write(h.step, plan, arena, pieces, prio)
+            await self._write(h, plan, arena, pieces, prio)
             h.commit_seconds = anyio.current_time() - t0
         finally:
             self.staging.release(arena)
 
-    async def _write(self, step: int, plan: SavePlan, arena: Any, pieces: Any, prio: int) -> None:
-        final = self.path(step)
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    async def _write(self, h: SaveHandle, plan: SavePlan, arena: Any, pieces: Any, prio: int) -> None:
+        final = self.path(h.step)
+        tmp = os.path.join(self.root, _root.temp_name(step_dir_name(h.step)))
         eng = self.engine
         await self._call(eng.mkdir, tmp, what=f"creating {tmp}")
-        committed = False
-        crcs: dict[str, int] = {}
         try:
+            crcs: dict[str, int] = {}
 
             async def checksum() -> None:
                 crcs.update(await _io.checksums(self.scheduler, plan, pieces, arena, prio))
@@ -376,27 +450,31 @@ class TensorStore:
 
             await run_concurrently(checksum, write)
             manifest = mf.Manifest(
-                step=step,
+                step=h.step,
                 tree=plan.tree,
                 shards={sh.file: sh.layout.file_size for sh in plan.shards},
                 entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
                 aliases=plan.aliases,
             )
-            await _io.write_file(self.scheduler, os.path.join(tmp, MANIFEST), [(0, memoryview(mf.dumps(manifest)))], prio)
+            data = await self.scheduler.call(mf.dumps, manifest, priority=prio)  # JSON of a big tree: off the loop
+            await _io.write_file(self.scheduler, os.path.join(tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
             await self._call(eng.sync_dir, tmp, what=f"syncing {tmp}")
-            assert self._commit_lock is not None
             # past this point the save completes even if cancelled: a rename that ran in its
             # thread must be followed by the fsync that makes it durable, and by `latest`
             with anyio.CancelScope(shield=True):
-                await self._commit(step, tmp, final)
-                committed = True
-        except BaseException:
-            if not committed:
+                await self._commit(h, tmp, final)
+        except BaseException as e:
+            if not h.committed:
                 with anyio.CancelScope(shield=True):
-                    await self._call(eng.remove_tree, tmp)
+                    try:
+                        await self._call(eng.remove_tree, tmp, what=f"removing {tmp}")
+                    except OSError as cleanup:  # the first cause is what the caller needs; say what is left
+                        note = f"clean-up could not remove the unfinished {tmp} ({cleanup}); the next writer removes it"
+                        e.add_note(note)
+                        log.warning("%s", note)
             raise
 
-    async def _commit(self, step: int, tmp: str, final: str) -> None:
+    async def _commit(self, h: SaveHandle, tmp: str, final: str) -> None:
         eng = self.engine
         assert self._commit_lock is not None
         async with self._commit_lock:  # one commit at a time, so `latest` only moves forward
@@ -404,56 +482,131 @@ class TensorStore:
             try:
                 await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
             except BaseException:
-                await self._call(eng.rename, final, tmp)  # not known durable: not committed
+                await self._call(eng.rename, final, tmp, what=f"renaming {final} back to {tmp}")  # not durable: not committed
                 raise
-            self._committed.add(step)
-            if step == self.latest():
-                await self._write_latest(step)
-            await self._retain()
+            # the commit point: from here on the save has succeeded, whatever happens next
+            h.committed = True
+            self._committed.add(h.step)
+            log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
+            await self._try(self._sync_latest, h, "updating `latest`")
+            await self._try(self._retain, h, "retiring old steps")
 
-    async def _write_latest(self, step: int) -> None:
-        eng = self.engine
-        tmp = os.path.join(self.root, f"{LATEST}.tmp-{uuid.uuid4().hex[:8]}")
+    async def _try(self, fn: Callable[[], Awaitable[Any]], h: SaveHandle | None, what: str) -> None:
+        """Housekeeping that must not fail what it follows: a failure is logged and listed in ``h``'s
+        warnings; the next save or open repairs it."""
         try:
-            await _io.write_file(self.scheduler, tmp, [(0, memoryview((step_dir_name(step) + "\n").encode()))])
-            await self._call(eng.rename, tmp, os.path.join(self.root, LATEST), what=f"replacing {LATEST}")
-            await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._call(eng.remove_tree, tmp)
-            raise
+            await fn()
+        except Exception as e:
+            msg = f"{self.root}: {what} failed ({e}); the checkpoint is committed, and the next save or open repairs this"
+            if h is not None:
+                h.warnings.append(msg)
+            log.warning("%s", msg)
+
+    async def _sync_latest(self) -> None:
+        """Make ``latest`` name the newest committed step (or remove it when none is left)."""
+        newest = self.latest()
+        want = None if newest is None else step_dir_name(newest)
+        if want == self._latest_on_disk:
+            return
+        eng = self.engine
+        path = os.path.join(self.root, LATEST)
+        if want is None:
+            await self._call(eng.remove_tree, path, what=f"removing {path}")
+        else:
+            tmp = os.path.join(self.root, _root.temp_name(LATEST))
+            try:
+                await _io.write_file(self.scheduler, tmp, [(0, memoryview((want + "\n").encode()))])
+                await self._call(eng.rename, tmp, path, what=f"replacing {path}")
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._call(eng.remove_tree, tmp, what=f"removing {tmp}")
+                raise
+        await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
+        self._latest_on_disk = want
 
     async def _retain(self) -> None:
-        """Retire steps beyond ``keep_last`` (never the newest, never one being loaded): each is
-        renamed away durably here, and its files are deleted in the background."""
+        """Retire steps beyond ``keep_last`` (never one being loaded by this store)."""
         if self.keep_last is None:
             return
-        old = self.steps()[: -self.keep_last]
-        eng = self.engine
-        for step in old:
-            if self._readers[step]:
-                continue  # retried after the next commit
-            self._committed.discard(step)
-            # rename first: a half-deleted folder must never look like a checkpoint
-            doomed = f"{self.path(step)}.tmp-del{uuid.uuid4().hex[:8]}"
-            await self._call(eng.rename, self.path(step), doomed, what=f"retiring step {step}")
-            await self._call(eng.sync_dir, self.root)
-            # deleting the files is housekeeping: it runs after the save reports its commit (a
-            # crash before it ends leaves a `.tmp-` folder that the next open removes)
-            assert self._group is not None
-            self._group.start_soon(self._remove_retired, doomed)
+        for step in self.steps()[: -self.keep_last]:
+            if not self._readers[step]:  # retried after the next commit
+                await self._retire(step)
 
-    async def _remove_retired(self, path: str) -> None:
-        with anyio.CancelScope(shield=True):  # a store closed with cancel=True still deletes them
-            try:
-                await self.scheduler.call(self.engine.remove_tree, path, priority=Priority.BACKGROUND)
-            except OSError:
-                pass  # left as a `.tmp-` folder: removed by the next open(), never read as a step
+    async def _retire(self, step: int) -> None:
+        """Rename a step away durably (a half-deleted folder must never look like a checkpoint), then
+        delete its files in the background (a crash first leaves a leftover the next writer removes)."""
+        eng = self.engine
+        doomed = os.path.join(self.root, _root.temp_name(step_dir_name(step), "del"))
+        await self._call(eng.rename, self.path(step), doomed, what=f"retiring step {step}")
+        self._committed.discard(step)
+        await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
+        log.info("%s: retired step %d", self.root, step)
+
+        async def remove() -> None:
+            with anyio.CancelScope(shield=True):  # a store closed with cancel=True still deletes them
+                try:
+                    await self.scheduler.call(eng.remove_tree, doomed, priority=Priority.BACKGROUND)
+                except OSError as e:
+                    log.warning("%s: could not delete the retired %s (%s); the next writer removes it", self.root, doomed, e)
+
+        self._start(remove)
+
+    async def delete(self, step: int) -> None:
+        """Delete a committed step: renamed away durably (it stops being a checkpoint at once), then
+        its files are removed in the background; ``latest`` is updated.
+
+        Raises:
+            CheckpointNotFoundError: no such committed step.
+            ReadOnlyStoreError / StoreClosedError: not a writer, or not open.
+            OSError: the rename failed (the step is then still committed).
+
+        Cancellation: once started, the deletion completes.
+        """
+        self._check_writable()
+        _check_step(step)
+        if step not in self._committed:
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.root}")
+        await self._delete([step])
+
+    async def rollback(self, step: int) -> list[int]:
+        """Delete every committed step newer than ``step``, newest first, so that training can go
+        back to ``step`` (after a divergence, say) and save the later steps again; returns them.
+
+        Raises:
+            CheckpointExistsError: a newer step is being saved (await or cancel it first).
+            ReadOnlyStoreError / StoreClosedError: not a writer, or not open.
+            OSError: a rename failed (the steps not yet deleted stay committed).
+
+        Cancellation: once started, the rollback completes.
+        """
+        self._check_writable()
+        _check_step(step)
+        busy = sorted(s for s in self._in_flight if s > step)
+        if busy:
+            raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
+        doomed = sorted((s for s in self._committed if s > step), reverse=True)
+        await self._delete(doomed)
+        return doomed
+
+    async def _delete(self, steps: list[int]) -> None:
+        assert self._commit_lock is not None
+        with anyio.CancelScope(shield=True):
+            async with self._commit_lock:
+                for s in steps:
+                    if s in self._committed:
+                        await self._retire(s)
+                await self._try(self._sync_latest, None, "updating `latest`")
 
     # --- load ------------------------------------------------------------------------------
 
     async def load(
-        self, step: int | None = None, *, into: Any = None, verify: bool | None = None, device: str | torch.device = "cpu"
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        verify: bool | None = None,
+        device: str | torch.device = "cpu",
+        atomic: bool = False,
     ) -> Any:
         """Load a committed step (default: the newest) as the nested state it was saved as.
 
@@ -462,6 +615,14 @@ class TensorStore:
         and the saved non-tensor values. ``into`` tensors may be on CUDA; without ``into``, new
         tensors are made on ``device`` (``"cuda"``: read straight into GPU memory by the kvikio
         engine, else through pinned bounce slots and a copy stream; complete when this returns).
+
+        ``atomic=True`` (with ``into``) is all-or-nothing: every tensor's checksum is verified in a
+        first pass that writes nothing (extra memory: the bounce slots only; extra time: a second
+        read, mostly from the page cache), and ``into`` is written only if all of it is intact. A
+        corrupt or malformed checkpoint then leaves ``into`` untouched. Without it (the default),
+        a failure leaves ``into`` with the new values of the tensors read before it, and the
+        corrupt bytes of the tensor that failed. Either way an I/O error or a cancellation while
+        ``into`` is being written leaves a mix.
 
         Raises:
             CheckpointNotFoundError: no such committed step (or none at all), or another process
@@ -474,22 +635,32 @@ class TensorStore:
         Cancellation: returns (raising the cancellation) only once no worker thread writes into
         ``into``'s tensors any more; they may then hold a mix of old and new values.
         """
-        if self._tg is None:
+        if not self._open:
             raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
         if step is None:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
+        _check_step(step)
         if step not in self._committed:
+            damaged = self._errors.get(step_dir_name(step))
+            if damaged is not None:  # the folder is there but broken: say what is wrong with it
+                raise damaged
+            why = self.ignored.get(step_dir_name(step))
             raise CheckpointNotFoundError(
-                f"no committed checkpoint for step {step} in {self.root} (committed: {self.steps()[-10:]})"
+                f"no committed checkpoint for step {step} in {self.root} "
+                + (f"({step_dir_name(step)} is {why})" if why else f"(committed: {self.steps()[-10:]})")
             )
         self._readers[step] += 1
+        done = anyio.Event()
+        self._busy.add(done)
         try:
             verify = self.verify if verify is None else verify
-            return await load_checkpoint(self.scheduler, self.path(step), into=into, verify=verify, device=device)
+            return await load_checkpoint(
+                self.scheduler, self.path(step), into=into, verify=verify, device=device, atomic=atomic, step=step
+            )
         except FileNotFoundError as e:
-            if await self._call(self.engine.exists, self.path(step)):
+            if await self._call(os.path.lexists, self.path(step), what=f"checking {self.path(step)}"):
                 raise
             self._committed.discard(step)
             raise CheckpointNotFoundError(
@@ -497,67 +668,22 @@ class TensorStore:
             ) from e
         finally:
             self._readers[step] -= 1
+            self._busy.discard(done)
+            done.set()
 
-    async def _call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
+    async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        """``fn(*args)`` in a worker thread; an OSError names ``what`` the user's call was doing."""
         try:
             return await self.scheduler.call(fn, *args, priority=Priority.SAVE)
         except OSError as e:
-            raise annotate_oserror(e, what or f"{getattr(fn, '__name__', fn)} {args[0] if args else ''}") from e
+            raise annotate_oserror(e, what) from e
 
 
-def _ensure_dir(path: str) -> None:
-    os.makedirs(path, exist_ok=True)
-
-
-async def load_checkpoint(
-    sched: Scheduler, folder: str, *, into: Any = None, verify: bool = True, device: str | torch.device = "cpu"
-) -> Any:
-    """Load one checkpoint folder (see :meth:`TensorStore.load`)."""
-    dev = _io.check_device(sched, device)
-    mpath = os.path.join(folder, MANIFEST)
-    m = mf.loads(await _io.read_bytes(sched, mpath, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), mpath)
-    by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
-    for e in m.entries.values():
-        by_shard[e.shard].append(e)
-    fds: dict[str, int] = {}
-    try:
-        # every shard's header and size must agree with the manifest before anything is allocated:
-        # a hostile manifest cannot make us allocate what the files do not hold
-        for shard, size in m.shards.items():
-            path = os.path.join(folder, shard)
-            fds[shard] = await _io.open_read(sched, path)
-            layout = await _io.read_layout(sched, fds[shard], path)
-            listed = {e.spec.key: e.spec for e in by_shard[shard]}
-            if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
-                raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
-        dest = _destinations(m, into, dev, sched.devices)
-        for shard, fd in fds.items():
-            targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in by_shard[shard]]
-            await _io.read_tensors(sched, fd, os.path.join(folder, shard), targets, Priority.LOAD)
-    finally:
-        for fd in fds.values():
-            await _io.close(sched, fd)
-    for alias, target in m.aliases.items():
-        if alias not in dest:
-            dest[alias] = dest[target]
-        elif not _same_view(dest[alias], dest[target]):
-            await sched.call(dest[alias].copy_, dest[target], priority=Priority.LOAD)
-    return unflatten(m.tree, dest.__getitem__, mpath)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
-
-
-def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
-    if into is None:
-        return {k: _io.new_tensor(e.spec, device) for k, e in m.entries.items()}
-    _, tensors = flatten(into)
-    given = dict(tensors)
-    specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-    _io.check_into(given, specs, devices, "the checkpoint")
-    return given
+def _check_step(step: object) -> None:
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if not 0 <= step < 10**12:
+        raise ValueError(f"step must be in [0, 10**12), got {step}")
 
 
 __all__ = ["SaveHandle", "TensorStore", "load_checkpoint", "step_dir_name"]

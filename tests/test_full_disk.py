@@ -78,7 +78,7 @@ async def test_disk_fills_mid_save(small_fs: str) -> None:
         assert not str(err).endswith("None"), str(err)
         assert store.steps() == [1]
         assert tmp_leftovers(root) == []
-        assert sorted(os.listdir(root)) == ["latest", "step-000000000001"]
+        assert sorted(os.listdir(root)) == [".aiotensor.lock", "latest", "step-000000000001"]
         assert_state_equal(first, await store.load())
         # the failed save's space came back: a save that fits now works
         small = state(1024, 3)

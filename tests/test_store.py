@@ -190,6 +190,7 @@ async def test_retention_and_latest(tmp_path: Any) -> None:
         assert store.steps() == [20, 30] and store.latest() == 30
         # retired steps are renamed away at once; their files go in the background
         assert sorted(n for n in os.listdir(tmp_path) if ".tmp-del" not in n) == [
+            ".aiotensor.lock",
             "latest",
             "step-000000000020",
             "step-000000000030",
@@ -198,19 +199,23 @@ async def test_retention_and_latest(tmp_path: Any) -> None:
         await store.save(25, {"x": torch.zeros(4)})
         assert (tmp_path / "latest").read_text().strip() == "step-000000000030"
         assert store.steps() == [25, 30]
-    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000000000025", "step-000000000030"]  # close() waited
+    assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000025", "step-000000000030"]  # close() waited
     async with TensorStore(tmp_path) as again:
         assert again.steps() == [25, 30]
         assert float((await again.load())["x"][0]) == 30.0
 
 
-async def test_open_removes_leftovers_of_interrupted_saves(tmp_path: Any) -> None:
-    (tmp_path / "step-000000000005.tmp-dead").mkdir()
-    (tmp_path / "step-000000000005.tmp-dead" / "manifest.json").write_text("{}")
-    (tmp_path / "latest.tmp-dead").write_text("junk")
+async def test_open_removes_leftovers_of_interrupted_saves_and_nothing_else(tmp_path: Any) -> None:
+    (tmp_path / "step-000000000005.tmp-0123abcd").mkdir()
+    (tmp_path / "step-000000000005.tmp-0123abcd" / "manifest.json").write_text("{}")
+    (tmp_path / "step-000000000004.tmp-del89abcdef").mkdir()
+    (tmp_path / "latest.tmp-deadbeef").write_text("junk")
+    (tmp_path / "notes.tmp-backup").write_text("a user's file")  # not a name aiotensor makes
+    (tmp_path / "step-000000000006.tmp-mine").mkdir()
     async with TensorStore(tmp_path) as store:
         assert store.steps() == []
-    assert os.listdir(tmp_path) == []
+        assert "step-000000000006.tmp-mine" in store.ignored
+    assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "notes.tmp-backup", "step-000000000006.tmp-mine"]
 
 
 async def test_commit_order(tmp_path: Any) -> None:
@@ -415,7 +420,7 @@ async def test_a_reader_polling_from_another_store_never_sees_an_uncommitted_ste
     vanished = 0
     async with TensorStore(tmp_path, keep_last=2, chunk_bytes=4096) as writer:
         await writer.save(0, states[0])
-        async with TensorStore(tmp_path) as reader:
+        async with TensorStore(tmp_path, readonly=True) as reader:
             done = False
 
             async def poll() -> None:
@@ -443,7 +448,7 @@ async def test_a_reader_polling_from_another_store_never_sees_an_uncommitted_ste
 async def test_a_step_retired_by_another_store_is_not_found_not_an_oserror(tmp_path: Any) -> None:
     async with TensorStore(tmp_path, keep_last=1) as writer:
         await writer.save(1, {"w": torch.ones(3)})
-        async with TensorStore(tmp_path) as reader:
+        async with TensorStore(tmp_path, readonly=True) as reader:
             assert reader.steps() == [1]
             await writer.save(2, {"w": torch.zeros(3)})  # retires step 1 under the reader
             with pytest.raises(CheckpointNotFoundError, match="step 1 was retired while it was being loaded"):

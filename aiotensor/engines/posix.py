@@ -6,7 +6,9 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 
+from ..errors import UnsafePathError
 from .base import Engine
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -29,10 +31,7 @@ class PosixEngine(Engine):
         self.direct = direct and hasattr(os, "O_DIRECT")
 
     def open_read(self, path: str) -> int:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return fd
+        return open_regular(path)
 
     def create(self, path: str, *, direct: bool = False) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
@@ -84,3 +83,39 @@ class PosixEngine(Engine):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket"}
+
+
+def open_regular(path: str) -> int:
+    """Open a regular file for reading, never following a symbolic link at ``path`` itself.
+
+    Opened non-blocking and checked with ``fstat`` before anything reads it: a FIFO or device can
+    never block a worker thread (and so a cancellation) for ever.
+
+    Raises:
+        UnsafePathError: ``path`` is a symbolic link, a folder, a FIFO, a device or a socket.
+        OSError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(
+                "is a symbolic link: aiotensor does not follow links inside checkpoints (they could lead out of it)",
+                path,
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "folder" if stat.S_ISDIR(mode) else _KINDS.get(stat.S_IFMT(mode), "special file")
+            raise UnsafePathError(f"is a {kind}, not a regular file: refused before reading", path)
+        os.set_blocking(fd, True)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

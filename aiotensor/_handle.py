@@ -1,0 +1,124 @@
+"""SaveHandle: a save in flight, awaitable, and usable wherever a coroutine is expected."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+import anyio
+
+
+class _Signal:
+    """An awaitable stage of a save (``handle.staged``); awaiting it twice is fine."""
+
+    def __init__(self, handle: SaveHandle, event: anyio.Event) -> None:
+        self._handle = handle
+        self._event = event
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._handle._wait(self._event).__await__()
+
+
+class SaveHandle(Coroutine[Any, Any, None]):
+    """A save in flight. ``await handle`` waits until the checkpoint is committed and durable.
+
+    ``await handle.staged`` waits until every tensor has been copied out: from then on the caller
+    may change its tensors; the checkpoint holds the values they had when ``save`` was called.
+
+    The handle is also a coroutine object, so every usual way of running a save in a task works:
+    ``asyncio.create_task(store.save(...))``, ``asyncio.wait_for(store.save(...), 60)``,
+    ``tg.start_soon(handle.wait)``. The save itself started when ``save()`` returned: a task only
+    waits for it (and, if cancelled, cancels it).
+
+    After the commit point the save has succeeded, whatever happens next: a failure to update
+    ``latest`` or to retire old steps is logged (logger ``aiotensor``), listed in
+    :attr:`warnings`, and repaired by the next save or open; it never fails the handle.
+
+    Cancellation: cancelling a task that awaits the handle (or ``handle.staged``) cancels the save
+    itself: its temporary folder is removed, earlier checkpoints are untouched, and the await
+    returns (raising the cancellation) only after the save has stopped. A save that reached its
+    commit point completes anyway. To wait without that effect, shield the await
+    (``anyio.CancelScope(shield=True)``). ``handle.cancel()`` cancels it without waiting; awaiting
+    it afterwards raises :class:`~aiotensor.errors.SaveCancelledError`.
+    """
+
+    def __init__(self, step: int, nbytes: int) -> None:
+        self.step = step
+        self.nbytes = nbytes
+        self._staged_event = anyio.Event()
+        self._done_event = anyio.Event()
+        self.staged = _Signal(self, self._staged_event)
+        self._scope: anyio.CancelScope | None = None
+        self._cancel_requested = False
+        self._error: BaseException | None = None
+        self._inner: Coroutine[Any, Any, None] | None = None
+        self.observed = False
+        self.committed = False
+        self.warnings: list[str] = []  # trouble after the commit point (the save still succeeded)
+        self.stage_seconds: float | None = None  # save() to staged
+        self.commit_seconds: float | None = None  # save() to committed
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else ("staged" if self._staged_event.is_set() else "staging")
+        return f"<SaveHandle step={self.step} {state}>"
+
+    def done(self) -> bool:
+        return self._done_event.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The failure of a finished save (None while running or on success)."""
+        return self._error
+
+    def cancel(self) -> None:
+        """Ask the save to stop; it cleans up in the background. A committed save stays committed."""
+        self._cancel_requested = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def wait(self) -> None:
+        """Wait until the save is committed (``await handle`` does the same).
+
+        Raises:
+            OSError, SaveCancelledError: the save's failure.
+
+        Cancellation: as for the handle (cancels the save).
+        """
+        await self._wait(self._done_event)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait(self._done_event).__await__()
+
+    # the coroutine protocol, delegated to one wait: what asyncio.create_task and trio drive
+    def send(self, value: Any) -> Any:
+        if self._inner is None:
+            self._inner = self._wait(self._done_event)
+        return self._inner.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._inner is None:
+            self._inner = self._wait(self._done_event)
+        if val is None and tb is None:
+            return self._inner.throw(typ)
+        return self._inner.throw(typ, val, tb)  # pragma: no cover - the deprecated 3-argument form
+
+    def close(self) -> None:
+        """Close the coroutine side of the handle (what a task that never ran does); the save goes on."""
+        if self._inner is not None:
+            self._inner.close()
+
+    async def _wait(self, event: anyio.Event) -> None:
+        try:
+            await event.wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._done_event.wait()
+            raise
+        if self._error is not None and (event is self._done_event or not self._staged_event.is_set()):
+            self.observed = True
+            raise self._error
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._staged_event.set()  # wakes staged-waiters of a failed save too (they see the error)
+        self._done_event.set()

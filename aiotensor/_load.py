@@ -1,0 +1,97 @@
+"""Loading one checkpoint folder: manifest, shard headers, then the tensors, one shard file at a time."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import _io, _root
+from .errors import ManifestError
+from .formats import manifest as mf
+from .formats.tree import flatten, unflatten
+from .scheduler import Priority, Scheduler
+
+
+async def load_checkpoint(
+    sched: Scheduler,
+    folder: str | os.PathLike[str],
+    *,
+    into: Any = None,
+    verify: bool = True,
+    device: str | torch.device = "cpu",
+    atomic: bool = False,
+    step: int | None = None,
+) -> Any:
+    """Load one checkpoint folder (see :meth:`TensorStore.load` for ``into``, ``device``, ``atomic``).
+
+    With ``step``, the folder must be a real folder (not a symbolic link) whose manifest names that
+    step. At most one shard file is open at a time, whatever the number of shards.
+
+    Raises:
+        ManifestError / HeaderError: a malformed manifest or shard, naming the file.
+        ChecksumError: corrupt tensor bytes, naming the file and the tensor.
+        MismatchError: ``into`` does not match the checkpoint.
+        UnsafePathError: a symbolic link, FIFO or device where a file or folder belongs.
+        OSError: an I/O error, naming the file.
+
+    Cancellation: returns only once no worker thread writes into the destination tensors; with
+    ``into``, they may then hold a mix of old and new values (unless the verify pass of
+    ``atomic`` was still running: then they are untouched).
+    """
+    folder = os.fspath(folder)
+    dev = _io.check_device(sched, device)
+    m: mf.Manifest = await sched.call(_root.read_manifest, sched.engine, folder, step, priority=Priority.LOAD)
+    mpath = os.path.join(folder, _root.MANIFEST)
+    by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
+    for e in m.entries.values():
+        by_shard[e.shard].append(e)
+    # every shard's header must agree with the manifest before anything is allocated: a hostile
+    # manifest cannot make us allocate what the files do not hold
+    for shard, size in m.shards.items():
+        path = os.path.join(folder, shard)
+        fd = await _io.open_read(sched, path)
+        try:
+            layout = await _io.read_layout(sched, fd, path)
+        finally:
+            await _io.close(sched, fd)
+        listed = {e.spec.key: e.spec for e in by_shard[shard]}
+        if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
+            raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
+    dest = _destinations(m, into, dev, sched.devices)
+    passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
+    for what in passes:
+        for shard, entries in by_shard.items():
+            path = os.path.join(folder, shard)
+            targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
+            fd = await _io.open_read(sched, path)
+            try:
+                if what == "verify":
+                    await _io.verify_tensors(sched, fd, path, targets, Priority.LOAD)
+                else:
+                    await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
+            finally:
+                await _io.close(sched, fd)
+    for alias, target in m.aliases.items():
+        if alias not in dest:
+            dest[alias] = dest[target]
+        elif not _same_view(dest[alias], dest[target]):
+            await sched.call(dest[alias].detach().copy_, dest[target], priority=Priority.LOAD)
+    # rebuilding a large tree is Python work proportional to its size: not on the loop thread
+    return await sched.call(unflatten, m.tree, dest.__getitem__, mpath, priority=Priority.LOAD)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
+def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
+    if into is None:
+        return {k: _io.new_tensor(e.spec, device) for k, e in m.entries.items()}
+    _, tensors = flatten(into)
+    given = dict(tensors)
+    specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
+    _io.check_into(given, specs, devices, "the checkpoint")
+    return given

@@ -1,0 +1,244 @@
+"""The folder of a TensorStore: names, the writer lock, and what a listing of it means.
+
+Every function here blocks (file system calls) and runs in a worker thread.
+
+A name is a committed step only if it is exactly ``step-`` + 12 ASCII digits, it is a real folder
+(not a symbolic link) and it holds a valid manifest naming the same step. Names the library itself
+makes for work in progress (``step-…​.tmp-XXXXXXXX``, ``step-…​.tmp-delXXXXXXXX``,
+``latest.tmp-XXXXXXXX``) are *leftovers*: only a writer holding the lock removes them, and nothing
+else is ever removed. Everything else is *ignored* and reported, never counted as a step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import stat
+import uuid
+from dataclasses import dataclass, field
+
+from .engines import Engine
+from .errors import FormatError, ManifestError
+from .formats import manifest as mf
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+LOCK = ".aiotensor.lock"
+_STEP = re.compile(r"step-([0-9]{12})")
+_LEFTOVER = re.compile(r"(step-[0-9]{12}\.tmp-(del)?|latest\.tmp-)[0-9a-f]{8}")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step a folder name stands for, or None (``[0-9]``: full-width digits are not digits here)."""
+    m = _STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def temp_name(name: str, kind: str = "") -> str:
+    """A name for work in progress on ``name``: one :func:`is_leftover` recognises."""
+    return f"{name}.tmp-{kind}{uuid.uuid4().hex[:8]}"
+
+
+def is_leftover(name: str) -> bool:
+    return _LEFTOVER.fullmatch(name) is not None
+
+
+# --- the writer lock ---------------------------------------------------------------------------
+
+
+class WriterLock:
+    """One writer per root: ``flock`` on ``root/.aiotensor.lock``.
+
+    The kernel drops the lock when its holder dies (even by SIGKILL), so a crash never leaves it held.
+    ``flock`` locks belong to an open file, so two stores in one process exclude each other too.
+    The file is never removed (removing a lock file races with its next holder).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, LOCK)
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free; False if another writer holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the holder's pid, for the message a second writer gets (informative only)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        self._fd = fd
+        return True
+
+    def holder(self) -> str:
+        """The pid the current holder wrote, for messages ("" if unknown)."""
+        try:
+            with open(self.path, "rb") as f:
+                return f.read(32).decode("ascii", "replace").strip()
+        except OSError:
+            return ""
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the file drops the flock
+
+
+# --- listing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Listing:
+    """What a root holds, as :func:`scan` found it."""
+
+    committed: dict[int, str] = field(default_factory=dict)  # step -> folder name
+    leftovers: list[str] = field(default_factory=list)
+    ignored: dict[str, str] = field(default_factory=dict)  # name -> why it is not a step
+    errors: dict[str, Exception] = field(default_factory=dict)  # name -> the error its manifest raised
+    latest: str | None = None  # what `latest` names ("" when it is unreadable)
+
+
+def _manifest_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, int], int]]) -> Listing:
+    """List ``root``: committed steps (each manifest validated, or taken from ``known`` when its file
+    is unchanged), leftovers and ignored names. ``known`` (name -> (manifest stat key, step)) is
+    updated in place, so a store re-validates only what changed.
+    """
+    out = Listing()
+    names = engine.listdir(root)
+    for name in names:
+        if name == LOCK:
+            continue
+        if name == LATEST:
+            out.latest = read_latest(root)
+            continue
+        if is_leftover(name):
+            out.leftovers.append(name)
+            continue
+        step = parse_step(name)
+        if step is None:
+            if name.startswith("step-") or ".tmp-" in name:
+                out.ignored[name] = "not a name aiotensor makes (step- and 12 ASCII digits)"
+            continue  # other files (a user's notes) are simply not ours
+        why = _check_step(engine, root, name, step, known)
+        if why is None:
+            out.committed[step] = name
+        elif isinstance(why, Exception):
+            out.ignored[name] = f"not a valid checkpoint: {_short(str(why))}"
+            out.errors[name] = why
+        else:
+            out.ignored[name] = why
+    names_kept = set(out.committed.values())
+    for name in list(known):
+        if name not in names_kept:
+            del known[name]
+    return out
+
+
+def _check_step(
+    engine: Engine, root: str, name: str, step: int, known: dict[str, tuple[tuple[int, int, int, int], int]]
+) -> str | Exception | None:
+    """None if ``root/name`` is a committed step, else why not (the error its manifest raised)."""
+    folder = os.path.join(root, name)
+    try:
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode):
+            return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(st.st_mode) else "not a folder"
+        mst = os.lstat(os.path.join(folder, MANIFEST))
+    except FileNotFoundError:
+        return "no manifest.json (not a checkpoint)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    key = _manifest_key(mst)
+    if known.get(name) == (key, step):
+        return None
+    try:
+        m = read_manifest(engine, folder, step)
+    except (FormatError, OSError) as e:
+        return e
+    known[name] = (key, m.step)
+    return None
+
+
+def read_manifest(engine: Engine, folder: str, step: int | None = None) -> mf.Manifest:
+    """Read and validate ``folder/manifest.json``; with ``step``, it must name that step.
+
+    Raises:
+        ManifestError: malformed, or it names another step than its folder.
+        UnsafePathError / OSError: not a regular file, or unreadable.
+    """
+    path = os.path.join(folder, MANIFEST)
+    m = mf.loads(read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), path)
+    if step is not None and m.step != step:
+        raise ManifestError(f"the manifest is of step {m.step}, but its folder is {step_dir_name(step)}", path)
+    return m
+
+
+def read_small(engine: Engine, path: str, limit: int, error: type[FormatError], what: str) -> bytes:
+    """A whole small file of at most ``limit`` bytes, read through ``engine`` (blocking)."""
+    fd = engine.open_read(path)
+    try:
+        size = engine.size(fd)
+        if size > limit:
+            raise error(f"{what} is {size} bytes, over the {limit} byte cap", path)
+        buf = bytearray(size)
+        view, off = memoryview(buf), 0
+        while off < size:
+            n = engine.pread(fd, view[off:], off)
+            if n <= 0:
+                raise error(f"{what} ended at byte {off} while being read (it shrank)", path)
+            off += n
+        return bytes(buf)
+    finally:
+        engine.close(fd)
+
+
+def read_latest(root: str) -> str:
+    """What ``root/latest`` names ("" if it is not a small regular file)."""
+    try:
+        fd = os.open(os.path.join(root, LATEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+
+
+def _short(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[:n] + "…"
+
+
+__all__ = [
+    "LATEST",
+    "LOCK",
+    "MANIFEST",
+    "Listing",
+    "WriterLock",
+    "is_leftover",
+    "parse_step",
+    "read_latest",
+    "read_manifest",
+    "read_small",
+    "scan",
+    "step_dir_name",
+    "temp_name",
+]
