@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 
+_MAX_MESSAGE = 600
+
+
 class AiotensorError(Exception):
     """Base class of every error raised on purpose by aiotensor."""
 
@@ -56,6 +59,8 @@ class FormatError(AiotensorError, ValueError):
 
     def __init__(self, message: str, path: object = None) -> None:
         self.path = None if path is None else str(path)
+        if len(message) > _MAX_MESSAGE:  # a hostile file must not make a megabyte-long message
+            message = message[: _MAX_MESSAGE - 20] + f"… ({len(message)} chars)"
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
 

@@ -199,7 +199,12 @@ async def test_retention_and_latest(tmp_path: Any) -> None:
         await store.save(25, {"x": torch.zeros(4)})
         assert (tmp_path / "latest").read_text().strip() == "step-000000000030"
         assert store.steps() == [25, 30]
-    assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000025", "step-000000000030"]  # close() waited
+    assert sorted(os.listdir(tmp_path)) == [
+        ".aiotensor.lock",
+        "latest",
+        "step-000000000025",
+        "step-000000000030",
+    ]  # close() waited
     async with TensorStore(tmp_path) as again:
         assert again.steps() == [25, 30]
         assert float((await again.load())["x"][0]) == 30.0

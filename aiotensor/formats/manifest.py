@@ -18,7 +18,7 @@ from typing import Any
 from .. import _checksum
 from .._dtypes import ITEMSIZE
 from ..errors import ManifestError
-from .safetensors import TensorSpec, is_count, loads_json_object, nbytes_of
+from .safetensors import TensorSpec, is_count, loads_json_object, nbytes_of, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -138,8 +138,9 @@ def loads(data: bytes, path: object) -> Manifest:
         if not (isinstance(t["dtype"], str) and t["dtype"] in ITEMSIZE):
             raise bad(f"tensor {key!r}: unknown dtype {t['dtype']!r}")
         shape = t["shape"]
-        if not (isinstance(shape, list) and all(is_count(d) for d in shape)):
-            raise bad(f"tensor {key!r}: shape must be a list of non-negative integers")
+        problem = shape_problem(shape)
+        if problem:
+            raise bad(f"tensor {key!r}: {problem}")
         if not (is_count(t["offset"]) and is_count(t["nbytes"]) and is_count(t["crc32c"]) and t["crc32c"] < 2**32):
             raise bad(f"tensor {key!r}: offset, nbytes and crc32c must be non-negative integers")
         if nbytes_of(t["dtype"], shape) != t["nbytes"]:

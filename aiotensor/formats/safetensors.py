@@ -20,6 +20,9 @@ from ..errors import HeaderError
 ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
 MAX_TENSORS = 1 << 18
+MAX_DIMS = 64
+_DENSE_FREE = 100_000  # values any JSON may have before its density is checked
+_MIN_BYTES_PER_VALUE = 6  # real headers and manifests: 15-25 bytes of text per JSON value
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,15 @@ class Layout:
 
 def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * ITEMSIZE[dtype]
+
+
+def shape_problem(shape: object) -> str | None:
+    """Why ``shape`` is not one torch can make (None if it is): a short message, whatever its size."""
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(is_count(d) and d < 2**63 for d in shape):
+        return f"shape must be a list of at most {MAX_DIMS} integers in [0, 2**63)"
+    if math.prod(d for d in shape if d) >= 2**63:  # torch counts elements in int64, zero-size or not
+        return "shape has more than 2**63 elements"
+    return None
 
 
 def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
@@ -102,7 +114,15 @@ class _Duplicate(Exception):
 
 
 def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderError] | Any = HeaderError) -> dict[str, Any]:
-    """Parse UTF-8 JSON that must be an object with unique keys; any failure is ``error``."""
+    """Parse UTF-8 JSON that must be an object with unique keys; any failure is ``error``.
+
+    Parsing memory stays within a small multiple of the text's size: Python objects take 20 to 50
+    times the bytes of dense JSON such as ``[1,1,1,...]`` or ``[{},{},...]``, so text denser than
+    any header or manifest aiotensor and safetensors write is refused before it is parsed.
+    """
+    values = text.count(b",") + text.count(b"[") + text.count(b"{")
+    if values > _DENSE_FREE and len(text) < _MIN_BYTES_PER_VALUE * values:
+        raise error(f"{what} holds {values} JSON values in {len(text)} bytes: far denser than any real {what}", path)
     try:
         obj = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except UnicodeDecodeError as e:

@@ -1,0 +1,411 @@
+"""Several processes on one root, stray and hostile folders, and what "committed" means (issue 9).
+
+Multi-process cases use real processes (``tests/_procs.py``), never threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aiotensor
+from aiotensor import FaultyEngine, TensorStore, load_file
+from aiotensor.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ManifestError,
+    ReadOnlyStoreError,
+    StaleStepError,
+    StoreLockedError,
+    UnsafePathError,
+)
+from aiotensor.formats import manifest as mf
+
+from .conftest import assert_state_equal, small_state, tmp_leftovers
+
+pytestmark = pytest.mark.anyio
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(role: str, root: Any, *args: str, stdin: Any = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests._procs", role, str(root), *args],
+        cwd=REPO,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def w(step: int) -> dict[str, Any]:
+    return {"w": torch.full((10,), float(step)), "step": step}
+
+
+# --- one writer, many readers ------------------------------------------------------------------
+
+
+async def test_a_second_writer_process_is_refused_and_a_killed_writer_lets_go(tmp_path: Any) -> None:
+    with child("hold", tmp_path, stdin=subprocess.PIPE) as holder:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreLockedError, match=rf"{tmp_path}.*process {holder.pid}.*readonly=True"):
+            async with TensorStore(tmp_path):
+                pass
+        # a reader is never refused, and sees the same (empty) root
+        async with TensorStore(tmp_path, readonly=True) as reader:
+            assert reader.steps() == []
+        os.kill(holder.pid, signal.SIGKILL)  # the kernel drops the flock of a dead process
+        holder.wait()
+        async with TensorStore(tmp_path) as store:
+            await store.save(1, w(1))
+
+
+async def test_lock_timeout_waits_for_the_other_writer(tmp_path: Any) -> None:
+    with child("hold", tmp_path, stdin=subprocess.PIPE) as holder:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "locked"
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def let_go() -> None:
+                    await anyio.sleep(0.3)
+                    assert holder.stdin is not None
+                    holder.stdin.close()  # the holder leaves its `async with`
+
+                tg.start_soon(let_go)
+                t0 = time.monotonic()
+                async with TensorStore(tmp_path, lock_timeout=20) as store:
+                    assert time.monotonic() - t0 >= 0.25
+                    await store.save(1, w(1))
+
+
+async def test_two_stores_in_one_process_cannot_both_write(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path) as a:
+        with pytest.raises(StoreLockedError):
+            await TensorStore(tmp_path).open()
+        await a.save(1, w(1))
+    async with TensorStore(tmp_path) as b:  # released by close
+        assert b.steps() == [1]
+
+
+async def test_reader_processes_never_see_a_broken_step_while_a_writer_saves_and_retires(tmp_path: Any) -> None:
+    """Hundreds of cycles: a reader process polls, loads and checks every value, and opens and closes
+    evaluator stores, while a writer process saves 200 steps with keep_last=2."""
+    with child("reader", tmp_path) as reader, child("writer", tmp_path, "200") as writer:
+        try:
+            out, err = writer.communicate(timeout=100)
+            assert writer.returncode == 0 and out.strip() == "done", err
+            (tmp_path / "stop").write_text("")
+            rout, rerr = reader.communicate(timeout=30)
+            assert reader.returncode == 0, rerr
+        finally:
+            reader.kill()
+            writer.kill()
+    loads = int(rout.split()[0].split("=")[1])
+    assert loads > 0, rout
+    async with TensorStore(tmp_path, readonly=True) as store:
+        assert store.steps() == [199, 200]
+        assert_state_equal(await store.load(), {"w": torch.full((20_000,), 200.0), "b": torch.full((7,), -200.0), "step": 200})
+    assert tmp_leftovers(str(tmp_path)) == []
+
+
+async def test_a_readonly_store_writes_nothing(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, keep_last=1) as store:
+        await store.save(1, w(1))
+    (tmp_path / "step-000000000002.tmp-0123abcd").mkdir()  # a writer's save in progress
+    eng = FaultyEngine()
+    async with TensorStore(tmp_path, readonly=True, engine=eng, keep_last=1) as reader:
+        assert await reader.refresh() == [1]
+        assert_state_equal(await reader.load(), w(1))
+        with pytest.raises(ReadOnlyStoreError):
+            reader.save(2, w(2))
+        with pytest.raises(ReadOnlyStoreError):
+            await reader.delete(1)
+    writes = {"create", "pwrite", "truncate", "sync", "mkdir", "rename", "sync_dir", "remove_tree"}
+    assert [op for op in eng.ops if op[0] in writes] == []
+    assert (tmp_path / "step-000000000002.tmp-0123abcd").is_dir()  # the writer's work is untouched
+
+
+async def test_a_readonly_store_needs_an_existing_root(tmp_path: Any) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="never creates it"):
+        await TensorStore(tmp_path / "missing", readonly=True).open()
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.root
+async def test_a_readonly_store_works_on_a_read_only_mount(tmp_path: Any) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    async with TensorStore(src) as store:
+        await store.save(3, w(3))
+    try:
+        subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(ro)], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        pytest.skip(f"cannot bind-mount read-only here: {e}")
+    try:
+        with pytest.raises(OSError) as ei:  # a writer cannot even take the lock there
+            await TensorStore(ro).open()
+        assert ei.value.errno == errno.EROFS and str(ro) in str(ei.value)
+        async with TensorStore(ro, readonly=True) as reader:
+            assert_state_equal(await reader.load(3), w(3))
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+
+
+# --- what counts as a step ---------------------------------------------------------------------
+
+
+async def test_stray_folders_are_ignored_and_never_counted_by_retention(tmp_path: Any, caplog: Any) -> None:
+    (tmp_path / "step-999999999999").mkdir()  # empty: no manifest
+    (tmp_path / "step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff19").mkdir()  # full-width digits
+    (tmp_path / "step-000000000003-old").mkdir()
+    with caplog.at_level(logging.WARNING, logger="aiotensor"):
+        async with TensorStore(tmp_path, keep_last=1) as store:
+            assert store.steps() == []
+            assert set(store.ignored) == {
+                "step-999999999999",
+                "step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff19",
+                "step-000000000003-old",
+            }
+            await store.save(2, w(2))
+            assert store.steps() == [2]
+            assert_state_equal(await store.load(), w(2))
+    assert (tmp_path / "latest").read_text().strip() == "step-000000000002"
+    assert (tmp_path / "step-999999999999").is_dir()  # not ours to delete
+    assert "ignoring step-999999999999" in caplog.text
+
+
+async def test_saving_a_step_retention_would_delete_at_once_is_refused_and_rollback_allows_it(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, keep_last=1) as store:
+        await store.save(200, w(200))  # left by an earlier run
+        with pytest.raises(StaleStepError, match=r"rollback"):
+            store.save(2, w(2))
+        assert store.steps() == [200]
+        assert await store.rollback(1) == [200]
+        assert store.steps() == []
+        assert not (tmp_path / "latest").exists()
+        await store.save(2, w(2))
+        assert store.steps() == [2]
+    assert (tmp_path / "latest").read_text().strip() == "step-000000000002"
+
+
+async def test_delete_and_re_save_a_step(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, w(1))
+        await store.save(2, w(2))
+        with pytest.raises(CheckpointExistsError, match="delete"):
+            store.save(2, w(20))
+        await store.delete(2)
+        assert store.steps() == [1]
+        assert (tmp_path / "latest").read_text().strip() == "step-000000000001"
+        await store.save(2, w(20))
+        assert_state_equal(await store.load(2), w(20))
+        with pytest.raises(CheckpointNotFoundError):
+            await store.delete(7)
+
+
+async def test_rollback_refuses_while_a_newer_save_runs(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, w(1))
+        h = store.save(5, w(5))
+        with pytest.raises(CheckpointExistsError, match=r"\[5\] are being saved"):
+            await store.rollback(1)
+        await h
+        assert await store.rollback(1) == [5]
+
+
+async def test_swapped_step_folders_are_refused(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, w(1))
+        await store.save(2, w(2))
+    os.rename(tmp_path / "step-000000000001", tmp_path / "x")
+    os.rename(tmp_path / "step-000000000002", tmp_path / "step-000000000001")
+    os.rename(tmp_path / "x", tmp_path / "step-000000000002")
+    async with TensorStore(tmp_path, readonly=True) as store:
+        assert store.steps() == []
+        with pytest.raises(ManifestError, match="of step 1, but its folder is step-000000000002"):
+            await store.load(2)
+    with pytest.raises(ManifestError, match="of step 2, but its folder"):
+        await aiotensor.load_checkpoint(aiotensor.Scheduler(), tmp_path / "step-000000000001", step=1)
+
+
+async def test_load_checks_the_type_of_step(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path) as store:
+        await store.save(10, w(10))
+        with pytest.raises(TypeError, match="step must be an int, got str '10'"):
+            await store.load("10")  # type: ignore[arg-type]
+
+
+# --- after the commit point --------------------------------------------------------------------
+
+# (operation, which call of it): every file-system step after the step's rename and root fsync
+AFTER_COMMIT = [
+    ("create", 3), ("pwrite", 3), ("sync", 3), ("rename", 2), ("sync_dir", 3),  # `latest`
+    ("rename", 3), ("sync_dir", 4),  # retiring step 1
+    ("remove_tree", 1),  # deleting its files, in the background: logged only
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("op,n", AFTER_COMMIT, ids=[f"{op}{n}" for op, n in AFTER_COMMIT])
+async def test_a_fault_after_the_commit_point_never_fails_the_save(tmp_path: Any, op: str, n: int) -> None:
+    async with TensorStore(tmp_path, keep_last=1) as store:
+        await store.save(1, w(1))
+    eng = FaultyEngine(fail={op: (n, errno.ENOSPC)})
+    async with TensorStore(tmp_path, keep_last=1, engine=eng) as store:
+        h = store.save(2, w(2))
+        await h  # committed: no exception
+        assert h.committed and 2 in store.steps()
+        if op != "remove_tree":
+            assert len(h.warnings) == 1 and "committed" in h.warnings[0], h.warnings
+    assert eng.counts[op] >= n, "the fault was injected"
+    async with TensorStore(tmp_path, keep_last=1) as store:  # the next open repairs
+        assert_state_equal(await store.load(2), w(2))
+        await store.save(3, w(3))
+        assert store.steps() == [3]
+    assert (tmp_path / "latest").read_text().strip() == "step-000000000003"
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["latest", "step-000000000003"]
+
+
+async def test_latest_replaced_by_a_folder_does_not_stop_retention(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path, keep_last=1) as store:
+        await store.save(1, w(1))
+    os.remove(tmp_path / "latest")
+    (tmp_path / "latest").mkdir()
+    async with TensorStore(tmp_path, keep_last=1) as store:
+        for s in (2, 3):
+            h = store.save(s, w(s))
+            await h
+            assert any("latest" in m for m in h.warnings)
+        assert store.steps() == [3]  # retention ran regardless
+    assert not (tmp_path / "step-000000000001").exists() and not (tmp_path / "step-000000000002").exists()
+
+
+async def test_the_real_error_is_raised_and_the_clean_up_failure_is_a_note(tmp_path: Any) -> None:
+    eng = FaultyEngine(fail={"sync": (1, errno.EIO), "remove_tree": (1, errno.EROFS)})
+    async with TensorStore(tmp_path, engine=eng) as store:
+        with pytest.raises(OSError) as ei:
+            await store.save(1, w(1))
+    err = ei.value
+    assert err.errno == errno.EIO and "shard-00000.safetensors" in str(err), err
+    assert any("clean-up could not remove" in n and ".tmp-" in n for n in getattr(err, "__notes__", [])), err
+    async with TensorStore(tmp_path) as store:  # the next writer removes the leftover
+        assert store.steps() == []
+    assert tmp_leftovers(str(tmp_path)) == []
+
+
+# --- hostile and damaged folders ---------------------------------------------------------------
+
+
+async def _one_step(root: Any) -> Any:
+    async with TensorStore(root) as store:
+        await store.save(1, small_state(1))
+    return root / "step-000000000001"
+
+
+@pytest.mark.parametrize("name", ["shard-00000.safetensors", "manifest.json"])
+async def test_a_fifo_in_a_checkpoint_is_refused_never_read(tmp_path: Any, name: str) -> None:
+    folder = await _one_step(tmp_path)
+    os.remove(folder / name)
+    os.mkfifo(folder / name)
+    with anyio.fail_after(10):
+        async with TensorStore(tmp_path, readonly=True) as store:
+            if name == "manifest.json":
+                assert "step-000000000001" in store.ignored
+            with pytest.raises(UnsafePathError, match="FIFO"):
+                await store.load(1)
+
+
+async def test_symlinks_inside_a_root_are_never_followed(tmp_path: Any) -> None:
+    root = tmp_path / "root"
+    folder = await _one_step(root)
+    outside = tmp_path / "outside.safetensors"
+    os.rename(folder / "shard-00000.safetensors", outside)
+    os.symlink(outside, folder / "shard-00000.safetensors")
+    async with TensorStore(root, readonly=True) as store:
+        with pytest.raises(UnsafePathError, match="symbolic link"):
+            await store.load(1)
+    os.remove(folder / "shard-00000.safetensors")
+    os.rename(outside, folder / "shard-00000.safetensors")
+    os.rename(folder, tmp_path / "real-step")
+    os.symlink(tmp_path / "real-step", folder)  # a step folder that is a link
+    async with TensorStore(root, readonly=True) as store:
+        assert store.steps() == [] and "symbolic link" in store.ignored["step-000000000001"]
+
+
+async def test_load_file_refuses_fifos_and_devices(tmp_path: Any) -> None:
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with anyio.fail_after(10):
+        with pytest.raises(UnsafePathError, match="FIFO"):
+            await load_file(tmp_path / "pipe.safetensors")
+        with pytest.raises(UnsafePathError, match="character device"):
+            await load_file("/dev/zero")
+
+
+def _sealed_manifest(doc: dict[str, Any]) -> bytes:
+    return mf.seal(doc)
+
+
+async def test_hostile_manifests_are_refused_within_bounded_memory(tmp_path: Any) -> None:
+    """A correctly sealed manifest (an attacker can compute crc32c) full of junk: refused, with parse
+    memory within a small multiple of the file's size and a short message."""
+    folder = tmp_path / "step-000000000001"
+    folder.mkdir()
+    cases = {
+        "shape of 4M dims": {"format": mf.FORMAT, "version": 1, "step": 1, "shards": [], "aliases": {}, "tree": None,
+                             "tensors": {"t": {"shard": "s", "dtype": "F32", "shape": [1] * 4_000_000, "offset": 0, "nbytes": 4, "crc32c": 0}}},
+        "a million empty objects": {"format": mf.FORMAT, "version": 1, "step": 1, "junk": [{}] * 1_000_000},
+    }  # fmt: skip
+    for what, doc in cases.items():
+        data = _sealed_manifest(doc)
+        (folder / "manifest.json").write_bytes(data)
+        tracemalloc.start()
+        try:
+            with pytest.raises(ManifestError) as ei:
+                await aiotensor.load_checkpoint(aiotensor.Scheduler(), folder)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * len(data) + (16 << 20), f"{what}: parsing took {peak} bytes for a {len(data)} byte file"
+        assert len(str(ei.value)) < 1000, f"{what}: a {len(str(ei.value))} character message"
+
+
+async def test_absurd_zero_element_shapes_are_format_errors(tmp_path: Any) -> None:
+    folder = await _one_step(tmp_path)
+    doc = json.loads((folder / "manifest.json").read_bytes())
+    key = next(iter(doc["tensors"]))
+    doc["tensors"][key]["shape"] = [0, 2**70]
+    doc["tensors"][key]["nbytes"] = 0
+    (folder / "manifest.json").write_bytes(mf.seal(doc))
+    with pytest.raises(ManifestError, match="shape"):
+        await aiotensor.load_checkpoint(aiotensor.Scheduler(), folder)
+
+
+async def test_a_load_keeps_few_files_open(tmp_path: Any) -> None:
+    state = {f"t{i}": torch.full((64,), float(i)) for i in range(300)}
+    async with TensorStore(tmp_path, shard_bytes=256) as store:  # one shard per tensor
+        await store.save(1, state)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 40, hard))
+    try:
+        async with TensorStore(tmp_path, readonly=True) as store:
+            assert_state_equal(await store.load(1), state)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
