@@ -74,8 +74,10 @@ def _pieces(n: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 def _crc_of_pieces(crcs: Sequence[tuple[int, int]]) -> int:
     """Combine ``(crc, length)`` of consecutive pieces into the crc of the whole."""
-    total = 0
-    for c, n in crcs:
+    if not crcs:
+        return 0
+    total = crcs[0][0]  # the crc of the first piece is its own: no combining (the common case)
+    for c, n in crcs[1:]:
         total = _checksum.combine(total, c, n)
     return total
 
@@ -107,6 +109,34 @@ async def stage(
 
     Cancellation: returns only once no copy reads a source tensor or writes the arena.
     """
+    # one unit per piece of every tensor: tens of thousands for a large state, so built in a thread
+    pieces, cpu, gpu = await sched.call(_stage_units, sched, plan, sources, arena, priority=priority)
+
+    def copy(u: _StageUnit) -> None:
+        if u.whole:
+            arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype).view(u.src.shape).copy_(u.src)
+        else:  # plain memcpy, one thread each, GIL released
+            np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
+
+    async def host() -> None:
+        await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=_per_cpu(sched, cpu), budget=False)
+
+    async def device() -> None:
+        assert sched.cuda is not None and producers is not None
+        for dev, copies in gpu.items():
+            event = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
+            with anyio.CancelScope(shield=True):  # the copy writes the arena: let it finish
+                await sched.cuda.bridge(dev).wait(event, keep=[src for _, src in copies])
+
+    await run_concurrently(host, device) if gpu else await host()
+    return pieces
+
+
+def _stage_units(
+    sched: Scheduler, plan: SavePlan, sources: dict[str, torch.Tensor], arena: HostBuffer
+) -> tuple[list[_StageUnit], list[_StageUnit], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Copy the headers into ``arena``; return every piece to checksum (in arena order, without
+    sources), the CPU copies to make, and the CUDA copies per device."""
     units: list[_StageUnit] = []
     cpu: list[_StageUnit] = []
     gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -129,26 +159,8 @@ async def stage(
                     size = src.element_size()
                     cpu.append(_StageUnit(spec.key, flat[a:b], start + a * size, (b - a) * size, False))
     units += cpu
-
-    def copy(u: _StageUnit) -> None:
-        if u.whole:
-            arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype).view(u.src.shape).copy_(u.src)
-        else:  # plain memcpy, one thread each, GIL released
-            np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
-
-    async def host() -> None:
-        await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=_per_cpu(sched, cpu), budget=False)
-
-    async def device() -> None:
-        assert sched.cuda is not None and producers is not None
-        for dev, copies in gpu.items():
-            event = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
-            with anyio.CancelScope(shield=True):  # the copy writes the arena: let it finish
-                await sched.cuda.bridge(dev).wait(event, keep=[src for _, src in copies])
-
-    await run_concurrently(host, device) if gpu else await host()
     units.sort(key=lambda u: u.start)
-    return [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units]  # drop the sources
+    return [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units], cpu, gpu
 
 
 async def checksums(
@@ -163,6 +175,10 @@ async def checksums(
         batch_bytes=_per_cpu(sched, units),
         budget=False,
     )
+    return await sched.call(_crcs_by_key, plan, units, crcs, priority=priority)
+
+
+def _crcs_by_key(plan: SavePlan, units: list[_StageUnit], crcs: list[int]) -> dict[str, int]:
     pieces: dict[str, list[tuple[int, int]]] = {spec.key: [] for sh in plan.shards for spec in sh.layout.tensors}
     for u, c in zip(units, crcs, strict=True):
         pieces[u.key].append((c, u.nbytes))
@@ -245,24 +261,10 @@ async def write_file(
 def _page_aligned(mv: memoryview) -> bool:
     if len(mv) % PAGE:
         return False
-    return not len(mv) or np.frombuffer(mv, np.uint8).ctypes.data % PAGE == 0
+    return not len(mv) or np.frombuffer(mv, np.uint8).__array_interface__["data"][0] % PAGE == 0
 
 
 # --- reading --------------------------------------------------------------------------------
-
-
-async def read_bytes(sched: Scheduler, path: str, limit: int, error: type[FormatError], what: str) -> bytes:
-    """Read a whole small file (a manifest) of at most ``limit`` bytes."""
-    fd = await open_read(sched, path)
-    try:
-        size = await sched.call(sched.engine.size, fd, priority=Priority.LOAD)
-        if size > limit:
-            raise error(f"{what} is {size} bytes, over the {limit} byte cap", path)
-        buf = bytearray(size)
-        await _read_exact_async(sched, fd, memoryview(buf), 0, path, what)
-        return bytes(buf)
-    finally:
-        await close(sched, fd)
 
 
 async def open_read(sched: Scheduler, path: str) -> int:
@@ -301,19 +303,20 @@ def _copy(sched: Scheduler, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-async def _read_exact_async(sched: Scheduler, fd: int, mv: memoryview, off: int, path: str, what: str) -> None:
-    await sched.call(_read_exact, sched, fd, mv, off, path, what, nbytes=len(mv), priority=Priority.LOAD)
+def layout_of(sched: Scheduler, fd: int, path: str) -> st.Layout:
+    """Read and validate the safetensors header of an open file (blocking: in a worker thread)."""
+    size = sched.engine.size(fd)
+    prefix = bytearray(min(size, 8))
+    _read_exact(sched, fd, memoryview(prefix), 0, path, "the header size")
+    n = st.header_length(bytes(prefix), size, path)
+    header = bytearray(n)
+    _read_exact(sched, fd, memoryview(header), 8, path, "the header")
+    return st.parse(bytes(header), size, path)
 
 
 async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
-    """Read and validate the safetensors header of an open file."""
-    size = await sched.call(sched.engine.size, fd, priority=Priority.LOAD)
-    prefix = bytearray(min(size, 8))
-    await _read_exact_async(sched, fd, memoryview(prefix), 0, path, "the header size")
-    n = st.header_length(bytes(prefix), size, path)
-    header = bytearray(n)
-    await _read_exact_async(sched, fd, memoryview(header), 8, path, "the header")
-    return st.parse(bytes(header), size, path)
+    """Read and validate the safetensors header of an open file, in one worker-thread call."""
+    return await sched.call(layout_of, sched, fd, path, priority=Priority.LOAD)
 
 
 def new_tensor(spec: st.TensorSpec, device: torch.device) -> torch.Tensor:
@@ -394,21 +397,7 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     Cancellation: returns only once no thread writes into any target tensor.
     """
     await wait_for_streams(sched, (t.tensor for t in targets))
-    units: list[_ReadUnit] = []
-    for i, t in enumerate(targets):
-        spec, dst = t.spec, t.tensor
-        if spec.nbytes == 0:
-            continue
-        if sched.engine.handles_device(dst) or direct(dst):
-            whole = io_bytes(sched.engine, dst)
-            units += [_ReadUnit(i, spec.offset + a, whole[a:b], b - a) for a, b in _pieces(spec.nbytes, sched.chunk_bytes)]
-            continue
-        rows = dst.shape[0] if dst.dim() else 1
-        row_bytes = spec.nbytes // rows
-        per = max(1, sched.slots.slot_bytes // row_bytes)
-        for r0 in range(0, rows, per):
-            r1 = min(rows, r0 + per)
-            units.append(_ReadUnit(i, spec.offset + r0 * row_bytes, None, (r1 - r0) * row_bytes, r0, r1))
+    units = await sched.call(_read_units, sched, targets, priority=priority)
 
     def run(slot: memoryview, u: _ReadUnit) -> int:
         t = targets[u.target]
@@ -433,7 +422,28 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
     sched.stats.bytes_read += sum(u.nbytes for u in units)
-    _check_crcs(path, targets, [(u.target, u.nbytes) for u in units], crcs)
+    await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
+
+
+def _read_units(sched: Scheduler, targets: Sequence[Target]) -> list[_ReadUnit]:
+    """The pieces to read: straight into each target's memory, or through bounce slots by rows."""
+    units: list[_ReadUnit] = []
+    for i, t in enumerate(targets):
+        spec, dst = t.spec, t.tensor
+        if spec.nbytes == 0:
+            continue
+        if sched.engine.handles_device(dst) or direct(dst):
+            whole = io_bytes(sched.engine, dst)
+            units += [_ReadUnit(i, spec.offset + a, whole[a:b], b - a) for a, b in _pieces(spec.nbytes, sched.chunk_bytes)]
+            continue
+        rows = dst.shape[0] if dst.dim() else 1
+        row_bytes = spec.nbytes // rows
+        per = max(1, sched.slots.slot_bytes // row_bytes)
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            units.append(_ReadUnit(i, spec.offset + r0 * row_bytes, None, (r1 - r0) * row_bytes, r0, r1))
+
+    return units
 
 
 async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
@@ -447,24 +457,26 @@ async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence
     """
     step = sched.slots.slot_bytes
     units = [
-        (i, t.spec.offset + a, b - a) for i, t in enumerate(targets) if t.crc is not None for a, b in _pieces(t.spec.nbytes, step)
+        _ReadUnit(i, t.spec.offset + a, None, b - a)
+        for i, t in enumerate(targets)
+        if t.crc is not None
+        for a, b in _pieces(t.spec.nbytes, step)
     ]
 
-    def run(slot: memoryview, u: tuple[int, int, int]) -> int:
-        i, off, n = u
-        _read_exact(sched, fd, slot[:n], off, path, f"tensor {targets[i].spec.key!r}")
-        return _checksum.crc32c(slot[:n])
+    def run(slot: memoryview, u: _ReadUnit) -> int:
+        _read_exact(sched, fd, slot[: u.nbytes], u.offset, path, f"tensor {targets[u.target].spec.key!r}")
+        return _checksum.crc32c(slot[: u.nbytes])
 
-    crcs = await sched.map(run, units, nbytes=lambda u: u[2], priority=priority, slot=True)
-    sched.stats.bytes_read += sum(u[2] for u in units)
-    _check_crcs(path, targets, [(u[0], u[2]) for u in units], crcs)
+    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
+    sched.stats.bytes_read += sum(u.nbytes for u in units)
+    await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
 
 
-def _check_crcs(path: str, targets: Sequence[Target], pieces_read: Sequence[tuple[int, int]], crcs: Sequence[int]) -> None:
-    """Combine the crcs of the ``(target index, nbytes)`` pieces read and compare each target's."""
+def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit], crcs: Sequence[int]) -> None:
+    """Combine the crcs of the pieces read and compare each target's with its recorded one."""
     pieces: dict[int, list[tuple[int, int]]] = {}
-    for (i, n), c in zip(pieces_read, crcs, strict=True):
-        pieces.setdefault(i, []).append((c, n))
+    for u, c in zip(units, crcs, strict=True):
+        pieces.setdefault(u.target, []).append((c, u.nbytes))
     for i, t in enumerate(targets):
         if t.crc is None:
             continue

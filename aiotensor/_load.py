@@ -42,44 +42,74 @@ async def load_checkpoint(
     """
     folder = os.fspath(folder)
     dev = _io.check_device(sched, device)
-    m: mf.Manifest = await sched.call(_root.read_manifest, sched.engine, folder, step, priority=Priority.LOAD)
+    m: mf.Manifest
+    m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)
     mpath = os.path.join(folder, _root.MANIFEST)
-    by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
-    for e in m.entries.values():
-        by_shard[e.shard].append(e)
     # every shard's header must agree with the manifest before anything is allocated: a hostile
     # manifest cannot make us allocate what the files do not hold
     for shard, size in m.shards.items():
         path = os.path.join(folder, shard)
         fd = await _io.open_read(sched, path)
         try:
-            layout = await _io.read_layout(sched, fd, path)
+            await sched.call(_check_shard, sched, fd, path, size, by_shard[shard], mpath, priority=Priority.LOAD)
         finally:
             await _io.close(sched, fd)
-        listed = {e.spec.key: e.spec for e in by_shard[shard]}
-        if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
-            raise ManifestError(f"shard {shard} does not hold the tensors the manifest lists for it", mpath)
-    dest = _destinations(m, into, dev, sched.devices)
+    # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
+    dest, targets = await sched.call(_targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD)
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     for what in passes:
-        for shard, entries in by_shard.items():
+        for shard, shard_targets in targets.items():
             path = os.path.join(folder, shard)
-            targets = [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
             fd = await _io.open_read(sched, path)
             try:
                 if what == "verify":
-                    await _io.verify_tensors(sched, fd, path, targets, Priority.LOAD)
+                    await _io.verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
                 else:
-                    await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
+                    await _io.read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
             finally:
                 await _io.close(sched, fd)
+    return await sched.call(_finish, m, dest, mpath, priority=Priority.LOAD)
+
+
+def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.Manifest, dict[str, list[mf.Entry]]]:
+    m = _root.read_manifest(sched.engine, folder, step)
+    by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
+    for e in m.entries.values():
+        by_shard[e.shard].append(e)
+    return m, by_shard
+
+
+def _targets(
+    m: mf.Manifest,
+    by_shard: dict[str, list[mf.Entry]],
+    into: Any,
+    device: torch.device,
+    devices: tuple[str, ...],
+    verify: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, list[_io.Target]]]:
+    dest = _destinations(m, into, device, devices)
+    targets = {
+        shard: [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
+        for shard, entries in by_shard.items()
+    }
+    return dest, targets
+
+
+def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str) -> Any:
+    """Fill the aliases and rebuild the state tree."""
     for alias, target in m.aliases.items():
         if alias not in dest:
             dest[alias] = dest[target]
         elif not _same_view(dest[alias], dest[target]):
-            await sched.call(dest[alias].detach().copy_, dest[target], priority=Priority.LOAD)
-    # rebuilding a large tree is Python work proportional to its size: not on the loop thread
-    return await sched.call(unflatten, m.tree, dest.__getitem__, mpath, priority=Priority.LOAD)
+            dest[alias].detach().copy_(dest[target])
+    return unflatten(m.tree, dest.__getitem__, mpath)
+
+
+def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
+    layout = _io.layout_of(sched, fd, path)
+    listed = {e.spec.key: e.spec for e in entries}
+    if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
+        raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import _io, _root, cuda
+from . import _io, _root
 from ._handle import SaveHandle
 from ._load import load_checkpoint
 from ._plan import SavePlan, plan_save
@@ -335,15 +335,19 @@ class TensorStore:
         the save's I/O behind loads and foreground saves. The handle is also a coroutine object:
         ``asyncio.create_task(store.save(...))`` works.
 
+        ``save`` returns at once whatever the size of ``state``: walking and planning it runs in a
+        worker thread. Until ``staged``, change neither the tensors nor the containers of ``state``.
+
         Raises (at once, nothing written):
             StoreClosedError / ReadOnlyStoreError: the store is not open, or opened read-only.
-            StateError: a leaf that cannot be stored (named by its key path), or an unsupported tensor.
             CheckpointExistsError: the step is committed already, or being saved.
             StaleStepError: ``keep_last`` newer steps exist, so retention would delete it at once.
             SaveFailedError: an earlier background save failed and its handle was never awaited.
 
-        Awaiting the handle raises the save's failure: ``OSError`` (disk full, I/O error, naming the
-        file) or :class:`~aiotensor.errors.SaveCancelledError`. A failed save leaves nothing behind.
+        Awaiting the handle (or ``handle.staged``) raises the save's failure:
+        :class:`~aiotensor.errors.StateError` (a leaf that cannot be stored, named by its key path,
+        or an unsupported tensor), ``OSError`` (disk full, I/O error, naming the file) or
+        :class:`~aiotensor.errors.SaveCancelledError`. A failed save leaves nothing behind.
         Trouble after the commit point never fails it (see :class:`SaveHandle`).
 
         Cancellation: see :class:`SaveHandle`.
@@ -364,13 +368,14 @@ class TensorStore:
                 f"steps exist in {self.root} ({newer[:5]}{'...' if len(newer) > 5 else ''}). To go back to an earlier "
                 f"step, `await store.rollback({step - 1 if step else 0})` first, or raise keep_last"
             )
-        plan, sources = plan_save(state, shard_bytes=self.shard_bytes, devices=self.scheduler.devices)
-        # CUDA sources are copied as of now: after the kernels already queued on their streams
-        producers = cuda.record_producers(sources.values()) if self.scheduler.cuda is not None else {}
-        handle = SaveHandle(step, plan.nbytes)
+        # the call itself is O(1): the state is walked and planned in a worker thread (a 20,000-tensor
+        # state takes the better part of a second of Python); CUDA sources are copied after the
+        # kernels already queued on the current streams as of now
+        producers = _record_current_streams() if self.scheduler.cuda is not None else {}
+        handle = SaveHandle(step, 0)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
-        self._start(lambda: self._run_save(handle, plan, sources, prio, producers))
+        self._start(lambda: self._run_save(handle, state, prio, producers))
         return handle
 
     def _check_writable(self) -> None:
@@ -393,16 +398,14 @@ class TensorStore:
 
         _spawn(run)
 
-    async def _run_save(
-        self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int, producers: dict[Any, Any]
-    ) -> None:
+    async def _run_save(self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any]) -> None:
         error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
                 h._scope = scope
                 if h._cancel_requested:
                     scope.cancel()
-                await self._save(h, plan, sources, prio, producers)
+                await self._save(h, state, prio, producers)
             if scope.cancelled_caught and not h.committed:
                 error = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         except Exception as e:
@@ -416,10 +419,15 @@ class TensorStore:
                 self._unobserved.append(h)
             h._finish(error)
 
-    async def _save(
-        self, h: SaveHandle, plan: SavePlan, sources: dict[str, torch.Tensor], prio: int, producers: dict[Any, Any]
-    ) -> None:
+    async def _save(self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any]) -> None:
         t0 = anyio.current_time()
+        plan: SavePlan
+        sources: dict[str, torch.Tensor]
+        plan, sources = await self.scheduler.call(
+            functools.partial(plan_save, state, shard_bytes=self.shard_bytes, devices=self.scheduler.devices), priority=prio
+        )
+        del state
+        h.nbytes = plan.nbytes
         arena = await self.staging.acquire(plan.arena_bytes)
         try:
             pieces = await _io.stage(self.scheduler, plan, sources, arena, prio, producers)
@@ -449,14 +457,7 @@ class TensorStore:
                     await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio, size=size)
 
             await run_concurrently(checksum, write)
-            manifest = mf.Manifest(
-                step=h.step,
-                tree=plan.tree,
-                shards={sh.file: sh.layout.file_size for sh in plan.shards},
-                entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
-                aliases=plan.aliases,
-            )
-            data = await self.scheduler.call(mf.dumps, manifest, priority=prio)  # JSON of a big tree: off the loop
+            data = await self.scheduler.call(_manifest, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
             await _io.write_file(self.scheduler, os.path.join(tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
             await self._call(eng.sync_dir, tmp, what=f"syncing {tmp}")
             # past this point the save completes even if cancelled: a rename that ran in its
@@ -677,6 +678,28 @@ class TensorStore:
             return await self.scheduler.call(fn, *args, priority=Priority.SAVE)
         except OSError as e:
             raise annotate_oserror(e, what) from e
+
+
+def _manifest(step: int, plan: SavePlan, crcs: dict[str, int]) -> bytes:
+    return mf.dumps(
+        mf.Manifest(
+            step=step,
+            tree=plan.tree,
+            shards={sh.file: sh.layout.file_size for sh in plan.shards},
+            entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
+            aliases=plan.aliases,
+        )
+    )
+
+
+def _record_current_streams() -> dict[torch.device, Any]:
+    """An event on the current stream of every CUDA device (O(devices), whatever the state)."""
+    events = {}
+    for i in range(torch.cuda.device_count()):
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(torch.cuda.current_stream(i))
+        events[torch.device("cuda", i)] = ev
+    return events
 
 
 def _check_step(step: object) -> None:

@@ -148,7 +148,7 @@ async def test_errors_are_typed_and_named(tmp_path: Any) -> None:
         with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint in"):
             await store.load()
         with pytest.raises(StateError, match=r"'opt.sched'"):
-            store.save(1, {"opt": {"sched": object()}})
+            await store.save(1, {"opt": {"sched": object()}})
         with pytest.raises(ValueError, match="step must be"):
             store.save(-1, {})
         await store.save(1, {"x": torch.ones(2)})

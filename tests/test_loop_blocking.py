@@ -1,0 +1,41 @@
+"""Nothing the library does holds the event loop: saves and loads of a 300-tensor and a 20,000-tensor
+state run under asyncio's debug mode, which logs every callback (one step of a task) that runs longer
+than ``slow_callback_duration``; none may come from the library (issue 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from aiotensor import TensorStore
+
+SLOW = 0.1  # seconds: well above the GIL hand-offs (5 ms each) a busy 2-core machine shows, well below a real stall
+
+
+def many_tensors(n: int) -> dict[str, Any]:
+    return {f"layers.{i}": {"w": torch.full((16,), float(i)), "b": torch.zeros(2)} for i in range(n // 2)}
+
+
+@pytest.mark.parametrize("n", [300, 20_000])
+def test_no_library_callback_blocks_the_loop(tmp_path: Any, caplog: Any, n: int) -> None:
+    state = many_tensors(n)
+
+    async def main() -> None:
+        asyncio.get_running_loop().slow_callback_duration = SLOW
+        async with TensorStore(tmp_path / "store", keep_last=2) as store:
+            for step in range(3):
+                h = store.save(step, state)
+                await h.staged
+                await h
+            await store.load()
+            await store.load(into=state)
+            await store.refresh()
+
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        asyncio.run(main(), debug=True)
+    slow = [r.getMessage() for r in caplog.records if r.name == "asyncio" and "took" in r.getMessage()]
+    assert slow == [], "\n".join(slow)
