@@ -1,0 +1,143 @@
+"""Event-loop responsiveness with many small tensors (issue 11): aiotensor against torch.save/torch.load
+and safetensors run in a thread (``asyncio.to_thread``), in the same run.
+
+For a state of N small tensors (default 20,000) it measures: how long ``store.save()`` itself holds
+the caller, save (durable) + load time, and the lag of a 1 ms ticker task on the loop (worst and p99)
+during each tool's save and load; the idle loop's lag is the floor. Several repetitions, medians.
+
+    python bench/bench_loop.py [--tensors 20000] [--reps 3] [--dir /tmp/aiotensor-bench-loop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+from safetensors.torch import load_file as st_load
+from safetensors.torch import save_file as st_save
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_cpu import Ticker, fsync_path, write_results  # noqa: E402
+
+import aiotensor  # noqa: E402
+
+
+def small_state(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"layers.{i // 4}.p{i % 4}": torch.randn(64, generator=g) for i in range(n)}
+
+
+async def with_ticker(fn: Callable[[], Awaitable[Any]]) -> tuple[float, float, float]:
+    """Seconds ``fn`` took, and the ticker's worst and p99 lag (ms) meanwhile."""
+    ticker, stop = Ticker(), asyncio.Event()
+    task = asyncio.create_task(ticker.run(stop))
+    await asyncio.sleep(0.01)
+    t = time.perf_counter()
+    try:
+        await fn()
+    finally:
+        dt = time.perf_counter() - t
+        stop.set()
+        await task
+    worst, p99 = ticker.summary()
+    return dt, 1e3 * worst, 1e3 * p99
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    state = small_state(a.tensors)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    os.makedirs(a.dir)
+    res: dict[str, Any] = {"tensors": a.tensors, "bytes": sum(t.nbytes for t in state.values())}
+    rows: dict[str, list[tuple[float, ...]]] = {}
+
+    def add(name: str, *vals: float) -> None:
+        rows.setdefault(name, []).append(vals)
+
+    async def idle() -> None:
+        await asyncio.sleep(1.0)
+
+    async with aiotensor.TensorStore(os.path.join(a.dir, "store"), keep_last=1) as store:
+        for rep in range(a.reps + 1):  # the first round warms up (maps staging) and is not counted
+            add("idle", *await with_ticker(idle))
+            held: list[float] = []
+
+            async def save(step: int = rep) -> None:
+                t = time.perf_counter()
+                h = store.save(step, state)
+                held.append(time.perf_counter() - t)
+                await h
+
+            s = await with_ticker(save)
+            ld = await with_ticker(store.load)
+            if rep:
+                add("aiotensor", s[0], ld[0], s[1], s[2], ld[1], ld[2], held[0] * 1e3)
+
+            p = os.path.join(a.dir, f"t{rep}.pt")
+
+            def tsave() -> None:
+                torch.save(state, p)
+                fsync_path(p)
+
+            s = await with_ticker(lambda: asyncio.to_thread(tsave))
+            ld = await with_ticker(lambda: asyncio.to_thread(torch.load, p))
+            if rep:
+                add("torch.save/load (to_thread)", s[0], ld[0], s[1], s[2], ld[1], ld[2], float("nan"))
+            q = os.path.join(a.dir, f"s{rep}.safetensors")
+
+            def ssave() -> None:
+                st_save(state, q)
+                fsync_path(q)
+
+            s = await with_ticker(lambda: asyncio.to_thread(ssave))
+            ld = await with_ticker(lambda: asyncio.to_thread(st_load, q))
+            if rep:
+                add("safetensors (to_thread)", s[0], ld[0], s[1], s[2], ld[1], ld[2], float("nan"))
+    res["rows"] = {k: [statistics.median(c) for c in zip(*v, strict=True)] for k, v in rows.items()}
+    shutil.rmtree(a.dir, ignore_errors=True)
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    r = res["rows"]
+    lines = [
+        f"# Event loop with {res['tensors']} small tensors ({res['bytes'] / 1e6:.1f} MB), medians",
+        "",
+        "| tool | save s | load s | save+load vs torch | loop worst / p99 during save (ms) | during load (ms) | save() call held (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = r["torch.save/load (to_thread)"][0] + r["torch.save/load (to_thread)"][1]
+    for name in ("aiotensor", "torch.save/load (to_thread)", "safetensors (to_thread)"):
+        s, ld, sw, sp, lw, lp, held = r[name]
+        lines.append(
+            f"| {name} | {s:.3f} | {ld:.3f} | {base / (s + ld):.2f}x | {sw:.1f} / {sp:.1f} | {lw:.1f} / {lp:.1f} | "
+            + ("-" if held != held else f"{held:.2f}")
+            + " |"
+        )
+    idle = r["idle"]
+    lines += ["", f"Idle loop (the floor): worst {idle[1]:.1f} ms, p99 {idle[2]:.1f} ms.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tensors", type=int, default=20_000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dir", default="/tmp/aiotensor-bench-loop")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    a = p.parse_args()
+    res = asyncio.run(run(a))
+    text = report(res)
+    print(text)
+    write_results(a.out, f"loop-{a.tensors}", text, res)
+
+
+if __name__ == "__main__":
+    main()
