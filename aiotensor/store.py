@@ -101,6 +101,9 @@ class TensorStore:
             Arenas stay mapped between saves (no page faults on the trainer's next save) until
             :meth:`release_memory` or ``close``.
         verify: check crc32c on load (default); ``load(verify=False)`` skips it per call.
+        reserve: a state like the ones you will save (or its size in bytes): ``open()`` starts
+            mapping and touching a staging arena for it in the background, so the first save's
+            ``staged`` does not pay for the page faults (a save that comes sooner waits for it).
 
     Tensors sharing memory: keys that are the very same view of one storage (tied weights) are
     stored once; ``load()`` gives them back as one tensor object, and ``load(into=...)`` fills
@@ -125,6 +128,7 @@ class TensorStore:
         shard_bytes: int = 4 << 30,
         max_staged: int = 2,
         verify: bool = True,
+        reserve: Any = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -138,6 +142,7 @@ class TensorStore:
         self.lock_timeout = lock_timeout
         self.shard_bytes = shard_bytes
         self.verify = verify
+        self.reserve = reserve
         self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes)
         cuda_ = self.scheduler.cuda
         self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None)
@@ -205,6 +210,23 @@ class TensorStore:
                 await self._release()
             raise
         self._open = True
+        if self.reserve is not None and not self.readonly:
+            self._start(self._reserve)
+
+    async def _reserve(self) -> None:
+        """Map and touch a staging arena for ``reserve`` (the pool keeps it for the first save)."""
+        try:
+            if isinstance(self.reserve, int):
+                nbytes = self.reserve + (1 << 20)  # room for the shard headers
+            else:
+                plan, _ = await self.scheduler.call(
+                    functools.partial(plan_save, self.reserve, shard_bytes=self.shard_bytes, devices=self.scheduler.devices),
+                    priority=Priority.BACKGROUND,
+                )
+                nbytes = plan.arena_bytes
+            self.staging.release(await self.staging.acquire(nbytes))
+        except Exception as e:  # a failed reservation only means the first save maps its own arena
+            log.warning("%s: could not reserve staging memory (%s)", self.root, e)
 
     async def _remove(self, name: str) -> None:
         path = os.path.join(self.root, name)

@@ -100,3 +100,15 @@ async def test_release_memory_unmaps_idle_staging(tmp_path: Any) -> None:
         assert freed > 1 << 20 and store.staging.mapped_bytes == 0
         await store.save(2, {"w": torch.randn(1 << 18)})  # maps a new arena
         assert store.staging.mapped_bytes > 0
+
+
+async def test_open_reserves_staging_memory_in_the_background(tmp_path: Any) -> None:
+    state = {"w": torch.randn(1 << 18), "b": torch.randn(10)}
+    for reserve in (state, 1 << 20):
+        async with TensorStore(tmp_path / str(type(reserve).__name__), reserve=reserve) as store:
+            while store._busy:  # the reservation runs in the background
+                await anyio.sleep(0.01)
+            mapped = store.staging.mapped_bytes
+            assert mapped >= 1 << 20
+            await store.save(1, state)
+            assert store.staging.mapped_bytes == mapped, "the first save used the reserved arena"
