@@ -409,3 +409,19 @@ async def test_a_load_keeps_few_files_open(tmp_path: Any) -> None:
             assert_state_equal(await store.load(1), state)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_dense_safetensors_header_is_refused_within_bounded_memory(tmp_path: Any) -> None:
+    """A 20 MB header of `{"t":{"dtype":"F32","shape":[1,1,1,...]}}` (10M dims) is refused before parsing."""
+    text = b'{"t":{"dtype":"F32","shape":[' + b"1," * 10_000_000 + b'1],"data_offsets":[0,4]}}'
+    path = tmp_path / "dense.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"\0" * 4)
+    tracemalloc.start()
+    try:
+        with pytest.raises(aiotensor.errors.HeaderError) as ei:
+            await load_file(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(text) + (16 << 20), peak
+    assert len(str(ei.value)) < 1000
