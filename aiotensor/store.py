@@ -238,8 +238,9 @@ class TensorStore:
         while not await self._call(self._lock.try_acquire, what=f"locking {self.root}"):
             if deadline is not None and anyio.current_time() >= deadline:
                 pid = await self._call(self._lock.holder, what=f"reading {self._lock.path}")
+                who = "in this process" if pid == str(os.getpid()) else (f"process {pid}" if pid else "another process")
                 raise StoreLockedError(
-                    f"{self.root} is being written by another store ({f'process {pid}' if pid else 'another process'}): "
+                    f"{self.root} is being written by another store ({who}): "
                     "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
                 )
             await anyio.sleep(_LOCK_POLL)
