@@ -7,7 +7,7 @@ background; ``save_file``/``load_file`` read and write single safetensors files.
 from . import errors
 from ._handle import SaveHandle
 from .engines import Engine, FaultyEngine, KvikioEngine, PosixEngine
-from .files import load_file, save_file
+from .files import FileInfo, TensorInfo, load_file, read_header, save_file
 from .scheduler import Priority, Scheduler
 from .snapshot import Snapshotter
 from .store import TensorStore, load_checkpoint
@@ -16,6 +16,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Engine",
+    "FileInfo",
+    "TensorInfo",
+    "read_header",
     "FaultyEngine",
     "KvikioEngine",
     "PosixEngine",

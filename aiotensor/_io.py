@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import _checksum, cuda
-from ._dtypes import SAFETENSORS_TO_TORCH
+from ._dtypes import SAFETENSORS_TO_TORCH, torch_shape
 from ._plan import SavePlan, check_tensor
 from .buffers import PAGE, HostBuffer
 from .errors import ChecksumError, FormatError, MismatchError, annotate_oserror
@@ -258,6 +258,29 @@ async def write_file(
             await sched.call(eng.close, fd, priority=priority)
 
 
+async def crcs_of(sched: Scheduler, sources: Sequence[memoryview | torch.Tensor], priority: int = Priority.SAVE) -> list[int]:
+    """crc32c of each source's bytes (host memory, or a flat uint8 CUDA tensor read back through a
+    bounce slot), in parallel pieces.
+
+    Cancellation: returns once no thread reads the sources.
+    """
+    step = sched.slots.slot_bytes
+    units = [_ReadUnit(i, a, None, b - a) for i, src in enumerate(sources) for a, b in _pieces(len(src), step)]
+
+    def run(slot: memoryview, u: _ReadUnit) -> int:
+        src = sources[u.target][u.offset : u.offset + u.nbytes]
+        if isinstance(src, torch.Tensor):
+            _copy(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), src)
+            src = slot[: u.nbytes]
+        return _checksum.crc32c(src)
+
+    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, budget=False)
+    pieces: list[list[tuple[int, int]]] = [[] for _ in sources]
+    for u, c in zip(units, crcs, strict=True):
+        pieces[u.target].append((c, u.nbytes))
+    return [_crc_of_pieces(p) for p in pieces]
+
+
 def _page_aligned(mv: memoryview) -> bool:
     if len(mv) % PAGE:
         return False
@@ -321,7 +344,7 @@ async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
 
 def new_tensor(spec: st.TensorSpec, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor of ``spec``'s dtype and shape on ``device``, to read it into."""
-    return torch.empty(spec.shape, dtype=SAFETENSORS_TO_TORCH[spec.dtype], device=device)
+    return torch.empty(torch_shape(spec.dtype, spec.shape), dtype=SAFETENSORS_TO_TORCH[spec.dtype], device=device)
 
 
 def check_into(
@@ -335,9 +358,9 @@ def check_into(
     for k, t in given.items():
         spec = specs[k]
         check_tensor(k, t, devices)
-        want = SAFETENSORS_TO_TORCH[spec.dtype]
-        if tuple(t.shape) != spec.shape or t.dtype != want:
-            raise MismatchError(f"tensor {k!r}: {where} has {want} {list(spec.shape)}, `into` has {t.dtype} {list(t.shape)}")
+        want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
+        if tuple(t.shape) != shape or t.dtype != want:
+            raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
 
 
 def _few(keys: list[str]) -> str:
@@ -415,8 +438,9 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         _read_exact(sched, fd, buf[: u.nbytes], u.offset, path, what)
         dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
         src = torch.from_numpy(np.frombuffer(buf, np.uint8, u.nbytes)).view(dtype)
-        dst = t.tensor[u.row0 : u.row1] if t.tensor.dim() else t.tensor
-        src = src.view((u.row1 - u.row0, *t.spec.shape[1:])) if t.tensor.dim() else src.view(())
+        target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
+        dst = target[u.row0 : u.row1] if target.dim() else target
+        src = src.view((u.row1 - u.row0, *t.tensor.shape[1:])) if t.tensor.dim() else src.view(())
         _copy(sched, dst, src)
         return _checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
 
@@ -485,7 +509,7 @@ def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit]
             s = t.spec
             raise ChecksumError(
                 f"tensor {s.key!r} is corrupt: crc32c of bytes [{s.offset}, {s.offset + s.nbytes}) is {got:#010x}, "
-                f"the manifest recorded {t.crc:#010x}",
+                f"{t.crc:#010x} was recorded when it was written",
                 path,
                 s.key,
             )

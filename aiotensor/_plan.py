@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._dtypes import TORCH_TO_SAFETENSORS
+from ._dtypes import PACKED, TORCH_TO_SAFETENSORS, file_shape
 from .buffers import round_up
 from .errors import StateError
 from .formats import safetensors as st
@@ -38,22 +38,34 @@ class SavePlan:
 
 
 def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",)) -> str:
-    """The safetensors dtype of ``t``, or a StateError naming ``key``."""
+    """The safetensors dtype of ``t``, or a StateError naming ``key`` and saying what to do."""
+    if t.is_nested:
+        raise StateError(f"tensor {key!r} is a nested tensor; store its components (t.unbind()) or t.to_padded_tensor(0)")
     if t.layout != torch.strided:
-        raise StateError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored")
+        raise StateError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored (use .to_dense())")
+    if t.is_quantized:
+        raise StateError(f"tensor {key!r} is quantized; store t.int_repr(), t.q_scale() and t.q_zero_point() instead")
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise StateError(
+            f"tensor {key!r} is a {type(t).__name__}, a tensor subclass that is not plain memory "
+            "(DTensor: .full_tensor() or the DCP storage layer; others: convert to a plain tensor)"
+        )
     if t.device.type not in devices:
         raise StateError(f"tensor {key!r} is on {t.device}; this store handles {', '.join(devices)} tensors")
     dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
     if dtype is None:
         raise StateError(f"tensor {key!r} has dtype {t.dtype}, which safetensors cannot store")
+    if dtype in PACKED and t.dim() == 0:
+        raise StateError(f"tensor {key!r}: a 0-d {t.dtype} cannot be stored (safetensors counts its packed values)")
     return dtype
 
 
 def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """Tensors with equal identity are views of the same bytes (tied weights)."""
+    """Tensors with equal identity are the same values over the same bytes (tied weights); a lazily
+    conjugated or negated view of a tensor is not (its values differ)."""
     if t.numel() == 0:
         return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 def plan_save(
@@ -91,7 +103,7 @@ def plan_save(
     arena = 0
     for i, group in enumerate(groups):
         group.sort(key=lambda x: -x[2].element_size())  # stable: state order within an itemsize
-        header, layout = st.build([(k, d, tuple(t.shape)) for k, d, t in group], {"format": "pt"})
+        header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], {"format": "pt"})
         shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena))
         arena += round_up(layout.file_size)
     return SavePlan(tree, tuple(shards), aliases, arena), {k: t for k, _, t in stored}

@@ -1,21 +1,59 @@
-"""Single safetensors files: ``save_file`` and ``load_file``, async and atomic."""
+"""Single safetensors files: ``save_file``, ``load_file`` and ``read_header``, async and atomic.
+
+Files written here carry a crc32c per tensor in their ``__metadata__`` under ``aiotensor.crc32c``
+(a JSON object, tensor name -> 8 lowercase hex digits): the file stays a standard safetensors file
+(other readers ignore metadata), and ``load_file`` verifies every tensor of a file that has them.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
 
 import anyio
 import torch
 
 from . import _io
+from ._dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from ._plan import check_tensor
-from .errors import StateError, annotate_oserror
+from .errors import HeaderError, StateError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, Scheduler
+
+CRC_KEY = "aiotensor.crc32c"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A stored tensor's name, dtype, shape (as torch makes it) and size in bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """What a safetensors file holds, read from its header alone (no tensor data).
+
+    ``metadata`` is the file's ``__metadata__`` without aiotensor's own checksum entry;
+    ``checksummed`` says whether the file carries aiotensor's per-tensor crc32c.
+    """
+
+    path: str
+    size: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    checksummed: bool
+
+
+def tensor_info(spec: st.TensorSpec) -> TensorInfo:
+    return TensorInfo(spec.key, SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape), spec.nbytes)
 
 
 async def save_file(
@@ -31,10 +69,13 @@ async def save_file(
     sees the old file or the new one, never a mix. Tensors are written from their own memory (no
     staging copy): do not change them until this returns. CUDA tensors are written after the work
     already queued on their streams, by cuFile with the kvikio engine, else through pinned bounce
-    slots. Tensors sharing memory are written once each. The data section starts at a 4096-byte boundary.
+    slots. Tensors sharing memory are written once each. The data section starts at a 4096-byte
+    boundary. ``metadata`` (str -> str) goes into the file's ``__metadata__``, beside aiotensor's
+    per-tensor crc32c (``aiotensor.crc32c``); :func:`read_header` gives it back.
 
     Raises:
-        StateError: a key that is not a string, or a tensor safetensors cannot store (named).
+        StateError: a key that is not a string, metadata that is not str -> str (or uses aiotensor's
+            key), or a tensor safetensors cannot store (named).
         OSError: disk full or another I/O error, naming the file; ``path`` is then untouched.
 
     Cancellation: the temporary file is removed and ``path`` is untouched; returns after the
@@ -43,22 +84,18 @@ async def save_file(
     path = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - getcwd, no disk access
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise StateError("metadata must map str to str")
+    if metadata is not None and CRC_KEY in metadata:
+        raise StateError(f"metadata key {CRC_KEY!r} is aiotensor's own (the per-tensor checksums)")
     async with _scheduler(scheduler) as sched:
-        entries = []
-        for key, t in tensors.items():
-            if not isinstance(key, str):
-                raise StateError(f"tensor keys must be str, got {key!r}")
-            if not isinstance(t, torch.Tensor):
-                raise StateError(f"{key!r} is a {type(t).__name__}, not a tensor")
-            entries.append((key, check_tensor(key, t, sched.devices), t))
-        entries.sort(key=lambda e: -e[2].element_size())
-        header, layout = st.build([(k, d, tuple(t.shape)) for k, d, t in entries], dict(metadata or {}) or None)
+        # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
+        entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
         await _io.wait_for_streams(sched, [t for _, _, t in entries])
         contiguous = [t if _io.plain(t) else await sched.call(_io.materialize, t) for _, _, t in entries]
+        sources = [_io.io_bytes(sched.engine, t) for t in contiguous]
+        crcs = await _io.crcs_of(sched, sources)
+        header, layout = await sched.call(_header, entries, crcs, dict(metadata or {}), priority=Priority.SAVE)
         ranges: list[tuple[int, memoryview | torch.Tensor]] = [(0, memoryview(header))]
-        for s, t in zip(layout.tensors, contiguous, strict=True):
-            if s.nbytes:
-                ranges.append((s.offset, _io.io_bytes(sched.engine, t)))
+        ranges += [(s.offset, src) for s, src in zip(layout.tensors, sources, strict=True) if s.nbytes]
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
         eng = sched.engine
@@ -75,6 +112,23 @@ async def save_file(
             raise
 
 
+def _entries(tensors: Mapping[str, torch.Tensor], devices: tuple[str, ...]) -> list[tuple[str, str, torch.Tensor]]:
+    entries = []
+    for key, t in tensors.items():
+        if not isinstance(key, str):
+            raise StateError(f"tensor keys must be str, got {key!r}")
+        if not isinstance(t, torch.Tensor):
+            raise StateError(f"{key!r} is a {type(t).__name__}, not a tensor")
+        entries.append((key, check_tensor(key, t, devices), t))
+    entries.sort(key=lambda e: -e[2].element_size())  # each tensor starts at a multiple of its itemsize
+    return entries
+
+
+def _header(entries: list[tuple[str, str, torch.Tensor]], crcs: list[int], metadata: dict[str, str]) -> tuple[bytes, st.Layout]:
+    metadata[CRC_KEY] = json.dumps({k: f"{c:08x}" for (k, _, _), c in zip(entries, crcs, strict=True)}, separators=(",", ":"))
+    return st.build([(k, d, file_shape(d, t.shape)) for k, d, t in entries], metadata)
+
+
 @asynccontextmanager
 async def _scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
     """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end."""
@@ -89,23 +143,75 @@ async def _scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
             await anyio.to_thread.run_sync(sched.close)
 
 
+async def _open_layout(sched: Scheduler, path: str) -> tuple[int, st.Layout]:
+    """Open a file the user named (a symbolic link to it is fine: the user chose it) and read its header."""
+    real = await sched.call(os.path.realpath, path, priority=Priority.LOAD)
+    fd = await _io.open_read(sched, real)
+    try:
+        return fd, await _io.read_layout(sched, fd, path)
+    except BaseException:
+        await _io.close(sched, fd)
+        raise
+
+
+def _checksums(layout: st.Layout, path: str) -> dict[str, int] | None:
+    """The per-tensor crc32c a file written by aiotensor carries (None for other writers' files)."""
+    raw = (layout.metadata or {}).get(CRC_KEY)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        crcs = {k: int(v, 16) for k, v in doc.items() if isinstance(v, str) and len(v) == 8}
+    except (ValueError, AttributeError, TypeError):
+        raise HeaderError(f"__metadata__[{CRC_KEY!r}] is not a map of tensor names to crc32c", path) from None
+    if set(crcs) != {s.key for s in layout.tensors} or len(crcs) != len(doc):
+        raise HeaderError(f"__metadata__[{CRC_KEY!r}] does not list exactly the file's tensors", path)
+    return crcs
+
+
+async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | None = None) -> FileInfo:
+    """Names, dtypes, shapes and sizes of a safetensors file's tensors, and its metadata, from the
+    header alone (validated completely; no tensor data is read).
+
+    Raises:
+        HeaderError: a malformed header (or not a safetensors file), naming the file.
+        UnsafePathError: not a regular file (a FIFO, a device, a folder).
+        OSError: the file cannot be read.
+
+    Cancellation: returns once the header read has stopped; nothing is left open.
+    """
+    path = os.fspath(path)
+    async with _scheduler(scheduler) as sched:
+        fd, layout = await _open_layout(sched, path)
+        await _io.close(sched, fd)
+        crcs = _checksums(layout, path)
+    meta = {k: v for k, v in (layout.metadata or {}).items() if k != CRC_KEY}
+    return FileInfo(path, layout.file_size, {s.key: tensor_info(s) for s in layout.tensors}, meta, crcs is not None)
+
+
 async def load_file(
     path: str | os.PathLike[str],
     *,
     into: Mapping[str, torch.Tensor] | None = None,
     device: str | torch.device = "cpu",
+    verify: bool = True,
     scheduler: Scheduler | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
-    ``into`` (whose tensors may be on CUDA).
+    ``into`` (whose tensors may be on CUDA; parameters that require grad are filled in place).
 
-    The header is validated completely before anything is allocated. CUDA tensors are filled
-    through cuFile by the kvikio engine, or through pinned bounce slots and a copy stream; either
-    way they are complete when this returns.
+    The header is validated completely before anything is allocated. A file written by aiotensor
+    carries a crc32c per tensor: each is verified (unless ``verify=False``), so a flipped bit or a
+    file rewritten in place by another process while it was read is an error, never silent wrong
+    values. CUDA tensors are filled through cuFile by the kvikio engine, or through pinned bounce
+    slots and a copy stream; either way they are complete when this returns.
 
     Raises:
-        HeaderError: a malformed header, naming the file (and the tensor).
+        HeaderError: a malformed header, or not a safetensors file (a torch.save zip is named as
+            such), naming the file (and the tensor).
+        ChecksumError: a tensor's bytes differ from its recorded crc32c (naming file and tensor).
         MismatchError: ``into`` has other keys, shapes or dtypes than the file.
+        UnsafePathError: not a regular file (a FIFO, a device, a folder).
         OSError: the file cannot be read.
         ValueError: ``device`` is not a device type this machine's scheduler handles.
 
@@ -114,21 +220,24 @@ async def load_file(
     path = os.fspath(path)
     async with _scheduler(scheduler) as sched:
         dev = _io.check_device(sched, device)
-        fd = await _io.open_read(sched, path)
+        fd, layout = await _open_layout(sched, path)
         try:
-            layout = await _io.read_layout(sched, fd, path)
-            if into is None:
-                dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors}
-            else:
-                _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}")
-                dest = dict(into)
-            targets = [_io.Target(s, dest[s.key], None) for s in layout.tensors]
+            dest, targets = await sched.call(_targets, sched, layout, path, into, dev, verify, priority=Priority.LOAD)
             await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
         finally:
             await _io.close(sched, fd)
-    return {s.key: dest[s.key] for s in sorted(layout.tensors, key=_key_order(into))}
+    return dest
 
 
-def _key_order(into: Mapping[str, Any] | None) -> Any:
-    order = {k: i for i, k in enumerate(into)} if into is not None else {}
-    return lambda s: order.get(s.key, s.offset)
+def _targets(
+    sched: Scheduler, layout: st.Layout, path: str, into: Mapping[str, torch.Tensor] | None, dev: torch.device, verify: bool
+) -> tuple[dict[str, torch.Tensor], list[_io.Target]]:
+    """The tensors to fill (in ``into``'s order, or the file's) and a read target for each."""
+    crcs = _checksums(layout, path) if verify else None
+    if into is None:
+        dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors}
+    else:
+        _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}")
+        dest = dict(into)
+    targets = [_io.Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors]
+    return dest, targets

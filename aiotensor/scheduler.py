@@ -244,7 +244,7 @@ async def run_concurrently(*fns: Callable[[], Any]) -> None:
 
 
 def _single(eg: BaseExceptionGroup) -> BaseException:
-    """The one real error inside a task group's exception group (or the group if several)."""
+    """The first real error inside a task group's exception group (the group if only cancellations)."""
     leaves: list[BaseException] = []
 
     def walk(e: BaseException) -> None:
@@ -256,6 +256,11 @@ def _single(eg: BaseExceptionGroup) -> BaseException:
 
     walk(eg)
     real = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
-    if len(real) == 1:
-        return real[0]
-    return eg
+    if not real:
+        return eg
+    # several workers failing at once (a full disk fails every writer): the first is the cause,
+    # raised as itself (an OSError stays an OSError); the others are listed on it
+    first = real[0]
+    for other in real[1:]:
+        first.add_note(f"also: {type(other).__name__}: {other}")
+    return first

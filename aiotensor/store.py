@@ -46,6 +46,7 @@ from .errors import (
     StoreLockedError,
     annotate_oserror,
 )
+from .files import TensorInfo, tensor_info
 from .formats import manifest as mf
 from .scheduler import MiB, Priority, Scheduler, run_concurrently
 
@@ -694,6 +695,24 @@ class TensorStore:
             self._readers[step] -= 1
             self._busy.discard(done)
             done.set()
+
+    async def info(self, step: int | None = None) -> dict[str, TensorInfo]:
+        """Names, dtypes, shapes and sizes of a committed step's tensors (default: the newest), from
+        its manifest alone (no tensor data is read).
+
+        Raises:
+            CheckpointNotFoundError, ManifestError, OSError: as :meth:`load`.
+
+        Cancellation: the manifest read finishes in its thread; nothing changes.
+        """
+        if not self._open:
+            raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
+        step = self.latest() if step is None else step
+        if step is None or step not in self._committed:
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {step} in {self.root}")
+        m = await self.scheduler.call(_root.read_manifest, self.engine, self.path(step), step, priority=Priority.LOAD)
+        specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
+        return {k: tensor_info(s) for k, s in specs.items()}
 
     async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         """``fn(*args)`` in a worker thread; an OSError names ``what`` the user's call was doing."""

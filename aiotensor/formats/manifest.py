@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _checksum
-from .._dtypes import ITEMSIZE
+from .._dtypes import ITEMSIZE, nbytes_of
 from ..errors import ManifestError
-from .safetensors import TensorSpec, is_count, loads_json_object, nbytes_of, shape_problem
+from .safetensors import TensorSpec, is_count, loads_json_object, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -138,7 +138,7 @@ def loads(data: bytes, path: object) -> Manifest:
         if not (isinstance(t["dtype"], str) and t["dtype"] in ITEMSIZE):
             raise bad(f"tensor {key!r}: unknown dtype {t['dtype']!r}")
         shape = t["shape"]
-        problem = shape_problem(shape)
+        problem = shape_problem(shape, t["dtype"])
         if problem:
             raise bad(f"tensor {key!r}: {problem}")
         if not (is_count(t["offset"]) and is_count(t["nbytes"]) and is_count(t["crc32c"]) and t["crc32c"] < 2**32):

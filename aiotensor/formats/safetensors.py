@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._dtypes import ITEMSIZE
+from .._dtypes import ITEMSIZE, nbytes_of, packing_problem
 from ..errors import HeaderError
 
 ALIGN = 4096
@@ -46,17 +46,13 @@ class Layout:
     metadata: dict[str, str] | None
 
 
-def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
-    return math.prod(shape) * ITEMSIZE[dtype]
-
-
-def shape_problem(shape: object) -> str | None:
-    """Why ``shape`` is not one torch can make (None if it is): a short message, whatever its size."""
+def shape_problem(shape: object, dtype: str) -> str | None:
+    """Why ``shape`` of ``dtype`` is not one torch can make (None if it is): a short message."""
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(is_count(d) and d < 2**63 for d in shape):
         return f"shape must be a list of at most {MAX_DIMS} integers in [0, 2**63)"
     if math.prod(d for d in shape if d) >= 2**63:  # torch counts elements in int64, zero-size or not
         return "shape has more than 2**63 elements"
-    return None
+    return packing_problem(dtype, shape)
 
 
 def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
@@ -91,13 +87,20 @@ def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[st
 def header_length(prefix: bytes, file_size: int, path: object) -> int:
     """Validate the 8-byte prefix; return the JSON header's length."""
     if file_size < 8 or len(prefix) < 8:
-        raise HeaderError(f"file is {file_size} bytes, too small for a safetensors header", path)
+        raise HeaderError(f"file is {file_size} bytes, too small to be a safetensors file", path)
     n = int(struct.unpack("<Q", prefix[:8])[0])
-    if n > MAX_HEADER_BYTES:
-        raise HeaderError(f"header claims {n} bytes, more than the {MAX_HEADER_BYTES} byte cap", path)
-    if 8 + n > file_size:
-        raise HeaderError(f"header claims {n} bytes but the file has only {file_size - 8} after the prefix", path)
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise HeaderError(_not_safetensors(prefix, n, file_size), path)
     return n
+
+
+def _not_safetensors(prefix: bytes, n: int, file_size: int) -> str:
+    if prefix.startswith(b"PK\x03\x04"):
+        return "is a zip archive (a torch.save file?), not a safetensors file; open it with torch.load(weights_only=True)"
+    if prefix[:1] == b"\x80":
+        return "is a pickle (a legacy torch.save file?), not a safetensors file"
+    why = f"over the {MAX_HEADER_BYTES} byte cap" if n > MAX_HEADER_BYTES else f"but the file has only {file_size - 8} after it"
+    return f"is not a safetensors file: its first 8 bytes claim a {n} byte header, {why}"
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -165,8 +168,9 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise HeaderError(f"tensor {key!r}: unknown dtype {dtype!r}", path)
-        if not isinstance(shape, list) or not all(is_count(d) for d in shape):
-            raise HeaderError(f"tensor {key!r}: shape must be a list of non-negative integers, got {shape!r}", path)
+        problem = shape_problem(shape, dtype)
+        if problem:
+            raise HeaderError(f"tensor {key!r}: {problem}", path)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)):
             raise HeaderError(f"tensor {key!r}: data_offsets must be two non-negative integers, got {offsets!r}", path)
         begin, end = offsets

@@ -6,12 +6,15 @@ Nothing is ever pickled: a leaf JSON cannot hold is refused, naming its key path
 Encoding: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are stored as themselves;
 ``{"float": "nan" | "inf" | "-inf"}``, ``{"list": [...]}``, ``{"tuple": [...]}``,
 ``{"dict": {str: ...}}`` (all keys strings) or ``{"items": [[key, value], ...]}`` (other keys),
-``{"dtype": "float32"}`` for a ``torch.dtype``, and ``{"tensor": key}``.
+``{"dtype": "float32"}`` for a ``torch.dtype``, ``{"tensor": key}``, and
+``{"odict": [mapping, metadata]}`` for an ``OrderedDict`` (what ``state_dict()`` returns), whose
+``_metadata`` attribute (the module versions ``load_state_dict`` reads) is kept too.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +64,9 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
             return _float(obj)
         if isinstance(obj, torch.dtype):
             return {"dtype": str(obj).removeprefix("torch.")}
+        if type(obj) is OrderedDict:
+            meta = getattr(obj, "_metadata", None)
+            return {"odict": [walk(dict(obj), path), None if meta is None else walk(meta, (*path, "_metadata"))]}
         if isinstance(obj, Mapping):
             keys = list(obj.keys())
             for k in keys:
@@ -121,6 +127,11 @@ def unflatten(tree: Any, tensor: Callable[[str], Any], where: object = None) -> 
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise bad("items must be [key, value] pairs")
                 out[scalar(pair[0])] = walk(pair[1], depth + 1)
+            return out
+        if tag == "odict" and isinstance(val, list) and len(val) == 2 and isinstance(val[0], dict):
+            out = OrderedDict(walk(val[0], depth + 1))
+            if val[1] is not None:
+                out._metadata = walk(val[1], depth + 1)  # type: ignore[attr-defined]
             return out
         if tag == "dtype" and isinstance(val, str):
             dt = getattr(torch, val, None)
