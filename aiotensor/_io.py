@@ -221,14 +221,13 @@ async def write_file(
     removes it: it lives in a temporary name).
     """
     eng = sched.engine
-    direct = size is not None and all(isinstance(mv, memoryview) and off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
+    # thousands of ranges (save_file of many small tensors): cut them up in a thread
+    direct, units, bounce, total = await sched.call(_write_units, sched, ranges, size, priority=priority)
     try:
         fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority)
     except OSError as e:
         raise annotate_oserror(e, f"creating {path}") from e
     try:
-        units = [(off + a, mv[a:b]) for off, mv in ranges for a, b in _pieces(len(mv), sched.chunk_bytes)]
-        bounce = any(isinstance(mv, torch.Tensor) and not eng.handles_device(mv) for _, mv in units)
 
         def run(slot: memoryview | None, u: tuple[int, memoryview | torch.Tensor]) -> None:
             off, src = u
@@ -250,7 +249,7 @@ async def write_file(
         if size is not None:
             await sched.call(eng.truncate, fd, size, priority=priority)
         await sched.call(eng.sync, fd, priority=priority)
-        sched.stats.bytes_written += sum(len(mv) for _, mv in ranges) if size is None else size
+        sched.stats.bytes_written += total
     except OSError as e:
         raise annotate_oserror(e, f"writing {path}") from e
     finally:
@@ -265,7 +264,11 @@ async def crcs_of(sched: Scheduler, sources: Sequence[memoryview | torch.Tensor]
     Cancellation: returns once no thread reads the sources.
     """
     step = sched.slots.slot_bytes
-    units = [_ReadUnit(i, a, None, b - a) for i, src in enumerate(sources) for a, b in _pieces(len(src), step)]
+
+    def cut() -> list[_ReadUnit]:
+        return [_ReadUnit(i, a, None, b - a) for i, src in enumerate(sources) for a, b in _pieces(len(src), step)]
+
+    units = await sched.call(cut, priority=priority)
 
     def run(slot: memoryview, u: _ReadUnit) -> int:
         src = sources[u.target][u.offset : u.offset + u.nbytes]
@@ -275,10 +278,28 @@ async def crcs_of(sched: Scheduler, sources: Sequence[memoryview | torch.Tensor]
         return _checksum.crc32c(src)
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, budget=False)
-    pieces: list[list[tuple[int, int]]] = [[] for _ in sources]
-    for u, c in zip(units, crcs, strict=True):
-        pieces[u.target].append((c, u.nbytes))
-    return [_crc_of_pieces(p) for p in pieces]
+
+    def combine() -> list[int]:
+        pieces: list[list[tuple[int, int]]] = [[] for _ in sources]
+        for u, c in zip(units, crcs, strict=True):
+            pieces[u.target].append((c, u.nbytes))
+        return [_crc_of_pieces(p) for p in pieces]
+
+    return await sched.call(combine, priority=priority)
+
+
+_WriteUnit = tuple[int, "memoryview | torch.Tensor"]
+
+
+def _write_units(
+    sched: Scheduler, ranges: Sequence[tuple[int, memoryview | torch.Tensor]], size: int | None
+) -> tuple[bool, list[_WriteUnit], bool, int]:
+    """Whether the file can bypass the page cache, the pieces to write, whether any goes through a
+    bounce slot, and the bytes the file will hold."""
+    direct = size is not None and all(isinstance(mv, memoryview) and off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
+    units: list[_WriteUnit] = [(off + a, mv[a:b]) for off, mv in ranges for a, b in _pieces(len(mv), sched.chunk_bytes)]
+    bounce = any(isinstance(mv, torch.Tensor) and not sched.engine.handles_device(mv) for _, mv in units)
+    return direct, units, bounce, sum(len(mv) for _, mv in ranges) if size is None else size
 
 
 def _page_aligned(mv: memoryview) -> bool:

@@ -90,12 +90,9 @@ async def save_file(
         # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
         entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
         await _io.wait_for_streams(sched, [t for _, _, t in entries])
-        contiguous = [t if _io.plain(t) else await sched.call(_io.materialize, t) for _, _, t in entries]
-        sources = [_io.io_bytes(sched.engine, t) for t in contiguous]
+        sources = await sched.call(_sources, sched, entries, priority=Priority.SAVE)
         crcs = await _io.crcs_of(sched, sources)
-        header, layout = await sched.call(_header, entries, crcs, dict(metadata or {}), priority=Priority.SAVE)
-        ranges: list[tuple[int, memoryview | torch.Tensor]] = [(0, memoryview(header))]
-        ranges += [(s.offset, src) for s, src in zip(layout.tensors, sources, strict=True) if s.nbytes]
+        ranges = await sched.call(_ranges, entries, sources, crcs, dict(metadata or {}), priority=Priority.SAVE)
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
         eng = sched.engine
@@ -124,9 +121,22 @@ def _entries(tensors: Mapping[str, torch.Tensor], devices: tuple[str, ...]) -> l
     return entries
 
 
-def _header(entries: list[tuple[str, str, torch.Tensor]], crcs: list[int], metadata: dict[str, str]) -> tuple[bytes, st.Layout]:
+def _sources(sched: Scheduler, entries: list[tuple[str, str, torch.Tensor]]) -> list[memoryview | torch.Tensor]:
+    """Each tensor's bytes as the engine writes them (a lazy conj/neg or strided view materialized)."""
+    return [_io.io_bytes(sched.engine, _io.materialize(t)) for _, _, t in entries]
+
+
+def _ranges(
+    entries: list[tuple[str, str, torch.Tensor]],
+    sources: list[memoryview | torch.Tensor],
+    crcs: list[int],
+    metadata: dict[str, str],
+) -> list[tuple[int, memoryview | torch.Tensor]]:
+    """The header (with the checksums) and every tensor's bytes at their offsets in the file."""
     metadata[CRC_KEY] = json.dumps({k: f"{c:08x}" for (k, _, _), c in zip(entries, crcs, strict=True)}, separators=(",", ":"))
-    return st.build([(k, d, file_shape(d, t.shape)) for k, d, t in entries], metadata)
+    header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in entries], metadata)
+    ranges: list[tuple[int, memoryview | torch.Tensor]] = [(0, memoryview(header))]
+    return ranges + [(s.offset, src) for s, src in zip(layout.tensors, sources, strict=True) if s.nbytes]
 
 
 @asynccontextmanager

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
 from .store import SaveHandle, TensorStore
 
 Policy = Literal["skip", "wait"]
+log = logging.getLogger("aiotensor")
 
 
 class Snapshotter:
@@ -19,7 +21,8 @@ class Snapshotter:
             loss = forward_backward()     # (on CPU, in a worker thread) the last save stages meanwhile
             await snap.before_update()    # the only hold: the last save's tensors are copied out
             optimizer.step()
-            snap.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+            snap.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()},
+                      force=step == n - 1)  # the last step is never skipped
         await snap.drain()                # every started save committed (or its error raised)
 
     Forward and backward do not change parameters or optimizer state, so the copy out of step N's
@@ -34,6 +37,9 @@ class Snapshotter:
       ``before_update`` holds the trainer until the disk has caught up with one save.
 
     Either way at most ``max_staged`` states are held in memory and at most one save waits.
+    ``save(..., force=True)`` never skips (it waits as under ``"wait"``): use it for the last step
+    of a run. ``drain`` returns the steps skipped since the previous ``drain`` and logs a warning
+    if the last ``save`` before it was skipped.
 
     A save that fails raises its error from the next ``save``, ``before_update`` or ``drain``.
     """
@@ -46,19 +52,27 @@ class Snapshotter:
         self.background = background
         self.started = 0
         self.skipped = 0
+        self.skipped_steps: list[int] = []  # since the last drain
+        self._last_skipped: int | None = None  # the step of the last save() call, if it was skipped
         self.held_seconds: list[float] = []  # one per before_update that waited for a save
         self._handles: list[SaveHandle] = []  # not yet known committed
         self._last: SaveHandle | None = None  # not yet known staged
 
-    def save(self, step: int, state: Any) -> SaveHandle | None:
+    def save(self, step: int, state: Any, *, force: bool = False) -> SaveHandle | None:
         """Start saving ``state`` as ``step`` unless the policy skips it; returns at once.
+
+        With ``force``, the save is never skipped: it waits for a staging arena (as under
+        ``"wait"``), so ``before_update``/``drain`` hold the trainer until the disk has caught up.
 
         Raises: what :meth:`TensorStore.save` raises, and the error of an earlier failed save.
         """
         self._collect()
-        if self.policy == "skip" and len(self._handles) >= self.store.staging.max_arenas:
+        if not force and self.policy == "skip" and len(self._handles) >= self.store.staging.max_arenas:
             self.skipped += 1
+            self.skipped_steps.append(step)
+            self._last_skipped = step
             return None
+        self._last_skipped = None
         h = self.store.save(step, state, background=self.background)
         self.started += 1
         self._handles.append(h)
@@ -77,8 +91,9 @@ class Snapshotter:
             self.held_seconds.append(time.perf_counter() - t0)
         self._collect()
 
-    async def drain(self) -> None:
-        """Wait for every started save to commit; raise the first failure.
+    async def drain(self) -> list[int]:
+        """Wait for every started save to commit; raise the first failure. Returns the steps that
+        were skipped since the last ``drain`` (a warning is logged if the very last ``save`` was).
 
         Cancellation: cancels the save being awaited (see :class:`~aiotensor.SaveHandle`).
         """
@@ -87,6 +102,14 @@ class Snapshotter:
             await h
             self._handles.pop(0)
         self._last = None
+        if self._last_skipped is not None:
+            log.warning(
+                "the last save (step %d) was skipped because the disk was behind: "
+                "save the final step with save(step, state, force=True)",
+                self._last_skipped,
+            )
+        skipped, self.skipped_steps, self._last_skipped = self.skipped_steps, [], None
+        return skipped
 
     def _collect(self) -> None:
         """Forget finished saves; raise the error of a failed one (the store raises any others)."""

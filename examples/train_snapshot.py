@@ -61,8 +61,9 @@ async def train(root: str, steps: int, every: int) -> None:
             loss = await asyncio.to_thread(forward_backward)
             await snap.before_update()  # the only wait: tensors copied out before they change
             opt.step()
-            if step % every == 0:
-                h = snap.save(step, snapshot_state(model, opt, step))
+            if step % every == 0 or step == steps:
+                # the last step is forced: never skipped even if the disk is behind
+                h = snap.save(step, snapshot_state(model, opt, step), force=step == steps)
                 if h is not None:
                     handles.append(h)
                     reference = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from aiotensor import TensorStore
+from aiotensor import TensorStore, load_file, save_file
 
 # seconds: above what a 2-core machine shows for any Python program in debug mode (GIL hand-offs of
 # 5 ms each, a full garbage collection of a 20,000-tensor state), below the 0.5-1 s that walking such
@@ -27,6 +27,7 @@ def many_tensors(n: int) -> dict[str, Any]:
 @pytest.mark.parametrize("n", [300, 20_000])
 def test_no_library_callback_blocks_the_loop(tmp_path: Any, caplog: Any, n: int) -> None:
     state = many_tensors(n)
+    flat = {f"t{i}": torch.full((16,), float(i)) for i in range(n)}
 
     async def main() -> None:
         asyncio.get_running_loop().slow_callback_duration = SLOW
@@ -38,6 +39,8 @@ def test_no_library_callback_blocks_the_loop(tmp_path: Any, caplog: Any, n: int)
             await store.load()
             await store.load(into=state)
             await store.refresh()
+        await save_file(flat, tmp_path / "f.safetensors")
+        await load_file(tmp_path / "f.safetensors")
 
     gc.collect()
     with caplog.at_level(logging.WARNING, logger="asyncio"):
