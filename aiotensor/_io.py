@@ -67,9 +67,13 @@ def io_bytes(eng: Any, t: torch.Tensor) -> memoryview | torch.Tensor:
     return byte_tensor(t) if eng.handles_device(t) or t.device.type != "cpu" else byte_view(t)
 
 
-def _pieces(n: int, chunk: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, n, chunk):
-        yield a, min(n, a + chunk)
+def _pieces(n: int, chunk: int, start: int = 0) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` pieces of ``n`` bytes of at most ``chunk``, cut where ``start + a`` is a multiple of ``chunk``."""
+    a = 0
+    while a < n:
+        b = min(n, a + chunk - (start + a) % chunk)
+        yield a, b
+        a = b
 
 
 def _crc_of_pieces(crcs: Sequence[tuple[int, int]]) -> int:
@@ -124,9 +128,9 @@ async def stage(
     async def device() -> None:
         assert sched.cuda is not None and producers is not None
         for dev, copies in gpu.items():
-            event = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
+            event, resolved = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
             with anyio.CancelScope(shield=True):  # the copy writes the arena: let it finish
-                await sched.cuda.bridge(dev).wait(event, keep=[src for _, src in copies])
+                await sched.cuda.bridge(dev).wait(event, keep=[*(src for _, src in copies), *resolved])
 
     await run_concurrently(host, device) if gpu else await host()
     return pieces
@@ -297,7 +301,11 @@ def _write_units(
     """Whether the file can bypass the page cache, the pieces to write, whether any goes through a
     bounce slot, and the bytes the file will hold."""
     direct = size is not None and all(isinstance(mv, memoryview) and off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
-    units: list[_WriteUnit] = [(off + a, mv[a:b]) for off, mv in ranges for a, b in _pieces(len(mv), sched.chunk_bytes)]
+    # pieces end on chunk boundaries of the file, so two threads never write into one page of a
+    # range (cuFile does an unaligned write as a read-modify-write of the whole page)
+    units: list[_WriteUnit] = [
+        (off + a, mv[a:b]) for off, mv in ranges for a, b in _pieces(len(mv), sched.chunk_bytes, start=off)
+    ]
     bounce = any(isinstance(mv, torch.Tensor) and not sched.engine.handles_device(mv) for _, mv in units)
     return direct, units, bounce, sum(len(mv) for _, mv in ranges) if size is None else size
 

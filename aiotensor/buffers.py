@@ -43,6 +43,13 @@ class HostBuffer:
             for a in range(0, self.nbytes, _TOUCH):
                 self.tensor[a : a + _TOUCH].zero_()
 
+    def keep_from_children(self) -> None:
+        """``madvise(MADV_DONTFORK)``: a forked child (a DataLoader worker) does not inherit this
+        mapping. Done before pinning: a pinned page shared copy-on-write with a child breaks DMA."""
+        advice = getattr(mmap, "MADV_DONTFORK", None)
+        if advice is not None:
+            self._mm.madvise(advice)
+
     def close(self) -> None:
         del self.tensor, self.array
         self.view.release()
@@ -104,6 +111,7 @@ class StagingPool:
     def _map(self, nbytes: int) -> HostBuffer:
         arena = HostBuffer(nbytes)
         if self.pinning is not None:
+            arena.keep_from_children()
             self.pinning.pin(arena.address, arena.nbytes)
         return arena
 
@@ -157,7 +165,8 @@ class SlotPool:
 
     def pin(self, pinning: Any) -> None:
         """Pin the slots (once; from a worker thread: pinning blocks)."""
-        if self._buf is not None:
+        if self._buf is not None and self._pinning is None:
+            self._buf.keep_from_children()
             pinning.pin(self._buf.address, self._buf.nbytes)
             self._pinning = pinning
 

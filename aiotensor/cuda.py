@@ -25,6 +25,7 @@ engine, read straight into device memory through cuFile.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import queue
 import threading
 from collections.abc import Iterable
@@ -124,13 +125,17 @@ class Pinning:
     """Registers host memory with CUDA once (``cudaHostRegister``) and unregisters it on release.
 
     Pinning costs about 1-2 GB/s and takes a global driver lock, so a staging arena is pinned
-    once, when it is mapped, and reused for every later save. ``register``/``unregister`` are
-    injectable for tests; by default they call the CUDA runtime through torch.
+    once, when it is mapped, and reused for every later save. Registration runs in worker threads,
+    whose current device is 0 whatever the user chose: it is done under the device that was
+    current when the store was made (a rank's ``torch.cuda.set_device(local_rank)``), with
+    ``cudaHostRegisterPortable`` so that every device may use the memory. ``register`` and
+    ``unregister`` are injectable for tests; by default they call the CUDA runtime through torch.
     """
 
-    def __init__(self, register: Any = None, unregister: Any = None) -> None:
+    def __init__(self, register: Any = None, unregister: Any = None, device: int | None = None) -> None:
         self._register = register or _cuda_host_register
         self._unregister = unregister or _cuda_host_unregister
+        self.device = device if device is not None else (torch.cuda.current_device() if available() else 0)
         self._pinned: dict[int, int] = {}  # address -> bytes
         self._lock = threading.Lock()
 
@@ -138,27 +143,44 @@ class Pinning:
         """Register ``[address, address + nbytes)`` unless it is already (blocks: worker threads only)."""
         with self._lock:
             if address not in self._pinned:
-                self._register(address, nbytes)
+                self._register(address, nbytes, self.device)
                 self._pinned[address] = nbytes
 
     def unpin(self, address: int) -> None:
         with self._lock:
             if self._pinned.pop(address, None) is not None:
-                self._unregister(address)
+                self._unregister(address, self.device)
 
     @property
     def pinned_bytes(self) -> int:
         return sum(self._pinned.values())
 
 
-def _cuda_host_register(address: int, nbytes: int) -> None:
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)  # type: ignore[no-untyped-call]
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, as torch's own pin helper does
 
 
-def _cuda_host_unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+def _cuda_host_register(address: int, nbytes: int, device: int) -> None:
+    with torch.cuda.device(device):
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))  # type: ignore[no-untyped-call]
+    if err != 0:
+        _clear_last_error()  # else torch's next cudaGetLastError check fails an unrelated kernel
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err}")
+
+
+def _cuda_host_unregister(address: int, device: int) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+
+
+def _clear_last_error() -> None:
+    """``cudaGetLastError()`` from the libcudart this process loaded (torch exposes no binding)."""
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((line.split()[-1] for line in f if "libcudart" in line), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 class CopyStreams:
@@ -191,27 +213,43 @@ class CopyStreams:
 
 def record_producers(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
     """On the caller's thread: an event on each source device's current stream."""
+    return record_current_streams({t.device for t in tensors if t.device.type == "cuda"})
+
+
+def record_current_streams(devices: Iterable[torch.device] | None = None) -> dict[torch.device, Any]:
+    """On the caller's thread: a blocking-sync event on the current stream of each of ``devices``
+    (default: every CUDA device). Blocking, so a thread that waits for one sleeps, not spins."""
+    if devices is None:
+        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     events = {}
-    for t in tensors:
-        if t.device.type == "cuda" and t.device not in events:
-            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ev.record(torch.cuda.current_stream(t.device))
-            events[t.device] = ev
+    for dev in devices:
+        ev = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        ev.record(torch.cuda.current_stream(dev))
+        events[dev] = ev
     return events
 
 
-def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
     """In a worker thread: queue ``dst.copy_(src)`` (device → pinned host) on the copy stream of the
-    sources' device after ``producer``; return the completion event (not waited for)."""
+    sources' device after ``producer``; return the completion event (not waited for) and the
+    temporaries to keep alive until it completes.
+
+    A source with a lazy conj or neg bit is resolved on the copy stream first: ``copy_`` would
+    otherwise apply it to the host destination without ordering that after the asynchronous copy.
+    """
     device = copies[0][1].device
     stream = streams.stream(device)
     done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+    keep: list[torch.Tensor] = []
     with torch.cuda.stream(stream):
         stream.wait_event(producer)
         for dst, src in copies:
+            if src.is_conj() or src.is_neg():
+                src = src.resolve_conj().resolve_neg()
+                keep.append(src)
             dst.copy_(src, non_blocking=True)
         done.record(stream)
-    return done
+    return done, keep
 
 
 def copy(streams: CopyStreams, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import _io, _root
+from . import _io, _root, cuda
 from ._handle import SaveHandle
 from ._load import load_checkpoint
 from ._plan import SavePlan, plan_save
@@ -395,7 +395,7 @@ class TensorStore:
         # the call itself is O(1): the state is walked and planned in a worker thread (a 20,000-tensor
         # state takes the better part of a second of Python); CUDA sources are copied after the
         # kernels already queued on the current streams as of now
-        producers = _record_current_streams() if self.scheduler.cuda is not None else {}
+        producers = cuda.record_current_streams() if self.scheduler.cuda is not None else {}
         handle = SaveHandle(step, 0)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
@@ -732,16 +732,6 @@ def _manifest(step: int, plan: SavePlan, crcs: dict[str, int]) -> bytes:
             aliases=plan.aliases,
         )
     )
-
-
-def _record_current_streams() -> dict[torch.device, Any]:
-    """An event on the current stream of every CUDA device (O(devices), whatever the state)."""
-    events = {}
-    for i in range(torch.cuda.device_count()):
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(torch.cuda.current_stream(i))
-        events[torch.device("cuda", i)] = ev
-    return events
 
 
 def _check_step(step: object) -> None:

@@ -25,9 +25,9 @@ from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file as st_save
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu import Ticker, fsync_path, write_results  # noqa: E402
+from bench_cpu import Ticker, fsync_path, write_results
 
-import aiotensor  # noqa: E402
+import aiotensor
 
 
 def small_state(n: int) -> dict[str, torch.Tensor]:

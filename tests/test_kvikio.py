@@ -1,5 +1,7 @@
-"""The kvikio engine against a stand-in kvikio module (no GPU here).
+"""The kvikio engine against a stand-in kvikio package (no GPU here).
 
+``tests/fake_kvikio/kvikio`` mirrors the real kvikio's module layout and signatures (26.08): as with
+the real one, ``import kvikio`` does not load ``kvikio.defaults`` nor ``kvikio.cufile_driver``.
 ``HostKvikio`` treats contiguous CPU tensors as "device memory", so the store's device paths
 (reading straight into a tensor through ``CuFile.pread``, checksumming it through a bounce slot,
 ``save_file`` writing through ``CuFile.pwrite``) run for real on CPU: real files, real threads, a
@@ -9,10 +11,12 @@ real loop. What cannot run here is kvikio itself; the ``gpu`` tests below do tha
 from __future__ import annotations
 
 import errno
+import importlib
+import inspect
 import os
 import sys
 import threading
-import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,85 +34,28 @@ from .conftest import assert_state_equal, small_state
 from .test_store import DTYPES, random_tensor
 
 pytestmark = pytest.mark.anyio
+FAKE = os.path.join(os.path.dirname(__file__), "fake_kvikio")
 
 
-class FakeCuFile:
-    """kvikio.CuFile's calls, done with posix I/O into the buffer's memory (CPU tensors here)."""
-
-    def __init__(self, kv: FakeKvikio, path: str, flags: str) -> None:
-        assert flags in ("r", "r+"), flags
-        self.kv = kv
-        self.fd = os.open(path, os.O_RDONLY if flags == "r" else os.O_RDWR)
-        self.closed = False
-        kv.opened.append(self)
-
-    def _io(self, op: str, buf: torch.Tensor, size: int, offset: int) -> Any:
-        assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous() and size == buf.numel()
-        self.kv.calls.append((op, threading.get_ident(), offset, size))
-        n = min(size, self.kv.max_io)
-        mv = buf.numpy().data.cast("B")[:n]
-        done = os.preadv(self.fd, [mv], offset) if op == "pread" else os.pwritev(self.fd, [mv], offset)
-        return types.SimpleNamespace(get=lambda: done)
-
-    def pread(self, buf: torch.Tensor, size: int, file_offset: int = 0, task_size: int | None = None) -> Any:
-        return self._io("pread", buf, size, file_offset)
-
-    def pwrite(self, buf: torch.Tensor, size: int, file_offset: int = 0, task_size: int | None = None) -> Any:
-        return self._io("pwrite", buf, size, file_offset)
-
-    def close(self) -> None:
-        os.close(self.fd)
-        self.closed = True
+def _drop_kvikio_modules() -> None:
+    for name in [n for n in sys.modules if n == "kvikio" or n.startswith("kvikio.")]:
+        del sys.modules[name]
 
 
-class FakeDefaults:
-    """kvikio.defaults, kvikio >= 25.04 (``get``/``set``)."""
-
-    def __init__(self, compat_preferred: bool) -> None:
-        self.values: dict[str, Any] = {"num_threads": 1, "task_size": 4 << 20}
-        self.compat_preferred = compat_preferred
-
-    def get(self, name: str) -> Any:
-        return self.values[name]
-
-    def set(self, config: dict[str, Any]) -> None:
-        self.values.update(config)
-
-    def is_compat_mode_preferred(self) -> bool:
-        return self.compat_preferred
-
-
-class OldDefaults:
-    """kvikio.defaults before 25.04: ``compat_mode()`` and ``*_reset``."""
-
-    def __init__(self, compat: Any) -> None:
-        self.compat = compat
-        self.num_threads, self.task_size = 8, 4 << 20
-
-    def compat_mode(self) -> Any:
-        return self.compat
-
-    def get_num_threads(self) -> int:
-        return self.num_threads
-
-    def num_threads_reset(self, n: int) -> None:
-        self.num_threads = n
-
-    def task_size_reset(self, n: int) -> None:
-        self.task_size = n
-
-
-class FakeKvikio(types.SimpleNamespace):
-    def __init__(self, *, compat_preferred: bool = False, gds: bool = True, max_io: int = 1 << 62) -> None:
-        super().__init__()
-        self.defaults: Any = FakeDefaults(compat_preferred)
-        self.cufile_driver = types.SimpleNamespace(get=lambda name: {"is_gds_available": gds}[name])
-        self.max_io = max_io
-        self.calls: list[tuple[str, int, int, int]] = []
-        self.opened: list[FakeCuFile] = []
-
-    def CuFile(self, path: str, flags: str) -> FakeCuFile:
-        return FakeCuFile(self, path, flags)
+@pytest.fixture
+def kv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The stand-in kvikio on sys.path (fresh modules); yields its test controls."""
+    if importlib.util.find_spec("kvikio") is not None and FAKE not in (importlib.util.find_spec("kvikio").origin or ""):
+        pytest.skip("a real kvikio is installed: these tests use the stand-in")
+    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
+    monkeypatch.delenv("KVIKIO_NUM_THREADS", raising=False)
+    monkeypatch.delenv("KVIKIO_TASK_SIZE", raising=False)
+    monkeypatch.syspath_prepend(FAKE)
+    _drop_kvikio_modules()
+    state = importlib.import_module("kvikio._fake").state
+    state.reset()
+    yield state
+    _drop_kvikio_modules()
 
 
 class HostKvikio(KvikioEngine):
@@ -122,7 +69,7 @@ def _like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.empty_like(v) for k, v in tensors.items()}
 
 
-def _check_io(kv: FakeKvikio, op: str) -> None:
+def _check_io(kv: Any, op: str) -> None:
     """kvikio was called for ``op``, never on the loop thread, and every CuFile was closed."""
     loop_thread = threading.get_ident()
     calls = [c for c in kv.calls if c[0] == op]
@@ -131,12 +78,48 @@ def _check_io(kv: FakeKvikio, op: str) -> None:
     assert kv.opened and all(f.closed for f in kv.opened)
 
 
-async def test_checkpoints_load_through_cufile_into_tensors(tmp_path: Any) -> None:
+# the real kvikio 26.08 (rapidsai/kvikio@2e98113d, python/kvikio/kvikio/): names and parameters
+REAL_LAYOUT = {
+    "kvikio": ["CuFile"],
+    "kvikio.defaults": ["get", "set", "is_compat_mode_preferred"],
+    "kvikio.cufile_driver": ["get"],
+}
+REAL_SIGNATURES = {
+    "CuFile.__init__": ["self", "file", "flags"],
+    "CuFile.pread": ["self", "buf", "size", "file_offset", "task_size"],
+    "CuFile.pwrite": ["self", "buf", "size", "file_offset", "task_size"],
+    "CuFile.close": ["self"],
+    "CuFile.is_direct_io_supported": ["self"],
+    "IOFuture.get": ["self"],
+}
+
+
+def test_the_stand_in_has_the_real_module_layout(kv: Any) -> None:
+    import kvikio
+
+    assert "kvikio.defaults" not in sys.modules and not hasattr(kvikio, "defaults"), "import kvikio loads no submodules"
+    assert "kvikio.cufile_driver" not in sys.modules and not hasattr(kvikio, "cufile_driver")
+    for module, names in REAL_LAYOUT.items():
+        m = importlib.import_module(module)
+        assert all(hasattr(m, n) for n in names), module
+    cufile = importlib.import_module("kvikio.cufile")
+    for qual, params in REAL_SIGNATURES.items():
+        cls, meth = qual.split(".")
+        assert list(inspect.signature(getattr(getattr(cufile, cls), meth)).parameters) == params, qual
+
+
+def test_the_engine_imports_the_submodules_itself(kv: Any) -> None:
+    """The bug a first real run would hit: `kvikio.defaults` is not loaded by `import kvikio`."""
+    eng = KvikioEngine()
+    assert eng.mode == "gds" and eng.defaults.get("num_threads") == 4
+
+
+async def test_checkpoints_load_through_cufile_into_tensors(tmp_path: Any, kv: Any) -> None:
     state = {"t": {str(d): random_tensor(d, (33, 17), i) for i, d in enumerate(DTYPES)}, **small_state(1)}
     async with TensorStore(tmp_path / "ck", engine=PosixEngine(), chunk_bytes=4096) as store:
         await store.save(1, state)
-    kv = FakeKvikio(max_io=3000)  # short reads: the engine call is repeated for the rest
-    eng = HostKvikio(kvikio_module=kv)
+    kv.max_io = 3000  # short reads: the engine call is repeated for the rest
+    eng = HostKvikio()
     async with TensorStore(tmp_path / "ck", engine=eng, chunk_bytes=4096) as store:
         assert store.io_mode == "kvikio (gds)"
         got = await store.load(1)
@@ -145,9 +128,27 @@ async def test_checkpoints_load_through_cufile_into_tensors(tmp_path: Any) -> No
     _check_io(kv, "pread")
     # read into tensors, not bounced: every tensor's bytes went through CuFile.pread
     assert sum(c[3] for c in kv.calls) >= sum(t.nbytes for t in state["t"].values())
+    assert eng.file_modes["gds"] >= 1
 
 
-async def test_corruption_read_into_device_memory_is_caught(tmp_path: Any) -> None:
+async def test_multi_megabyte_tensors_at_unaligned_offsets_go_through_cufile(tmp_path: Any, kv: Any) -> None:
+    """Above kvikio's GDS threshold (16 KiB) and not 4 KiB aligned: what a real run exercises."""
+    state = {"a": torch.randn(3), "big": torch.randn(3 << 20), "odd": torch.randn(1_000_003)}
+    async with TensorStore(tmp_path, engine=PosixEngine()) as store:
+        await store.save(1, state)
+    eng = HostKvikio()
+    async with TensorStore(tmp_path, engine=eng) as store:
+        assert_state_equal(await store.load(1), state)
+    offsets = {c[2] % 4096 for c in kv.calls if c[3] > 1 << 20}
+    assert offsets - {0}, "some large reads start off a page boundary"
+    kv.direct_io = False  # a file system without O_DIRECT (tmpfs): kvikio runs that file in compat
+    eng = HostKvikio()
+    async with TensorStore(tmp_path, engine=eng) as store:
+        await store.load(1)
+    assert eng.file_modes == {"compat": 1}
+
+
+async def test_corruption_read_into_device_memory_is_caught(tmp_path: Any, kv: Any) -> None:
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
         await store.save(1, {"w": torch.arange(10_000, dtype=torch.float32)})
     shard = os.path.join(store.path(1), "shard-00000.safetensors")
@@ -156,8 +157,7 @@ async def test_corruption_read_into_device_memory_is_caught(tmp_path: Any) -> No
         b = f.read(1)
         f.seek(-5, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x10]))
-    kv = FakeKvikio()
-    async with TensorStore(tmp_path, engine=HostKvikio(kvikio_module=kv)) as store:
+    async with TensorStore(tmp_path, engine=HostKvikio()) as store:
         with pytest.raises(ChecksumError, match="'w'"):
             await store.load(1)
         got = await store.load(1, verify=False)  # the read itself works: only the check failed
@@ -165,25 +165,26 @@ async def test_corruption_read_into_device_memory_is_caught(tmp_path: Any) -> No
     _check_io(kv, "pread")
 
 
-async def test_files_written_through_cufile_read_with_posix_and_safetensors(tmp_path: Any) -> None:
+async def test_files_written_through_cufile_read_with_posix_and_safetensors(tmp_path: Any, kv: Any) -> None:
     tensors = {str(d): random_tensor(d, (40, 9), i) for i, d in enumerate(DTYPES)}
-    kv = FakeKvikio(max_io=5000)
+    kv.max_io = 5000
     path = str(tmp_path / "w.safetensors")
-    await save_file(tensors, path, scheduler=Scheduler(HostKvikio(kvikio_module=kv), chunk_bytes=4096))
+    await save_file(tensors, path, scheduler=Scheduler(HostKvikio(), chunk_bytes=4096))
     _check_io(kv, "pwrite")
     assert_state_equal(await load_file(path, into=_like(tensors), scheduler=Scheduler(PosixEngine())), tensors)
     assert_state_equal(dict(sorted(st_load_file(path).items())), dict(sorted(tensors.items())))
     # and back: a posix-written file read through CuFile
     await save_file(tensors, path, scheduler=Scheduler(PosixEngine()))
-    kv2 = FakeKvikio()
-    assert_state_equal(await load_file(path, into=_like(tensors), scheduler=Scheduler(HostKvikio(kvikio_module=kv2))), tensors)
-    _check_io(kv2, "pread")
+    kv.calls.clear()
+    kv.opened.clear()
+    assert_state_equal(await load_file(path, into=_like(tensors), scheduler=Scheduler(HostKvikio())), tensors)
+    _check_io(kv, "pread")
 
 
-async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any) -> None:
+async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any, kv: Any) -> None:
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
         await store.save(1, {"w": torch.ones(100_000)})
-    eng = FaultyEngine(HostKvikio(kvikio_module=FakeKvikio()), fail={"pread": (3, errno.EIO)})
+    eng = FaultyEngine(HostKvikio(), fail={"pread": (3, errno.EIO)})
     async with TensorStore(tmp_path, engine=eng, chunk_bytes=65536) as store:
         with pytest.raises(OSError, match="shard-00000") as e:
             await store.load(1)
@@ -191,63 +192,69 @@ async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any) -> Non
     assert eng.open_fds() == []
 
 
-async def test_a_kvikio_failure_is_an_oserror_naming_the_file(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    "message,code",
+    [
+        ("cuFile error: CU_FILE_IO_ERROR", errno.EIO),
+        (f"pwrite failed: {os.strerror(errno.ENOSPC)}", errno.ENOSPC),  # std::system_error's what()
+        (f"posix_fadvise failed: {os.strerror(errno.EDQUOT)}", errno.EDQUOT),
+    ],
+)
+async def test_a_kvikio_failure_is_an_oserror_naming_the_file_with_its_errno(tmp_path: Any, kv: Any, message: str, code: int) -> None:
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
         await store.save(1, {"w": torch.ones(1000)})
-    kv = FakeKvikio()
-
-    def broken(*a: Any) -> Any:
-        raise RuntimeError("cuFile error: CU_FILE_IO_ERROR")
-
-    eng = HostKvikio(kvikio_module=kv)
+    eng = HostKvikio()
     async with TensorStore(tmp_path, engine=eng) as store:
-        setattr(kv, "CuFile", lambda path, flags: types.SimpleNamespace(pread=broken, close=lambda: None))  # noqa: B010
-        with pytest.raises(OSError, match="shard-00000.*CU_FILE_IO_ERROR") as e:
+        kv.fail = RuntimeError(message)
+        with pytest.raises(OSError, match="shard-00000") as e:
             await store.load(1)
-        assert e.value.errno == errno.EIO and eng._files == {}
+        assert e.value.errno == code and eng._files == {}
 
 
-def test_mode_reports_what_runs() -> None:
-    assert io_mode(FakeKvikio(compat_preferred=True)) == "compat"
-    assert io_mode(FakeKvikio(gds=True)) == "gds"
-    assert io_mode(FakeKvikio(gds=False)) == "cufile-compat"
-    old = FakeKvikio()
+def test_mode_reports_what_runs(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvikio.cufile_driver
+    import kvikio.defaults
+
+    kv.compat_preferred = True
+    assert io_mode(kvikio.defaults, kvikio.cufile_driver) == "compat"
+    kv.compat_preferred, kv.gds = False, True
+    assert io_mode(kvikio.defaults, kvikio.cufile_driver) == "gds"
+    kv.gds = False
+    assert io_mode(kvikio.defaults, kvikio.cufile_driver) == "cufile-compat"
+    assert io_mode(kvikio.defaults, None) == "cufile"  # a kvikio without driver properties
+
+    class Old:  # kvikio.defaults before 25.04: compat_mode() is a bool, later a CompatMode
+        def __init__(self, v: Any) -> None:
+            self.v = v
+
+        def compat_mode(self) -> Any:
+            return self.v
+
     for value, mode in [(True, "compat"), (False, "cufile-compat"), (1, "compat"), (0, "cufile-compat")]:
-        old.defaults = OldDefaults(value)
-        old.cufile_driver = types.SimpleNamespace(get=lambda name: False)
-        assert io_mode(old) == mode, value
-    del old.cufile_driver  # a kvikio without driver properties
-    old.defaults = OldDefaults(False)
-    assert io_mode(old) == "cufile"
+        assert io_mode(Old(value), kvikio.cufile_driver) == mode, value
 
 
-def test_threads_and_task_size_are_set_deliberately(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
-    monkeypatch.delenv("KVIKIO_TASK_SIZE", raising=False)
-    kv = FakeKvikio()
-    KvikioEngine(num_threads=6, task_size=8 << 20, kvikio_module=kv)
-    assert kv.defaults.values == {"num_threads": 6, "task_size": 8 << 20}
-    KvikioEngine(num_threads=2, task_size=8 << 20, kvikio_module=kv)
-    assert kv.defaults.values["num_threads"] == 6  # a pool is never shrunk
-    old = FakeKvikio()
-    old.defaults = OldDefaults(False)
-    KvikioEngine(num_threads=16, task_size=1 << 20, kvikio_module=old)
-    assert (old.defaults.num_threads, old.defaults.task_size) == (16, 1 << 20)
-    monkeypatch.setenv("KVIKIO_NTHREADS", "3")
-    monkeypatch.setenv("KVIKIO_TASK_SIZE", "65536")
-    kv = FakeKvikio()
-    KvikioEngine(num_threads=6, task_size=8 << 20, kvikio_module=kv)
-    assert kv.defaults.values == {"num_threads": 1, "task_size": 4 << 20}  # the user's environment wins
+def test_threads_and_task_size_are_set_deliberately(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    KvikioEngine(num_threads=6, task_size=8 << 20)
+    assert (kv.values["num_threads"], kv.values["task_size"]) == (6, 8 << 20)
+    KvikioEngine(num_threads=2, task_size=8 << 20)
+    assert kv.values["num_threads"] == 6  # a pool is never shrunk
+    for var in ("KVIKIO_NTHREADS", "KVIKIO_NUM_THREADS"):  # kvikio 26.x reads both names
+        kv.reset()
+        monkeypatch.setenv(var, "3")
+        monkeypatch.setenv("KVIKIO_TASK_SIZE", "65536")
+        KvikioEngine(num_threads=6, task_size=8 << 20)
+        assert (kv.values["num_threads"], kv.values["task_size"]) == (1, 4 << 20)  # the user's environment wins
+        monkeypatch.delenv(var)
 
 
-def test_kvikio_is_chosen_only_where_cuda_is(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kvikio", FakeKvikio())
+def test_kvikio_is_chosen_only_where_cuda_is(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         assert type(default_engine()) is PosixEngine  # kvikio imports, but there is no CUDA
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     eng = default_engine(workers=3, chunk_bytes=1 << 20)
     assert isinstance(eng, KvikioEngine) and eng.mode == "gds"
-    assert sys.modules["kvikio"].defaults.values == {"num_threads": 3, "task_size": 1 << 20}
+    assert (kv.values["num_threads"], kv.values["task_size"]) == (3, 1 << 20)
     monkeypatch.setitem(sys.modules, "kvikio", None)  # `import kvikio` fails
     assert type(default_engine()) is PosixEngine
 

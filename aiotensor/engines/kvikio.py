@@ -2,7 +2,8 @@
 
 NOT YET RUN ON A GPU: no device was lent while this was written. Its logic (which buffers go to
 kvikio, chunking, short reads, configuration, the reported mode, every call in a worker thread) is
-tested on CPU against a stand-in kvikio module; kvikio itself has never been called.
+tested on CPU against a stand-in kvikio package that mirrors the real one's module layout and
+signatures (tests/fake_kvikio, from kvikio 26.08); kvikio itself has never been called.
 
 Host buffers keep the posix path (``os.preadv``/``os.pwritev``, O_DIRECT writes): the scheduler
 already runs them in parallel, and kvikio's host path is posix I/O on its own thread pool. Only
@@ -21,6 +22,7 @@ import errno
 import importlib
 import os
 import threading
+from collections import Counter
 from typing import Any
 
 import torch
@@ -36,24 +38,30 @@ class KvikioEngine(PosixEngine):
             once and each is one kvikio task (``task_size`` = the scheduler's chunk), so the pool
             needs ``workers`` threads to keep them all moving; fewer serialise them.
         task_size: kvikio's task size, in bytes.
-        kvikio_module: the module to use (tests pass a stand-in; default ``import kvikio``).
 
-    kvikio's settings are process-wide: ``KVIKIO_NTHREADS`` / ``KVIKIO_TASK_SIZE`` in the
-    environment win over these arguments (they are the user's explicit choice). ``mode`` says what
-    runs: ``"gds"`` (cuFile with GPUDirect Storage), ``"cufile-compat"`` (cuFile without the
-    nvidia-fs driver: cuFile bounces through host memory) or ``"compat"`` (kvikio's own POSIX
-    compatibility mode).
+    kvikio's settings are process-wide: ``KVIKIO_NTHREADS`` (or ``KVIKIO_NUM_THREADS``, which
+    kvikio 26.x also reads) and ``KVIKIO_TASK_SIZE`` in the environment win over these arguments
+    (they are the user's explicit choice). ``mode`` says what kvikio does here: ``"gds"`` (cuFile
+    with GPUDirect Storage), ``"cufile-compat"`` (cuFile without the nvidia-fs driver) or
+    ``"compat"`` (kvikio's own POSIX compatibility mode). kvikio may still fall back to compat for
+    one file (a file system without O_DIRECT: tmpfs, overlay); :attr:`file_modes` counts the
+    files that went through cuFile by the mode that really ran for each.
     """
 
     name = "kvikio"
 
-    def __init__(
-        self, *, direct: bool = True, num_threads: int = 4, task_size: int = 16 << 20, kvikio_module: Any = None
-    ) -> None:
+    def __init__(self, *, direct: bool = True, num_threads: int = 4, task_size: int = 16 << 20) -> None:
         super().__init__(direct=direct)
-        self.kvikio = kvikio_module if kvikio_module is not None else importlib.import_module("kvikio")
-        _configure(self.kvikio, num_threads, task_size)
-        self.mode = io_mode(self.kvikio)
+        # `import kvikio` does not load these submodules (kvikio 24.12-26.08 __init__): import them
+        self.kvikio = importlib.import_module("kvikio")
+        self.defaults = importlib.import_module("kvikio.defaults")
+        try:
+            self.driver: Any = importlib.import_module("kvikio.cufile_driver")
+        except ImportError:  # kvikio before 25.02 has no driver properties: GDS cannot be asked about
+            self.driver = None
+        _configure(self.defaults, num_threads, task_size)
+        self.mode = io_mode(self.defaults, self.driver)
+        self.file_modes: Counter[str] = Counter()
         self._paths: dict[int, tuple[str, str]] = {}  # fd -> (path, kvikio open flags)
         self._files: dict[int, Any] = {}  # fd -> CuFile, opened on the first device call
         self._lock = threading.Lock()
@@ -77,6 +85,9 @@ class KvikioEngine(PosixEngine):
             if f is None:
                 path, flags = self._paths[fd]
                 f = self._files[fd] = self.kvikio.CuFile(path, flags)
+                # GDS needs O_DIRECT on the file: without it kvikio runs this file in compat mode
+                direct_io = getattr(f, "is_direct_io_supported", lambda: True)()
+                self.file_modes[self.mode if self.mode != "gds" or direct_io else "compat"] += 1
             return f
 
     def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:
@@ -90,7 +101,8 @@ class KvikioEngine(PosixEngine):
             f = self._cufile(fd)
             return int(getattr(f, op)(buf, buf.nbytes, offset).get())
         except RuntimeError as e:  # kvikio reports cuFile and system errors as RuntimeError
-            raise OSError(errno.EIO, f"kvikio {op} of {buf.nbytes} bytes at {offset} failed: {e}") from e
+            code = _errno_of(str(e))
+            raise OSError(code, f"kvikio {op} of {buf.nbytes} bytes at {offset} failed: {e}") from e
 
     def close(self, fd: int) -> None:
         with self._lock:
@@ -103,15 +115,29 @@ class KvikioEngine(PosixEngine):
             super().close(fd)
 
 
-def _configure(kv: Any, num_threads: int, task_size: int) -> None:
+# kvikio raises system errors (std::system_error) as RuntimeError("<what>: <strerror(errno)>")
+_STRERROR = {os.strerror(code): code for code in sorted(errno.errorcode, reverse=True)}
+
+
+def _errno_of(message: str) -> int:
+    """The errno whose text ends kvikio's message (a full disk stays ENOSPC); EIO otherwise."""
+    for text, code in _STRERROR.items():
+        if message.endswith(text):
+            return code
+    return errno.EIO
+
+
+_THREAD_VARS = ("KVIKIO_NTHREADS", "KVIKIO_NUM_THREADS")
+
+
+def _configure(d: Any, num_threads: int, task_size: int) -> None:
     wanted = {}
-    if "KVIKIO_NTHREADS" not in os.environ:
+    if not any(v in os.environ for v in _THREAD_VARS):
         wanted["num_threads"] = num_threads
     if "KVIKIO_TASK_SIZE" not in os.environ:
         wanted["task_size"] = task_size
     if not wanted:
         return
-    d = kv.defaults
     if hasattr(d, "get") and hasattr(d, "set"):  # kvikio >= 25.04
         if d.get("num_threads") >= wanted.get("num_threads", 0):
             wanted.pop("num_threads", None)  # never shrink a pool another user of kvikio sized
@@ -124,20 +150,22 @@ def _configure(kv: Any, num_threads: int, task_size: int) -> None:
             d.task_size_reset(task_size)
 
 
-def io_mode(kv: Any) -> str:
-    """What kvikio does for device buffers here: ``"gds"``, ``"cufile-compat"`` or ``"compat"``."""
-    d = kv.defaults
-    if hasattr(d, "is_compat_mode_preferred"):
-        compat = bool(d.is_compat_mode_preferred())
+def io_mode(defaults: Any, driver: Any) -> str:
+    """What kvikio does for device buffers here: ``"gds"``, ``"cufile-compat"`` or ``"compat"``
+    (``"cufile"`` where an old kvikio cannot say whether GDS is available)."""
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        compat = bool(defaults.is_compat_mode_preferred())
     else:  # before 25.04: a bool, later a CompatMode (OFF=0, ON=1, AUTO=2)
-        m = d.compat_mode()
+        m = defaults.compat_mode()
         compat = m is True or (not isinstance(m, bool) and int(m) == 1)
     if compat:
         return "compat"
-    try:
-        gds = bool(kv.cufile_driver.get("is_gds_available"))
-    except Exception:  # an older kvikio without the driver properties: cuFile runs, GDS unknown
+    if driver is None:
         return "cufile"
+    try:
+        gds = bool(driver.get("is_gds_available"))
+    except RuntimeError:  # libcufile missing or its driver failed to open: cuFile falls back
+        return "cufile-compat"
     return "gds" if gds else "cufile-compat"
 
 
