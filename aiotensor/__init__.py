@@ -9,6 +9,7 @@ from ._handle import SaveHandle
 from .engines import Engine, FaultyEngine, KvikioEngine, PosixEngine
 from .files import FileInfo, TensorInfo, load_file, read_header, save_file
 from .scheduler import Priority, Scheduler
+from .serving import LoadResult, Swap, TensorStream, load_into, prepare_swap, stream
 from .snapshot import Snapshotter
 from .store import TensorStore, load_checkpoint
 
@@ -16,6 +17,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Engine",
+    "LoadResult",
+    "Swap",
+    "TensorStream",
+    "load_into",
+    "prepare_swap",
+    "stream",
     "FileInfo",
     "TensorInfo",
     "read_header",

@@ -1,0 +1,397 @@
+"""Serving: stream weights into a model server tensor by tensor, load into a live module, hot-swap.
+
+Sources: a safetensors file (any writer; aiotensor's files are checksummed), a Hugging Face model
+folder (``model.safetensors``, or shards listed by ``model.safetensors.index.json``), or an
+aiotensor checkpoint (a step folder, or a store root: its newest step). torch.save files are not
+read yet (see the README's status).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import anyio
+import torch
+
+from . import _io, _root
+from .errors import ManifestError, MismatchError
+from .files import _checksums
+from .formats import safetensors as st
+from .scheduler import MiB, Priority, Scheduler
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+WINDOW_BYTES = 256 * MiB
+Keys = Iterable[str] | Callable[[str], bool] | None
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One tensor to read: from ``path``, its spec, its crc32c (if recorded), and the names it goes by."""
+
+    path: str
+    spec: st.TensorSpec
+    crc: int | None
+    names: tuple[str, ...]
+
+
+def _selector(keys: Keys) -> Callable[[str], bool]:
+    """``keys``: None (all), a predicate, or names and prefixes (a prefix ends with ``.``)."""
+    if keys is None:
+        return lambda name: True
+    if callable(keys):
+        return keys
+    wanted = set(keys)
+    prefixes = tuple(k for k in wanted if k.endswith("."))
+    return lambda name: name in wanted or name.startswith(prefixes)
+
+
+def _plan(sched: Scheduler, source: str, select: Callable[[str], bool]) -> list[_Item]:
+    """Every selected tensor of ``source`` in file order (blocking: runs in a worker thread)."""
+    eng = sched.engine
+    if os.path.isdir(source):
+        if os.path.isfile(os.path.join(source, _root.MANIFEST)):
+            return _checkpoint_items(sched, source, select)
+        if os.path.isfile(os.path.join(source, _root.LATEST)) or any(_root.parse_step(n) is not None for n in os.listdir(source)):
+            return _checkpoint_items(sched, _newest_step(sched, source), select)
+        files = _hf_files(eng, source)
+    else:
+        files = [source]
+    items: list[_Item] = []
+    for path in map(os.path.realpath, files):  # Hugging Face cache folders link their files to blobs
+        fd = eng.open_read(path)
+        try:
+            layout = _io.layout_of(sched, fd, path)
+        finally:
+            eng.close(fd)
+        crcs = _checksums(layout, path)
+        items += [_Item(path, s, None if crcs is None else crcs[s.key], (s.key,)) for s in layout.tensors if select(s.key)]
+    return items
+
+
+def _newest_step(sched: Scheduler, root: str) -> str:
+    listing = _root.scan(sched.engine, root, {})
+    if not listing.committed:
+        raise FileNotFoundError(f"{root}: no committed checkpoint")
+    return os.path.join(root, listing.committed[max(listing.committed)])
+
+
+def _checkpoint_items(sched: Scheduler, folder: str, select: Callable[[str], bool]) -> list[_Item]:
+    m = _root.read_manifest(sched.engine, folder)
+    names: dict[str, list[str]] = {k: [k] for k in m.entries}
+    for alias, target in m.aliases.items():
+        names[target].append(alias)
+    items = []
+    for key, e in sorted(m.entries.items(), key=lambda kv: (kv[1].shard, kv[1].spec.offset)):
+        chosen = tuple(n for n in names[key] if select(n))
+        if chosen:
+            items.append(_Item(os.path.join(folder, e.shard), e.spec, e.crc32c, chosen))
+    return items
+
+
+def _hf_files(engine: Any, folder: str) -> list[str]:
+    """The safetensors files of a Hugging Face model folder, in index order."""
+    index = os.path.join(folder, INDEX)
+    if os.path.isfile(index):
+        raw = _root.read_small(engine, index, 64 * MiB, ManifestError, "the index")
+        doc = st.loads_json_object(raw, index, "index", ManifestError)
+        weight_map = doc.get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ManifestError("weight_map must map tensor names to file names", index)
+        files = list(dict.fromkeys(weight_map.values()))
+        for f in files:
+            if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith("."):
+                raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)
+        return [os.path.join(folder, f) for f in files]
+    single = os.path.join(folder, SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{folder}: no {SINGLE}, {INDEX} or other safetensors file")
+    return [os.path.join(folder, n) for n in found]
+
+
+class TensorStream:
+    """``async for name, tensor in stream(...)``: tensors in file order, as soon as their bytes land.
+
+    Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
+    window is read alone); a slow consumer holds the reading back. Use it as an async context
+    manager (``async with stream(...) as s: async for ... in s``) or call :meth:`aclose` when
+    breaking out early: that stops every read at once and frees what was read ahead. A stream
+    abandoned without either stops reading when its window is full and is freed with it.
+
+    Cancellation: cancelling the task that iterates cancels the reads in flight; the stream is
+    then closed (its reader task stopped, nothing left writing).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        keys: Keys = None,
+        window_bytes: int = WINDOW_BYTES,
+        verify: bool = True,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        if window_bytes < 1:
+            raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
+        self.source = os.fspath(source)
+        self.dtype = dtype
+        self.window_bytes = window_bytes
+        self.verify = verify
+        self._select = _selector(keys)
+        self._own = scheduler is None
+        self.scheduler = scheduler if scheduler is not None else Scheduler()
+        self.device = _io.check_device(self.scheduler, device)
+        self.bytes_read = 0
+        self._items: deque[_Item] | None = None
+        self._ready: deque[tuple[_Item, Any]] = deque()  # read ahead: (item, tensor or error)
+        self._ahead = 0  # bytes in _ready and in flight
+        self._changed = anyio.Event()
+        self._reader: anyio.CancelScope | None = None
+        self._reader_done: anyio.Event | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> TensorStream:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> TensorStream:
+        return self
+
+    async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if self._closed:
+            raise StopAsyncIteration
+        if self._items is None:
+            try:
+                items = await self.scheduler.call(_plan, self.scheduler, self.source, self._select, priority=Priority.LOAD)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.aclose()
+                raise
+            self._items = deque(items)
+            self._start_reader()
+        while not self._ready:
+            if not self._items and self._reader_done is not None and self._reader_done.is_set():
+                await self.aclose()
+                raise StopAsyncIteration
+            await self._wait()
+        item, got = self._ready[0]
+        if isinstance(got, BaseException):
+            await self.aclose()
+            raise got
+        name = item.names[0]
+        if len(item.names) > 1:  # a tied weight: the same tensor under its other names next
+            self._ready[0] = (_Item(item.path, item.spec, item.crc, item.names[1:]), got)
+        else:
+            self._ready.popleft()
+            self._ahead -= item.spec.nbytes
+            self._notify()
+        return name, got
+
+    async def _wait(self) -> None:
+        event = self._changed
+        try:
+            await event.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _start_reader(self) -> None:
+        from .store import _spawn
+
+        self._reader_done = anyio.Event()
+        _spawn(self._read_all)
+
+    async def _read_all(self) -> None:
+        assert self._items is not None and self._reader_done is not None
+        try:
+            with anyio.CancelScope() as scope:
+                self._reader = scope
+                while self._items and not self._closed:
+                    item = self._items[0]
+                    while self._ahead and self._ahead + item.spec.nbytes > self.window_bytes:
+                        await self._wait_space()
+                    self._items.popleft()
+                    self._ahead += item.spec.nbytes
+                    try:
+                        got: Any = await self._read(item)
+                    except Exception as e:
+                        got = e
+                        self._items.clear()
+                    self._ready.append((item, got))
+                    self._notify()
+        finally:
+            self._reader_done.set()
+            self._notify()
+
+    async def _wait_space(self) -> None:
+        await self._changed.wait()
+
+    async def _read(self, item: _Item) -> torch.Tensor:
+        sched = self.scheduler
+        t = _io.new_tensor(item.spec, self.device)
+        fd = await _io.open_read(sched, item.path)
+        try:
+            await _io.read_tensors(
+                sched, fd, item.path, [_io.Target(item.spec, t, item.crc if self.verify else None)], Priority.LOAD
+            )
+        finally:
+            await _io.close(sched, fd)
+        self.bytes_read += item.spec.nbytes
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = await sched.call(t.to, self.dtype, priority=Priority.LOAD)
+        return t
+
+    async def aclose(self) -> None:
+        """Stop reading and free what was read ahead; waits until no thread writes any more."""
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._reader_done is not None:
+            with anyio.CancelScope(shield=True):
+                await self._reader_done.wait()
+        self._ready.clear()
+        self._ahead = 0
+        if self._own:
+            self._own = False
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.scheduler.close)
+
+
+def stream(
+    source: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    keys: Keys = None,
+    window_bytes: int = WINDOW_BYTES,
+    verify: bool = True,
+    scheduler: Scheduler | None = None,
+) -> TensorStream:
+    """Stream the tensors of ``source`` (a safetensors file, a Hugging Face folder, an aiotensor
+    checkpoint step or store root) as ``(name, tensor)`` pairs in file order; see :class:`TensorStream`.
+
+    ``keys`` selects what is read (names, prefixes ending in ``.``, or a predicate): the bytes of
+    other tensors are never read. ``dtype`` converts each tensor as it arrives. Several streams may
+    share one ``scheduler`` (loads run before saves on it).
+
+    Raises (from the iteration): HeaderError / ManifestError (a malformed file or index, naming
+    it), ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError.
+    """
+    return TensorStream(
+        source, device=device, dtype=dtype, keys=keys, window_bytes=window_bytes, verify=verify, scheduler=scheduler
+    )
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_into` could not match, as ``nn.Module.load_state_dict`` reports it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+async def load_into(
+    module: torch.nn.Module,
+    source: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    window_bytes: int = WINDOW_BYTES,
+    scheduler: Scheduler | None = None,
+) -> LoadResult:
+    """Load ``source`` in place into ``module``'s parameters and buffers, tensor by tensor (memory:
+    the module plus the stream's window), converting dtypes on the fly.
+
+    Raises:
+        MismatchError: a shape differs (named), or with ``strict``, missing or unexpected keys.
+        What :func:`stream` raises.
+
+    Cancellation: the stream is closed; the module may hold a mix of old and new values (load into
+    a copy, or use :func:`prepare_swap`, to switch only once everything is in).
+    """
+    targets = dict(module.state_dict(keep_vars=True))
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    async with stream(source, keys=lambda n: True, window_bytes=window_bytes, scheduler=scheduler) as s:
+        async for name, t in s:
+            dst = targets.get(name)
+            if dst is None:
+                unexpected.append(name)
+                continue
+            if tuple(dst.shape) != tuple(t.shape):
+                raise MismatchError(f"tensor {name!r}: the source has {list(t.shape)}, the module {list(dst.shape)}")
+            with torch.no_grad():
+                await s.scheduler.call(dst.detach().copy_, t, priority=Priority.LOAD)
+            seen.add(name)
+    missing = [k for k in targets if k not in seen]
+    if strict and (missing or unexpected):
+        raise MismatchError(f"load_into {source}: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+    return LoadResult(missing, unexpected)
+
+
+class Swap:
+    """New weights for a module, loaded and verified beside the ones serving; :meth:`apply` switches."""
+
+    def __init__(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.module = module
+        self.tensors = dict(tensors)
+
+    def apply(self) -> None:
+        """Switch the module to the new weights: pointer swaps only, no I/O and no copy, so call it
+        between two requests (it does not await: no request can see a half-switched module)."""
+        current = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, new in self.tensors.items():
+                current[name].data = new
+
+
+async def prepare_swap(
+    module: torch.nn.Module,
+    source: str | os.PathLike[str],
+    *,
+    window_bytes: int = WINDOW_BYTES,
+    scheduler: Scheduler | None = None,
+) -> Swap:
+    """Load ``source`` for ``module`` into new tensors (one extra copy of the weights, on the
+    module's devices and dtypes) while the module keeps serving; returns a :class:`Swap` whose
+    ``apply()`` switches between two requests. If the load fails (a corrupt file: ChecksumError;
+    other keys or shapes: MismatchError), nothing of the new version is visible.
+
+    Cancellation: nothing was switched; the partly loaded copy is dropped.
+    """
+    current = dict(module.state_dict(keep_vars=True))
+    new: dict[str, torch.Tensor] = {}
+    async with stream(source, window_bytes=window_bytes, scheduler=scheduler) as s:
+        async for name, t in s:
+            dst = current.get(name)
+            if dst is None:
+                raise MismatchError(f"the new version has a tensor {name!r} the module does not")
+            if tuple(dst.shape) != tuple(t.shape):
+                raise MismatchError(f"tensor {name!r}: the new version has {list(t.shape)}, the module {list(dst.shape)}")
+            new[name] = (
+                t
+                if (t.dtype, t.device) == (dst.dtype, dst.device)
+                else await s.scheduler.call(t.to, dst.device, dst.dtype, priority=Priority.LOAD)
+            )
+    missing = [k for k in current if k not in new]
+    if missing:
+        raise MismatchError(f"the new version lacks {missing[:10]}")
+    return Swap(module, new)
+
+
+__all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "prepare_swap", "stream"]

@@ -1,0 +1,166 @@
+"""Serving (issue 13): streaming safetensors files, Hugging Face folders and checkpoints, selection,
+backpressure, cancellation, load_into a live module, and hot swaps that never show half a model."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from safetensors.torch import save_file as st_save
+
+import aiotensor
+from aiotensor import FaultyEngine, TensorStore, load_into, prepare_swap, save_file, stream
+from aiotensor.errors import ChecksumError, ManifestError, MismatchError
+
+from .conftest import assert_state_equal, bits
+
+pytestmark = pytest.mark.anyio
+
+
+def weights(seed: int = 0, n: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.randn(64, 32, generator=g) for i in range(n)} | {"head.b": torch.randn(32, generator=g)}
+
+
+def read_bytes(eng: FaultyEngine) -> int:
+    return sum(op[3] for op in eng.ops if op[0] == "pread")
+
+
+async def collect(s: aiotensor.TensorStream) -> dict[str, torch.Tensor]:
+    out = {}
+    async with s:
+        async for name, t in s:
+            out[name] = t
+    return out
+
+
+async def test_stream_a_file_written_by_safetensors_in_file_order(tmp_path: Any) -> None:
+    w = weights()
+    st_save(w, str(tmp_path / "m.safetensors"))
+    names = []
+    async with stream(tmp_path / "m.safetensors") as s:
+        async for name, t in s:
+            names.append(name)
+            assert torch.equal(t, w[name])
+    assert sorted(names) == sorted(w)
+
+
+async def test_stream_a_sharded_hugging_face_folder(tmp_path: Any) -> None:
+    w = weights(1)
+    keys = sorted(w)
+    halves = {"model-00001-of-00002.safetensors": keys[:3], "model-00002-of-00002.safetensors": keys[3:]}
+    for f, ks in halves.items():
+        st_save({k: w[k] for k in ks}, str(tmp_path / f))
+    index = {"metadata": {"total_size": 0}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    got = await collect(stream(tmp_path, dtype=torch.float16))
+    assert set(got) == set(w) and all(t.dtype == torch.float16 for t in got.values())
+    assert all(torch.equal(got[k], w[k].half()) for k in w)
+    index["weight_map"][keys[0]] = "../outside.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ManifestError, match="plain file name"):
+        await collect(stream(tmp_path))
+
+
+async def test_stream_a_checkpoint_and_a_store_root(tmp_path: Any) -> None:
+    w = weights(2)
+    state = {"model": w, "tied": w["head.b"], "step": 3}
+    async with TensorStore(tmp_path) as store:
+        await store.save(3, state)
+    got = await collect(stream(tmp_path))  # the root: its newest step
+    assert set(got) == {f"model.{k}" for k in w} | {"tied"}
+    assert got["tied"] is got["model.head.b"]
+    got = await collect(stream(tmp_path / "step-000000000003", keys=["model.layers.1.w", "model.head."]))
+    assert set(got) == {"model.layers.1.w", "model.head.b"}
+
+
+async def test_selection_reads_only_the_selected_bytes(tmp_path: Any) -> None:
+    w = weights(3, n=20)
+    await save_file(w, tmp_path / "m.safetensors")
+    eng = FaultyEngine()
+    sched = aiotensor.Scheduler(eng)
+    got = await collect(stream(tmp_path / "m.safetensors", keys=lambda n: n == "layers.7.w", scheduler=sched))
+    assert list(got) == ["layers.7.w"] and torch.equal(got["layers.7.w"], w["layers.7.w"])
+    header = os.path.getsize(tmp_path / "m.safetensors") - sum(t.nbytes for t in w.values())
+    assert read_bytes(eng) <= header + w["layers.7.w"].nbytes, "only the header and the one tensor were read"
+
+
+async def test_a_slow_consumer_holds_the_reading_back(tmp_path: Any) -> None:
+    w = {f"t{i}": torch.full((16_384,), float(i)) for i in range(32)}  # 64 KiB each
+    await save_file(w, tmp_path / "m.safetensors")
+    eng = FaultyEngine()
+    window = 4 * 65536
+    ahead = []
+    async with stream(tmp_path / "m.safetensors", window_bytes=window, scheduler=aiotensor.Scheduler(eng)) as s:
+        consumed = 0
+        async for name, t in s:
+            consumed += t.nbytes
+            await anyio.sleep(0.01)  # the consumer is slower than the disk
+            ahead.append(s.bytes_read - consumed)
+            assert torch.equal(t, w[name])
+    assert max(ahead) <= window, max(ahead)
+
+
+async def test_breaking_out_stops_every_read(tmp_path: Any) -> None:
+    w = {f"t{i}": torch.full((65_536,), float(i)) for i in range(64)}
+    await save_file(w, tmp_path / "m.safetensors")
+    eng = FaultyEngine()
+    async with stream(tmp_path / "m.safetensors", window_bytes=1 << 20, scheduler=aiotensor.Scheduler(eng)) as s:
+        async for _name, _t in s:
+            break
+    after = read_bytes(eng)
+    await anyio.sleep(0.2)
+    assert read_bytes(eng) == after, "nothing is read after the stream closed"
+    assert after < sum(t.nbytes for t in w.values()) // 4
+    assert eng.open_fds() == []
+    with anyio.move_on_after(0.05):  # cancellation mid-stream
+        async with stream(tmp_path / "m.safetensors", scheduler=aiotensor.Scheduler(eng)) as s:
+            async for _name, _t in s:
+                await anyio.sleep(1)
+    assert eng.open_fds() == []
+
+
+async def test_a_corrupt_tensor_is_named(tmp_path: Any) -> None:
+    await save_file(weights(), tmp_path / "m.safetensors")
+    data = bytearray((tmp_path / "m.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (tmp_path / "m.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        await collect(stream(tmp_path / "m.safetensors"))
+
+
+async def test_load_into_a_live_module(tmp_path: Any) -> None:
+    src = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    await save_file(dict(src.state_dict()), tmp_path / "m.safetensors")
+    res = await load_into(dst, tmp_path / "m.safetensors")
+    assert res == ([], []) and dst[0].weight.dtype == torch.bfloat16 and dst[0].weight.requires_grad
+    assert torch.equal(dst[0].weight, src[0].weight.to(torch.bfloat16))
+    await save_file({"0.weight": src[0].weight, "extra": torch.ones(1)}, tmp_path / "part.safetensors")
+    with pytest.raises(MismatchError, match="missing keys.*unexpected keys.*extra"):
+        await load_into(dst, tmp_path / "part.safetensors")
+    res = await load_into(dst, tmp_path / "part.safetensors", strict=False)
+    assert "0.bias" in res.missing_keys and res.unexpected_keys == ["extra"]
+
+
+async def test_a_hot_swap_switches_whole_or_not_at_all(tmp_path: Any) -> None:
+    model = torch.nn.Linear(32, 8)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    new = torch.nn.Linear(32, 8)
+    await save_file(dict(new.state_dict()), tmp_path / "v2.safetensors")
+    swap = await prepare_swap(model, tmp_path / "v2.safetensors")
+    assert_state_equal(old, {k: v.detach() for k, v in model.state_dict().items()})  # still serving v1
+    swap.apply()
+    assert torch.equal(model.weight, new.weight) and torch.equal(model.bias, new.bias)
+    # a corrupt v3: the load fails and nothing of it is visible
+    await save_file({k: v * 2 for k, v in new.state_dict().items()}, tmp_path / "v3.safetensors")
+    data = bytearray((tmp_path / "v3.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (tmp_path / "v3.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        await prepare_swap(model, tmp_path / "v3.safetensors")
+    assert torch.equal(bits(model.weight), bits(new.weight))
