@@ -1,9 +1,10 @@
 """Serving: stream weights into a model server tensor by tensor, load into a live module, hot-swap.
 
-Sources: a safetensors file (any writer; aiotensor's files are checksummed), a Hugging Face model
-folder (``model.safetensors``, or shards listed by ``model.safetensors.index.json``), or an
-aiotensor checkpoint (a step folder, or a store root: its newest step). torch.save files are not
-read yet (see the README's status).
+Sources: a safetensors file (any writer; aiotensor's files are checksummed), a torch.save zip
+(``.pt``/``.bin``: read without unrestricted pickle, storages straight from their offsets), a
+Hugging Face model folder (``model.safetensors``, ``pytorch_model.bin``, or shards listed by
+``model.safetensors.index.json``), or an aiotensor checkpoint (a step folder, or a store root: its
+newest step).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import anyio
 import torch
 
 from . import _io, _root
+from ._dtypes import TORCH_TO_SAFETENSORS, file_shape
 from .errors import ManifestError, MismatchError
 from .files import _checksums
 from .formats import safetensors as st
+from .formats import torchsave as ts
 from .scheduler import MiB, Priority, Scheduler
 
 INDEX = "model.safetensors.index.json"
@@ -32,12 +35,15 @@ Keys = Iterable[str] | Callable[[str], bool] | None
 
 @dataclass(frozen=True)
 class _Item:
-    """One tensor to read: from ``path``, its spec, its crc32c (if recorded), and the names it goes by."""
+    """One tensor to read: from ``path``, its spec, its crc32c (if recorded), and the names it goes
+    by; ``view`` for a torch.save tensor that is not one contiguous run of its storage (``spec``
+    then covers the whole storage, and the tensor is cut out of it)."""
 
     path: str
     spec: st.TensorSpec
     crc: int | None
     names: tuple[str, ...]
+    view: ts.TensorRef | None = None
 
 
 def _selector(keys: Keys) -> Callable[[str], bool]:
@@ -64,6 +70,9 @@ def _plan(sched: Scheduler, source: str, select: Callable[[str], bool]) -> list[
         files = [source]
     items: list[_Item] = []
     for path in map(os.path.realpath, files):  # Hugging Face cache folders link their files to blobs
+        if _is_zip(eng, path):
+            items += _torch_items(path, ts.parse_path(path), select)
+            continue
         fd = eng.open_read(path)
         try:
             layout = _io.layout_of(sched, fd, path)
@@ -72,6 +81,35 @@ def _plan(sched: Scheduler, source: str, select: Callable[[str], bool]) -> list[
         crcs = _checksums(layout, path)
         items += [_Item(path, s, None if crcs is None else crcs[s.key], (s.key,)) for s in layout.tensors if select(s.key)]
     return items
+
+
+def _is_zip(engine: Any, path: str) -> bool:
+    fd = engine.open_read(path)
+    try:
+        head = bytearray(4)
+        return engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head))
+    finally:
+        engine.close(fd)
+
+
+def _torch_items(path: str, tree: Any, select: Callable[[str], bool]) -> list[_Item]:
+    """Read plans for the selected tensors of a torch.save file, in file order."""
+    items: list[_Item] = []
+
+    def add(name: str, ref: ts.TensorRef) -> None:
+        if not select(name):
+            return
+        dtype = TORCH_TO_SAFETENSORS[ref.dtype]
+        if ref.contiguous:
+            spec = st.TensorSpec(name, dtype, file_shape(dtype, ref.size), ref.file_offset, ref.nbytes)
+            items.append(_Item(path, spec, None, (name,)))
+        else:  # read the whole storage, then cut the view out of it
+            n = ref.storage.nbytes // ref.dtype.itemsize
+            spec = st.TensorSpec(name, dtype, file_shape(dtype, (n,)), ref.storage.offset, n * ref.dtype.itemsize)
+            items.append(_Item(path, spec, None, (name,), ref))
+
+    ts.map_tensors(tree, add)
+    return sorted(items, key=lambda i: i.spec.offset)
 
 
 def _newest_step(sched: Scheduler, root: str) -> str:
@@ -108,9 +146,9 @@ def _hf_files(engine: Any, folder: str) -> list[str]:
             if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith("."):
                 raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)
         return [os.path.join(folder, f) for f in files]
-    single = os.path.join(folder, SINGLE)
-    if os.path.isfile(single):
-        return [single]
+    for single in (SINGLE, "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(folder, single)):
+            return [os.path.join(folder, single)]
     found = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not found:
         raise FileNotFoundError(f"{folder}: no {SINGLE}, {INDEX} or other safetensors file")
@@ -254,6 +292,9 @@ class TensorStream:
         finally:
             await _io.close(sched, fd)
         self.bytes_read += item.spec.nbytes
+        if item.view is not None:
+            v = item.view
+            t = t.as_strided(v.size, v.stride, v.storage_offset).clone()
         if self.dtype is not None and t.dtype != self.dtype:
             t = await sched.call(t.to, self.dtype, priority=Priority.LOAD)
         return t
@@ -304,6 +345,27 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+async def load_torch(
+    path: str | os.PathLike[str], *, device: str | torch.device = "cpu", scheduler: Scheduler | None = None
+) -> Any:
+    """Load a torch.save zip (``.pt``/``.bin``) as the state it holds, without unrestricted pickle:
+    only what state_dicts are made of is admitted (as ``torch.load(weights_only=True)``), storages
+    are bounds-checked against the file and read straight from their offsets.
+
+    Raises:
+        UnsafeFileError: a global outside the allow-list (nothing ran), a compressed entry, a
+            storage of the wrong size, a tensor outside its storage; not a torch.save zip.
+        OSError: the file cannot be read.
+
+    Cancellation: every read stops; nothing is returned.
+    """
+    path = os.fspath(path)
+    async with stream(path, device=device, scheduler=scheduler) as s:
+        tree = await s.scheduler.call(ts.parse_path, os.path.realpath(path), priority=Priority.LOAD)  # noqa: ASYNC240
+        got = {name: t async for name, t in s}
+    return ts.map_tensors(tree, lambda name, ref: got[name].requires_grad_(ref.requires_grad) if ref.requires_grad else got[name])
 
 
 async def load_into(
@@ -394,4 +456,4 @@ async def prepare_swap(
     return Swap(module, new)
 
 
-__all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "prepare_swap", "stream"]
+__all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "load_torch", "prepare_swap", "stream"]

@@ -1,0 +1,258 @@
+"""torch.save files (the zip format), read without unrestricted pickle.
+
+``data.pkl`` is unpickled by a restricted unpickler that knows only what state_dicts are made of
+(tensors, parameters, storages, dtypes, ``OrderedDict``, Python containers and scalars), like
+``torch.load(weights_only=True)``; any other global refuses the file with
+:class:`~aiotensor.errors.UnsafeFileError` before anything runs. Storages are never unpickled:
+their zip entries must be stored uncompressed, their sizes must match what the pickle declares,
+and every tensor must lie inside its storage. The result is a *layout*: where each tensor's bytes
+are in the file, so they are read straight from their offsets (by the engine, in parallel).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._dtypes import TORCH_TO_SAFETENSORS
+from ..errors import UnsafeFileError
+
+MAX_PICKLE_BYTES = 64 << 20
+ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_STORAGES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A storage's zip entry: ``offset`` (absolute, in the file) and ``nbytes``; ``dtype`` as pickled."""
+
+    key: str
+    dtype: torch.dtype | None  # None: an UntypedStorage (bytes), typed by the tensor that uses it
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor of the file: a strided view of ``storage``, in elements of ``dtype``."""
+
+    storage: Storage
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+    @property
+    def contiguous(self) -> bool:
+        expected, acc = [], 1
+        for d in reversed(self.size):
+            expected.append(acc)
+            acc *= d
+        return all(s == e or d == 1 for s, e, d in zip(self.stride, reversed(expected), self.size, strict=True))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.size) * self.dtype.itemsize
+
+    @property
+    def file_offset(self) -> int:
+        return self.storage.offset + self.storage_offset * self.dtype.itemsize
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, storages: dict[str, tuple[int, int]], path: object) -> None:
+        super().__init__(io.BytesIO(data))
+        self.storages = storages  # key -> (file offset, nbytes) of its zip entry
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter"):
+            return getattr(_Rebuild, name)
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
+        if module == "torch" and name in _LEGACY_STORAGES:
+            return _LegacyStorage(_LEGACY_STORAGES[name])
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeFileError(f"refusing the global {module}.{name}: not part of a state_dict (nothing was run)", self.path)
+
+    def persistent_load(self, pid: Any) -> Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafeFileError(f"unexpected persistent id {str(pid)[:80]!r}", self.path)
+        _, kind, key, _location, numel = pid
+        if not (isinstance(key, str) and isinstance(numel, int) and numel >= 0):
+            raise UnsafeFileError("malformed storage reference", self.path)
+        if key not in self.storages:
+            raise UnsafeFileError(f"storage {key!r} has no entry in the archive", self.path)
+        offset, nbytes = self.storages[key]
+        dtype = kind.dtype if isinstance(kind, _LegacyStorage) else None
+        if kind is not _UNTYPED and dtype is None:
+            raise UnsafeFileError(f"storage {key!r} has an unknown type", self.path)
+        want = numel * (dtype.itemsize if dtype is not None else 1)
+        if want != nbytes:
+            raise UnsafeFileError(f"storage {key!r} declares {want} bytes but its entry holds {nbytes}", self.path)
+        return Storage(key, dtype, offset, nbytes)
+
+
+class _LegacyStorage:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+_UNTYPED = object()
+
+
+class _Rebuild:
+    """Stand-ins for torch's rebuild functions: they describe tensors, they never make them."""
+
+    @staticmethod
+    def _rebuild_tensor_v2(
+        storage: Storage, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any, metadata: Any = None
+    ) -> TensorRef:
+        if storage.dtype is None:
+            raise UnsafeFileError("an untyped storage used without a dtype")
+        return _tensor(storage, storage.dtype, offset, size, stride, requires_grad)
+
+    @staticmethod
+    def _rebuild_tensor_v3(
+        storage: Storage,
+        offset: int,
+        size: Any,
+        stride: Any,
+        requires_grad: bool,
+        hooks: Any,
+        dtype: Any,
+        metadata: Any = None,
+    ) -> TensorRef:
+        if not isinstance(dtype, torch.dtype):
+            raise UnsafeFileError("a tensor whose dtype is not a torch.dtype")
+        return _tensor(storage, dtype, offset, size, stride, requires_grad)
+
+    @staticmethod
+    def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> TensorRef:
+        if not isinstance(data, TensorRef):
+            raise UnsafeFileError("a parameter that is not a tensor")
+        return TensorRef(data.storage, data.dtype, data.storage_offset, data.size, data.stride, bool(requires_grad))
+
+
+def _ints(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+
+
+def _tensor(storage: Storage, dtype: torch.dtype, offset: Any, size: Any, stride: Any, requires_grad: Any) -> TensorRef:
+    if not (isinstance(offset, int) and offset >= 0 and _ints(tuple(size)) and _ints(tuple(stride)) and len(size) == len(stride)):
+        raise UnsafeFileError("a tensor with a malformed offset, size or stride")
+    if dtype not in TORCH_TO_SAFETENSORS:
+        raise UnsafeFileError(f"a tensor of dtype {dtype}, which aiotensor does not read")
+    size, stride = tuple(size), tuple(stride)
+    if math.prod(size):
+        last = offset + sum((d - 1) * s for d, s in zip(size, stride, strict=True))
+        if (last + 1) * dtype.itemsize > storage.nbytes:
+            raise UnsafeFileError(f"a tensor reaches past the end of storage {storage.key!r}")
+    return TensorRef(storage, dtype, offset, size, stride, bool(requires_grad))
+
+
+def is_torch_zip(prefix: bytes) -> bool:
+    return prefix.startswith(ZIP_MAGIC)
+
+
+def parse(f: io.BufferedIOBase, size: int, path: object) -> Any:
+    """The state a torch.save zip holds, with :class:`TensorRef` leaves (blocking: a worker thread).
+
+    Raises:
+        UnsafeFileError: a global outside the allow-list, a compressed entry, a storage whose size
+            or bounds do not match, or not a torch.save zip at all.
+    """
+    try:
+        z = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise UnsafeFileError(f"not a torch.save zip ({e})", path) from None
+    with z:
+        infos = z.infolist()
+        pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+        if len(pkl) != 1:
+            raise UnsafeFileError("no single <name>/data.pkl: not a torch.save zip", path)
+        prefix = pkl[0].filename[: -len("data.pkl")]
+        storages: dict[str, tuple[int, int]] = {}
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise UnsafeFileError(f"entry {info.filename!r} is compressed: only stored entries are read", path)
+            if info.filename.startswith(prefix + "data/"):
+                storages[info.filename[len(prefix) + 5 :]] = (_data_offset(f, info, size, path), info.file_size)
+        if pkl[0].file_size > MAX_PICKLE_BYTES:
+            raise UnsafeFileError(f"data.pkl is {pkl[0].file_size} bytes, over the {MAX_PICKLE_BYTES} byte cap", path)
+        data = z.read(pkl[0])
+    try:
+        return _Unpickler(data, storages, path).load()
+    except UnsafeFileError as e:
+        if e.path is None:
+            raise UnsafeFileError(str(e), path) from None
+        raise
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+        raise UnsafeFileError(f"data.pkl is malformed ({type(e).__name__}: {str(e)[:200]})", path) from None
+
+
+def _data_offset(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int, path: object) -> int:
+    """Where an entry's bytes start: after its local header (whose extra field may differ from the
+    central directory's: torch pads it to align storages)."""
+    f.seek(info.header_offset)
+    head = f.read(30)
+    if len(head) != 30 or head[:4] != ZIP_MAGIC:
+        raise UnsafeFileError(f"entry {info.filename!r} has a broken local header", path)
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    start: int = info.header_offset + 30 + int(name_len) + int(extra_len)
+    if start + info.file_size > size:
+        raise UnsafeFileError(f"entry {info.filename!r} runs past the end of the file", path)
+    return start
+
+
+def parse_path(path: str) -> Any:
+    """:func:`parse` on a file opened without following links at ``path`` (blocking)."""
+    from ..engines.posix import open_regular
+
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        return parse(f, os.fstat(f.fileno()).st_size, path)
+
+
+def map_tensors(tree: Any, fn: Any, prefix: str = "") -> Any:
+    """``tree`` with every :class:`TensorRef` leaf replaced by ``fn(name, ref)`` (names dotted as in
+    a state_dict); containers (``OrderedDict`` and its ``_metadata`` too) and other leaves kept."""
+    if isinstance(tree, TensorRef):
+        return fn(prefix, tree)
+    if isinstance(tree, dict):
+        out = type(tree)() if type(tree) in (dict, OrderedDict) else {}
+        for k, v in tree.items():
+            out[k] = map_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k))
+        if hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(tree, (list, tuple)):
+        items = [map_tensors(v, fn, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(tree)]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree

@@ -1,0 +1,85 @@
+"""torch.save files read without unrestricted pickle (issue 13, RELIABILITY 12): golden files from the
+real torch.save, and hostile ones that must run nothing."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+
+from aiotensor import load_torch, stream
+from aiotensor.errors import UnsafeFileError
+
+from .conftest import assert_state_equal
+from .test_newuser import ALL_DTYPES, raw
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_every_dtype_and_a_real_state_dict_from_torch_save(tmp_path: Any) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    base = torch.arange(20.0)
+    state = {
+        "model": model.state_dict(),
+        "dtypes": {str(d): raw(d, (3, 4), i) for i, d in enumerate(ALL_DTYPES)},
+        "view": base[3:9],  # shares its storage with `base`, at an offset
+        "base": base,
+        "strided": base.view(4, 5).t(),  # not contiguous: cut out of its storage
+        "param": torch.nn.Parameter(torch.ones(3)),
+        "meta": {"step": 7, "lr": 0.1, "names": ["a", "b"], "pair": (1, 2)},
+    }
+    torch.save(state, tmp_path / "s.pt")
+    got = await load_torch(tmp_path / "s.pt")
+    ref = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert type(got["model"]) is OrderedDict and got["model"]._metadata == ref["model"]._metadata
+    got["param"] = got["param"].detach()
+    ref["param"] = ref["param"].detach()
+    assert_state_equal(ref, got)
+    names = [n async for n, _ in stream(tmp_path / "s.pt", keys=["model.0.weight", "dtypes."])]
+    assert sorted(names) == sorted(["model.0.weight", *(f"dtypes.{d}" for d in ALL_DTYPES)])
+
+
+class Evil:
+    def __reduce__(self) -> Any:
+        return (os.system, ("touch pwned",))
+
+
+def _rezip(src: str, dst: str, replace: dict[str, bytes] | None = None, compress: str | None = None) -> None:
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = (replace or {}).get(info.filename.split("/", 1)[1], zin.read(info))
+            kind = zipfile.ZIP_DEFLATED if compress and info.filename.endswith(compress) else zipfile.ZIP_STORED
+            zout.writestr(info.filename, data, compress_type=kind)
+
+
+async def test_hostile_torch_save_files_run_nothing(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(4), "x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeFileError, match="posix.system|os.system"):
+        await load_torch(tmp_path / "evil.pt")
+    assert not (tmp_path / "pwned").exists()
+    torch.save({"w": torch.ones(1000)}, tmp_path / "ok.pt")
+    _rezip(str(tmp_path / "ok.pt"), str(tmp_path / "deflated.pt"), compress="data/0")
+    with pytest.raises(UnsafeFileError, match="compressed"):
+        await load_torch(tmp_path / "deflated.pt")
+    _rezip(str(tmp_path / "ok.pt"), str(tmp_path / "short.pt"), replace={"data/0": b"\0" * 100})
+    with pytest.raises(UnsafeFileError, match="declares 4000 bytes but its entry holds 100"):
+        await load_torch(tmp_path / "short.pt")
+    # a tensor claiming more of its storage than there is
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(10)}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        pkl = z.read(name).replace(b"K\n\x85", b"Kc\x85", 1)  # size (10,) -> (99,): past its 10-float storage
+    (tmp_path / "ten.pt").write_bytes(buf.getvalue())
+    _rezip(str(tmp_path / "ten.pt"), str(tmp_path / "past.pt"), replace={"data.pkl": pkl})
+    with pytest.raises(UnsafeFileError, match="past the end of storage"):
+        await load_torch(tmp_path / "past.pt")
+    (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(UnsafeFileError, match="not a torch.save zip"):
+        await load_torch(tmp_path / "junk.pt")
