@@ -1,0 +1,125 @@
+"""The `aiotensor` command (issue 15): each command on real files, bad input, exit codes, --json,
+progress on a real pseudo-terminal and silence off it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aiotensor import TensorStore, load_file, load_torch, save_file
+from aiotensor.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "aiotensor", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def files(tmp_path: Any) -> dict[str, Any]:
+    w = {f"layers.{i}.w": torch.randn(128, 64) for i in range(4)}
+
+    async def make() -> None:
+        async with TensorStore(tmp_path / "ckpts") as store:
+            await store.save(1, {"model": w, "step": 1})
+            await store.save(2, {"model": w, "step": 2})
+        await save_file(w, tmp_path / "m.safetensors")
+
+    anyio.run(make)
+    torch.save(w, tmp_path / "m.pt")
+    (tmp_path / "ckpts" / "step-000000000009.tmp-0123abcd").mkdir()
+    (tmp_path / "ckpts" / "step-999").mkdir()
+    return {"root": tmp_path, "w": w}
+
+
+def test_ls_inspect_verify(files: dict[str, Any], capsys: Any) -> None:
+    root = files["root"]
+    assert main(["ls", str(root / "ckpts")]) == 0
+    out = capsys.readouterr().out
+    assert "step            1" in out and "step            2" in out and "in progress" in out and "ignored" in out
+    assert main(["ls", str(root / "ckpts"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["step"] for e in doc["entries"] if e["state"] == "committed"] == [1, 2]
+    for path, kind in [(root / "ckpts", "root"), (root / "m.safetensors", "safetensors"), (root / "m.pt", "torch")]:
+        assert main(["inspect", str(path), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["kind"] == kind and doc["total_bytes"] == 4 * 128 * 64 * 4, path
+        assert main(["verify", str(path)]) == 0, path
+        assert capsys.readouterr().out.startswith("OK")
+
+
+def test_verify_names_the_bad_tensor_and_file(files: dict[str, Any], capsys: Any) -> None:
+    shard = files["root"] / "ckpts" / "step-000000000002" / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x08
+    shard.write_bytes(bytes(data))
+    assert main(["verify", str(files["root"] / "ckpts")]) == 1
+    out = capsys.readouterr().out
+    assert "BAD" in out and "ChecksumError" in out and "shard-00000" in out and "layers.3.w" in out
+
+
+def test_bad_input_and_usage(tmp_path: Any, capsys: Any) -> None:
+    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "junk.safetensors").write_text("not a tensor file at all, just text")
+    assert main(["verify", str(tmp_path / "junk.safetensors")]) == 1
+    assert "not a safetensors file" in "".join(capsys.readouterr())
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
+    for sub in ("ls", "inspect", "verify", "convert"):
+        with pytest.raises(SystemExit) as e:
+            main([sub, "--help"])
+        assert e.value.code == 0 and "example" in capsys.readouterr().out
+    r = cli("--help")  # the real entry point, as a user runs it
+    assert r.returncode == 0 and "examples:" in r.stdout
+
+
+def test_convert_between_formats(files: dict[str, Any]) -> None:
+    root, w = files["root"], files["w"]
+    assert main(["convert", str(root / "m.pt"), str(root / "out.safetensors")]) == 0
+    assert all(torch.equal(v, w[k]) for k, v in anyio.run(load_file, root / "out.safetensors").items())
+    assert main(["convert", str(root / "ckpts"), str(root / "hf"), "--shard-size", "40KB"]) == 0
+    index = json.loads((root / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4 and not [n for n in os.listdir(root) if ".tmp-" in n]
+    assert main(["convert", str(root / "hf"), str(root / "back.pt")]) == 0
+    got = anyio.run(load_torch, root / "back.pt")
+    assert all(torch.equal(got[f"model.{k}"], v) for k, v in w.items())
+    assert main(["convert", str(root / "m.safetensors"), str(root / "store2"), "--step", "5"]) == 0
+
+    async def check() -> None:
+        async with TensorStore(root / "store2", readonly=True) as s:
+            assert s.steps() == [5] and torch.equal((await s.load())["layers.0.w"], w["layers.0.w"])
+
+    anyio.run(check)
+
+
+def test_progress_on_a_terminal_only(files: dict[str, Any]) -> None:
+    target = str(files["root"] / "m.safetensors")
+    r = cli("verify", target)
+    assert "\r" not in r.stderr and "verifying" not in r.stderr  # not a terminal: quiet
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child, on a pseudo-terminal
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-m", "aiotensor", "verify", target])
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, out
+    assert b"verifying" in out and b"100%" in out and b"/s" in out, out
