@@ -1,0 +1,340 @@
+"""aiotensor as torch.distributed.checkpoint's storage layer: ``dcp.save``/``dcp.async_save``/``dcp.load``
+write and read through aiotensor's engines, checksums and commit protocol; metadata is JSON.
+
+Layout of a checkpoint written by :class:`AiotensorWriter` to ``root/step-000000000100``::
+
+    root/step-000000000100/
+      __0_data.safetensors     rank 0's items (valid safetensors, a crc32c per item in __metadata__)
+      __1_data.safetensors     rank 1's items ...
+      .metadata.json           DCP's Metadata as JSON (never pickle), sealed with its crc32c
+
+Every rank writes and fsyncs its file in a temporary folder ``step-….tmp-XXXXXXXX`` that the
+coordinator creates; DCP gathers every rank's results to the coordinator only after each rank's
+``write_data`` returned (its file durable), and the coordinator's ``finish`` writes the metadata,
+fsyncs, renames the folder to its final name, fsyncs the root and updates ``latest``: one commit
+for all ranks. A failure on any rank fails ``dcp.save`` on every rank (DCP's own collectives carry
+the error, naming the rank); nothing is committed and the temporary folder is a leftover that the
+next TensorStore writer removes. Timeouts are the process group's (``init_process_group(timeout=)``).
+
+:class:`SafeFileSystemReader` reads checkpoints made by DCP's own ``FileSystemWriter`` without
+executing their ``.metadata`` pickle beyond DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import metadata as md
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _root, errors
+from .engines.posix import PosixEngine
+from .files import save_file
+from .formats import manifest as mf
+from .serving import stream
+
+METADATA = ".metadata.json"
+FORMAT = "aiotensor.dcp"
+
+
+def _run(fn: Callable[[], Any]) -> Any:
+    """Run an async function to completion from DCP's synchronous calls, in a thread of its own
+    (the caller may be inside a running event loop: ``dcp.save`` from an async trainer)."""
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(anyio.run, fn).result()
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _write_durably(eng: PosixEngine, path: str, data: bytes) -> None:
+    fd = eng.create(path)
+    try:
+        view, off = memoryview(data), 0
+        while off < len(view):
+            off += eng.pwrite(fd, view[off:], off)
+        eng.sync(fd)
+    finally:
+        eng.close(fd)
+
+
+# --- Metadata <-> JSON -----------------------------------------------------------------------------
+
+
+def _index(i: md.MetadataIndex) -> dict[str, Any]:
+    return {"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset), "index": i.index}
+
+
+def _unindex(d: dict[str, Any]) -> md.MetadataIndex:
+    return md.MetadataIndex(d["fqn"], None if d["offset"] is None else torch.Size(d["offset"]), d["index"])
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise errors.ManifestError(f"unknown dtype {name!r}")
+    return dt
+
+
+def dumps_metadata(m: md.Metadata) -> bytes:
+    entries: dict[str, Any] = {}
+    for fqn, s in m.state_dict_metadata.items():
+        if isinstance(s, md.BytesStorageMetadata):
+            entries[fqn] = {"type": "bytes"}
+        else:
+            p = s.properties
+            entries[fqn] = {
+                "type": "tensor",
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "requires_grad": p.requires_grad,
+                "size": list(s.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in s.chunks],
+            }
+    planner = m.planner_data if isinstance(m.planner_data, dict) else {}
+    doc = {
+        "format": FORMAT,
+        "version": m.version,
+        "state_dict_metadata": entries,
+        "planner_data": {k: list(v) for k, v in planner.items()},
+        "storage_data": [{"index": _index(k), **v} for k, v in (m.storage_data or {}).items()],
+    }
+    return mf.seal(doc)
+
+
+def loads_metadata(data: bytes, path: str) -> md.Metadata:
+    mf._check_checksum(data, path)
+    from .formats.safetensors import loads_json_object
+
+    doc = loads_json_object(data, path, "DCP metadata", errors.ManifestError)
+    if doc.get("format") != FORMAT:
+        raise errors.ManifestError(f"not aiotensor DCP metadata (format {doc.get('format')!r})", path)
+    try:
+        sdm: dict[str, Any] = {}
+        for fqn, e in doc["state_dict_metadata"].items():
+            if e["type"] == "bytes":
+                sdm[fqn] = md.BytesStorageMetadata()
+            else:
+                props = md.TensorProperties(dtype=_dtype(e["dtype"]), requires_grad=bool(e["requires_grad"]))
+                chunks = [md.ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in e["chunks"]]
+                sdm[fqn] = md.TensorStorageMetadata(props, torch.Size(e["size"]), chunks)
+        storage = {_unindex(s["index"]): {"file": s["file"], "key": s["key"]} for s in doc["storage_data"]}
+        planner = {k: tuple(v) for k, v in doc["planner_data"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {e})", path) from None
+    for info in storage.values():
+        if not mf.safe_shard_name(info["file"]):
+            raise errors.ManifestError(f"data file {info['file']!r} is not a plain file name in the folder", path)
+    return md.Metadata(sdm, planner_data=planner, storage_data=storage, version=doc.get("version"))
+
+
+# --- the writer --------------------------------------------------------------------------------------
+
+
+class AiotensorWriter(StorageWriter):
+    """A DCP ``StorageWriter``: ``dcp.save(state, storage_writer=AiotensorWriter("root/step-000000000100"))``.
+
+    The folder's name should be a step folder of a TensorStore root (``step-`` + 12 digits) so that
+    its leftovers are cleaned like a TensorStore's; any name works for DCP itself.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.is_coordinator = False
+        self.rank = 0
+        self._tmp = ""  # the coordinator's temporary folder
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: create the temporary folder every rank writes into."""
+        if os.path.exists(self.path):
+            raise errors.CheckpointExistsError(f"{self.path} exists already")
+        root = os.path.dirname(os.path.abspath(self.path)) or "."
+        os.makedirs(root, exist_ok=True)
+        tmp = self._tmp = os.path.join(root, _root.temp_name(os.path.basename(self.path)))
+        os.mkdir(tmp)
+        return [dataclasses.replace(p, storage_data={"tmp": tmp, "prefix": f"__{i}_"}) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        tmp, prefix = plan.storage_data["tmp"], plan.storage_data["prefix"]
+        file = f"{prefix}data.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            fqn, offset = item.index.fqn, item.index.offset  # unique within a rank: errors name the tensor
+            key = fqn if offset is None or not any(offset) else f"{fqn}@{','.join(map(str, offset))}"
+            if item.type == WriteItemType.BYTE_IO:  # DCP's own pickled extras: stored as opaque bytes
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            else:
+                assert isinstance(data, torch.Tensor)
+                t = data.detach().cpu().contiguous()
+            tensors[key] = t
+            results.append(WriteResult(index=item.index, size_in_bytes=t.nbytes, storage_data={"file": file, "key": key}))
+
+        async def write() -> None:
+            await save_file(tensors, os.path.join(tmp, file))
+
+        try:
+            _run(write)
+        except OSError as e:
+            raise OSError(e.errno, f"rank {self.rank}: {e}") from e
+        return _done(results)
+
+    def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator, after every rank's file is durable: metadata, then the commit."""
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        tmp, root = self._tmp, os.path.dirname(os.path.abspath(self.path))
+        eng = PosixEngine()
+        _write_durably(eng, os.path.join(tmp, METADATA), dumps_metadata(metadata))
+        eng.sync_dir(tmp)
+        eng.rename(tmp, self.path)
+        eng.sync_dir(root)  # the commit point
+        if _root.parse_step(os.path.basename(self.path)) is not None:  # a TensorStore root: `latest`
+            latest = os.path.join(root, _root.temp_name(_root.LATEST))
+            _write_durably(eng, latest, (os.path.basename(self.path) + "\n").encode())
+            eng.rename(latest, os.path.join(root, _root.LATEST))
+            eng.sync_dir(root)
+
+    def storage_meta(self) -> md.StorageMeta | None:
+        return md.StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+# --- the reader ------------------------------------------------------------------------------------
+
+
+class AiotensorReader(StorageReader):
+    """A DCP ``StorageReader`` for checkpoints :class:`AiotensorWriter` wrote; any world size loads
+    them (DCP reshards by chunk). Every item's crc32c is verified as it is read."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.storage_data: dict[md.MetadataIndex, dict[str, str]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+        path = os.path.join(self.path, METADATA)
+        return loads_metadata(
+            _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata"), path
+        )
+
+    def set_up_storage_reader(self, metadata: md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)
+        for file, reqs in per_file.items():
+            keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
+
+            async def read(file: str = file, keys: set[str] = keys) -> dict[str, torch.Tensor]:
+                async with stream(os.path.join(self.path, file), keys=keys) as s:
+                    return {name: t async for name, t in s}
+
+            got = _run(read)
+            for req in reqs:
+                t = got[self.storage_data[req.storage_index]["key"]]
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
+                    continue
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                    t = t.narrow(dim, start, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != t.size():
+                    raise errors.MismatchError(
+                        f"{req.storage_index.fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}"
+                    )
+                target.copy_(t)
+                planner.commit_tensor(req, target)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA))
+
+
+# --- existing FileSystemWriter checkpoints, without their pickle -----------------------------------
+
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+              "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+     ("pathlib", "PosixPath"), ("collections", "OrderedDict")}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise errors.UnsafeFileError(f"refusing the global {module}.{name} in DCP metadata (nothing was run)", self.path)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader``, with ``.metadata`` unpickled by an allow-list of DCP's metadata
+    classes only: a hostile pickle is :class:`~aiotensor.errors.UnsafeFileError` and runs nothing.
+    (The ``.distcp`` data files are read by DCP with ``torch.load(weights_only=True)``.)"""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+        path = os.path.join(os.fspath(self.path), ".metadata")
+        data = _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata")
+        try:
+            m = _MetadataUnpickler(data, path).load()
+        except errors.UnsafeFileError:
+            raise
+        except Exception as e:
+            raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
+        if not isinstance(m, md.Metadata):
+            raise errors.ManifestError("the metadata is not a DCP Metadata", path)
+        if m.storage_meta is not None:
+            m.storage_meta.load_id = getattr(self, "load_id", None)
+        return m
+
+
+__all__ = ["AiotensorReader", "AiotensorWriter", "SafeFileSystemReader", "dumps_metadata", "loads_metadata"]

@@ -1,0 +1,109 @@
+"""aiotensor as DCP's storage (issue 14): single-process and 2-rank gloo saves, resharding loads, JSON
+metadata, and DCP's own FileSystemWriter checkpoints read without running their pickle."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from aiotensor import TensorStore
+from aiotensor.dcp import AiotensorReader, AiotensorWriter, SafeFileSystemReader
+from aiotensor.errors import UnsafeFileError
+
+from ._dcp_ranks import full
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+def state() -> dict[str, Any]:
+    return {"model": {"w": torch.randn(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}, "step": 3, "names": ["a", "b"]}
+
+
+def test_dcp_save_and_load_through_aiotensor_in_one_process(tmp_path: Any) -> None:
+    s = state()
+    path = tmp_path / "root" / "step-000000000003"
+    dcp.save(s, storage_writer=AiotensorWriter(path))
+    assert sorted(os.listdir(path)) == [".metadata.json", "__0_data.safetensors"]
+    assert (tmp_path / "root" / "latest").read_text().strip() == "step-000000000003"
+    assert b"pickle" not in (path / ".metadata.json").read_bytes()
+    into = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "step": 0, "names": []}
+    dcp.load(into, storage_reader=AiotensorReader(path))
+    assert torch.equal(into["model"]["w"], s["model"]["w"]) and torch.equal(into["model"]["b"], s["model"]["b"])
+    assert into["step"] == 3 and into["names"] == ["a", "b"]
+    with pytest.raises(CheckpointException, match="exists already"):  # DCP wraps errors in a BaseException
+        dcp.save(s, storage_writer=AiotensorWriter(path))
+
+
+def test_a_corrupt_item_is_named(tmp_path: Any) -> None:
+    path = tmp_path / "step-000000000001"
+    dcp.save({"w": torch.randn(1000)}, storage_writer=AiotensorWriter(path))
+    f = path / "__0_data.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException, match="ChecksumError.*__0_data.safetensors: tensor 'w' is corrupt"):
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=AiotensorReader(path))
+
+
+def _spawn(path: Any, world: int, mode: str) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tests._dcp_ranks", str(path), str(world), str(port), mode]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_two_ranks_save_a_sharded_tensor_and_one_process_loads_it(tmp_path: Any) -> None:
+    path = tmp_path / "root" / "step-000000000005"
+    r = _spawn(path, 2, "ok")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(path)) == [".metadata.json", "__0_data.safetensors", "__1_data.safetensors"]
+    into = {"w": torch.zeros(8, 6), "b": torch.zeros(3), "step": 0}
+    dcp.load(into, storage_reader=AiotensorReader(path))  # resharded: 2 row shards into one tensor
+    assert torch.equal(into["w"], full()) and torch.equal(into["b"], torch.ones(3) * 7) and into["step"] == 5
+    # a rank that fails mid-save: every rank fails, nothing is committed
+    failed = tmp_path / "root" / "step-000000000006"
+    r = _spawn(failed, 2, "fail")
+    assert r.returncode != 0 and "injected" in r.stderr
+    assert not failed.exists() and (tmp_path / "root" / "latest").read_text().strip() == "step-000000000005"
+
+    async def leftovers_cleaned() -> None:
+        async with TensorStore(tmp_path / "root"):
+            pass
+
+    import anyio
+
+    anyio.run(leftovers_cleaned)
+    assert not [n for n in os.listdir(tmp_path / "root") if ".tmp-" in n]
+
+
+class Evil:
+    def __reduce__(self) -> Any:
+        return (os.system, ("touch pwned",))
+
+
+def test_dcp_file_system_checkpoints_are_read_without_their_pickle(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    warnings.simplefilter("ignore")
+    s = state()
+    dcp.save(s, checkpoint_id=tmp_path / "fs")  # DCP's own FileSystemWriter
+    into = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "step": 0, "names": []}
+    dcp.load(into, storage_reader=SafeFileSystemReader(tmp_path / "fs"))
+    assert torch.equal(into["model"]["w"], s["model"]["w"]) and into["step"] == 3
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fs" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointException, match="refusing the global (posix|os).system"):  # DCP wraps the UnsafeFileError
+        dcp.load(into, storage_reader=SafeFileSystemReader(tmp_path / "fs"))
+    with pytest.raises(UnsafeFileError):  # called directly, it is ours
+        SafeFileSystemReader(tmp_path / "fs").read_metadata()
+    assert not (tmp_path / "pwned").exists()
