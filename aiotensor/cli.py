@@ -277,7 +277,8 @@ def _write_durably(path: str, data: bytes) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aiotensor", description=__doc__.splitlines()[0], epilog=EXAMPLES,
+    desc = "List, inspect, verify and convert checkpoints and weight files."
+    p = argparse.ArgumentParser(prog="aiotensor", description=desc, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="log what the library does (logger 'aiotensor') to stderr")
     sub = p.add_subparsers(dest="command", required=True)

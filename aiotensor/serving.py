@@ -414,8 +414,10 @@ class Swap:
         self.tensors = dict(tensors)
 
     def apply(self) -> None:
-        """Switch the module to the new weights: pointer swaps only, no I/O and no copy, so call it
-        between two requests (it does not await: no request can see a half-switched module)."""
+        """Switch the module to the new weights: pointer swaps only, no I/O and no copy. Call it
+        between two requests, on the loop thread, while no other thread runs the module (with
+        inference in worker threads, load a second module and switch the reference instead, as
+        ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it."""
         current = self.module.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, new in self.tensors.items():

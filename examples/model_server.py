@@ -9,9 +9,10 @@ streamed by aiotensor while the server already answers, and hot swaps between tw
     curl -d '{"path": "/path/to/v2"}' localhost:8080/swap
 
 GET /health answers from the first moment ({"status": "loading"} while the weights stream in);
-POST /embed waits until the model is ready; POST /swap loads the new version beside the serving one
-(`aiotensor.prepare_swap`) and switches between two requests; a failed swap (a corrupt file: 409
-with the error) leaves the old version serving.
+POST /embed waits until the model is ready; POST /swap loads the new version into a second model
+while the first keeps serving (inference runs in worker threads, so the switch is of the model
+reference, between two requests); a failed swap (a corrupt file: 409 with the error) leaves the old
+version serving.
 """
 
 from __future__ import annotations
@@ -214,19 +215,22 @@ class Server:
             return web.json_response({"error": self.load_error}, status=503)
         await self.ready.wait()
         ids, mask = self.tokenizer.batch(texts)
-        version = self.version
-        out = await asyncio.to_thread(self.model.embed, ids, mask)  # the loop keeps answering
+        model, version = self.model, self.version  # this request runs on this version to the end
+        out = await asyncio.to_thread(model.embed, ids, mask)  # the loop keeps answering
         return web.json_response({"version": version, "embeddings": out.tolist()})
 
     async def swap(self, request: web.Request) -> web.Response:
+        """Load the new version into a second model while this one keeps serving, then switch the
+        reference: requests already running finish on the old model (their threads still use it),
+        new ones get the new one; never a mix. Memory: one extra copy, during the swap."""
         path = (await request.json())["path"]
         async with self.swap_lock:
+            new = Bert(self.cfg).eval()
             try:
-                prepared = await aiotensor.prepare_swap(self.model, path)
+                await aiotensor.load_into(new, path)  # strict: every tensor present, checksums verified
             except (aiotensor.errors.AiotensorError, OSError) as e:
                 return web.json_response({"error": f"{type(e).__name__}: {e}", "version": self.version}, status=409)
-            prepared.apply()  # no await in between: no request sees half of it
-            self.version += 1
+            self.model, self.version = new, self.version + 1  # between two requests: no await in between
         return web.json_response({"version": self.version})
 
 
