@@ -156,7 +156,17 @@ def _hf_files(engine: Any, folder: str) -> list[str]:
 
 
 class TensorStream:
-    """``async for name, tensor in stream(...)``: tensors in file order, as soon as their bytes land.
+    """``async for name, tensor in aiotensor.stream(source, ...)``: the tensors of ``source`` (a
+    safetensors file, a Hugging Face folder, a torch.save zip, an aiotensor checkpoint step or store
+    root) as ``(name, tensor)`` pairs in file order, each as soon as its bytes land.
+
+    ``keys`` selects what is read (names, prefixes ending in ``.``, or a predicate): the bytes of
+    other tensors are never read. ``dtype`` converts each tensor as it arrives. Several streams may
+    share one ``scheduler`` (loads run before saves on it).
+
+    Raises (from the iteration): HeaderError / ManifestError (a malformed file or index, naming
+    it), UnsafeFileError (a torch.save file that needs more than a state_dict's pickle),
+    ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError.
 
     Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
     window is read alone); a slow consumer holds the reading back. Use it as an async context
@@ -315,29 +325,7 @@ class TensorStream:
                 await anyio.to_thread.run_sync(self.scheduler.close)
 
 
-def stream(
-    source: str | os.PathLike[str],
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    keys: Keys = None,
-    window_bytes: int = WINDOW_BYTES,
-    verify: bool = True,
-    scheduler: Scheduler | None = None,
-) -> TensorStream:
-    """Stream the tensors of ``source`` (a safetensors file, a Hugging Face folder, an aiotensor
-    checkpoint step or store root) as ``(name, tensor)`` pairs in file order; see :class:`TensorStream`.
-
-    ``keys`` selects what is read (names, prefixes ending in ``.``, or a predicate): the bytes of
-    other tensors are never read. ``dtype`` converts each tensor as it arrives. Several streams may
-    share one ``scheduler`` (loads run before saves on it).
-
-    Raises (from the iteration): HeaderError / ManifestError (a malformed file or index, naming
-    it), ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError.
-    """
-    return TensorStream(
-        source, device=device, dtype=dtype, keys=keys, window_bytes=window_bytes, verify=verify, scheduler=scheduler
-    )
+stream = TensorStream  # ``aiotensor.stream(source, ...)``: the documented way to make one
 
 
 class LoadResult(NamedTuple):
