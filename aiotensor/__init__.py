@@ -9,7 +9,7 @@ from ._handle import SaveHandle
 from .engines import Engine, FaultyEngine, KvikioEngine, PosixEngine
 from .files import FileInfo, TensorInfo, load_file, read_header, save_file
 from .scheduler import Priority, Scheduler
-from .serving import LoadResult, Swap, TensorStream, load_into, load_torch, prepare_swap, stream
+from .serving import LoadResult, Swap, TensorStream, load_into, load_torch, prepare_swap, save_torch, stream
 from .snapshot import Snapshotter
 from .store import TensorStore, load_checkpoint
 
@@ -22,6 +22,7 @@ __all__ = [
     "TensorStream",
     "load_into",
     "load_torch",
+    "save_torch",
     "prepare_swap",
     "stream",
     "FileInfo",

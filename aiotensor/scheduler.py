@@ -217,6 +217,18 @@ class Scheduler:
         await run_concurrently(*[worker] * min(self.workers, len(batches)))
         return [r for batch in results for r in batch]
 
+    def metrics(self) -> dict[str, int]:
+        """What a server can export: bytes moved so far, bytes admitted and not yet done, calls
+        waiting for admission, and calls run (sample twice for bytes/s). No I/O, no lock."""
+        g = self._gate
+        return {
+            "bytes_read": self.stats.bytes_read,
+            "bytes_written": self.stats.bytes_written,
+            "bytes_in_flight": g.budget - g.free_bytes,
+            "queue_depth": sum(not w.gone for w in g._heap),
+            "calls": self.stats.calls,
+        }
+
     @property
     def devices(self) -> tuple[str, ...]:
         """Device types whose tensors this scheduler saves and loads."""

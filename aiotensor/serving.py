@@ -10,6 +10,8 @@ newest step).
 from __future__ import annotations
 
 import os
+import threading
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import torch
 
 from . import _io, _root
 from ._dtypes import TORCH_TO_SAFETENSORS, file_shape
+from .engines.posix import PosixEngine
 from .errors import ManifestError, MismatchError
 from .files import _checksums
 from .formats import safetensors as st
@@ -155,13 +158,26 @@ def _hf_files(engine: Any, folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in found]
 
 
+def _slice(item: _Item, rows: tuple[int, int]) -> _Item:
+    """Only rows ``[a, b)`` of a tensor (dim 0): a shorter read at a later offset, unverified."""
+    a, b = rows
+    spec = item.spec
+    if item.view is not None or not spec.shape or not 0 <= a <= b <= spec.shape[0]:
+        raise ValueError(f"rows {rows} of {spec.key!r} (shape {list(spec.shape)}): need 0 <= a <= b <= {spec.shape[:1]}")
+    row = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
+    sliced = st.TensorSpec(spec.key, spec.dtype, (b - a, *spec.shape[1:]), spec.offset + a * row, (b - a) * row)
+    return _Item(item.path, sliced, None, item.names[:1])
+
+
 class TensorStream:
     """``async for name, tensor in aiotensor.stream(source, ...)``: the tensors of ``source`` (a
     safetensors file, a Hugging Face folder, a torch.save zip, an aiotensor checkpoint step or store
     root) as ``(name, tensor)`` pairs in file order, each as soon as its bytes land.
 
     ``keys`` selects what is read (names, prefixes ending in ``.``, or a predicate): the bytes of
-    other tensors are never read. ``dtype`` converts each tensor as it arrives. Several streams may
+    other tensors are never read. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of
+    that tensor (a tensor-parallel shard; its checksum covers the whole tensor, so a row slice is
+    not verified). ``dtype`` converts each tensor as it arrives. Several streams may
     share one ``scheduler`` (loads run before saves on it).
 
     Raises (from the iteration): HeaderError / ManifestError (a malformed file or index, naming
@@ -185,6 +201,7 @@ class TensorStream:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         keys: Keys = None,
+        rows: Mapping[str, tuple[int, int]] | None = None,
         window_bytes: int = WINDOW_BYTES,
         verify: bool = True,
         scheduler: Scheduler | None = None,
@@ -196,6 +213,7 @@ class TensorStream:
         self.window_bytes = window_bytes
         self.verify = verify
         self._select = _selector(keys)
+        self._rows = dict(rows or {})
         self._own = scheduler is None
         self.scheduler = scheduler if scheduler is not None else Scheduler()
         self.device = _io.check_device(self.scheduler, device)
@@ -223,6 +241,7 @@ class TensorStream:
         if self._items is None:
             try:
                 items = await self.scheduler.call(_plan, self.scheduler, self.source, self._select, priority=Priority.LOAD)
+                items = [_slice(i, self._rows[i.names[0]]) if i.names[0] in self._rows else i for i in items]
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.aclose()
@@ -356,6 +375,48 @@ async def load_torch(
     return ts.map_tensors(tree, lambda name, ref: got[name].requires_grad_(ref.requires_grad) if ref.requires_grad else got[name])
 
 
+_ALIGN_LOCK = threading.Lock()
+
+
+def _torch_save_aligned(state: Any, path: str) -> None:
+    import torch.utils.serialization as ser
+
+    with _ALIGN_LOCK:  # torch's setting is process-wide: restored before anyone else saves through us
+        old = ser.config.save.storage_alignment
+        ser.config.save.storage_alignment = 4096
+        try:
+            torch.save(state, path)
+        finally:
+            ser.config.save.storage_alignment = old
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def save_torch(state: Any, path: str | os.PathLike[str]) -> None:
+    """Write a torch.save file that ``torch.load`` opens, with every storage at a 4096-byte file
+    offset (so a reader can move them with O_DIRECT or cuFile, as :func:`load_torch` does),
+    atomically (a temporary name, fsync'ed, renamed over ``path``, the folder fsync'ed).
+
+    Raises:
+        OSError: naming the file; ``path`` is then untouched.
+
+    Cancellation: the write finishes in its thread, then the temporary file is removed.
+    """
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")  # noqa: ASYNC240
+    try:
+        await anyio.to_thread.run_sync(_torch_save_aligned, state, tmp)
+        await anyio.to_thread.run_sync(os.replace, tmp, path)
+        await anyio.to_thread.run_sync(PosixEngine().sync_dir, os.path.dirname(os.path.abspath(path)))  # noqa: ASYNC240
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(PosixEngine().remove_tree, tmp)
+        raise
+
+
 async def load_into(
     module: torch.nn.Module,
     source: str | os.PathLike[str],
@@ -446,4 +507,4 @@ async def prepare_swap(
     return Swap(module, new)
 
 
-__all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "load_torch", "prepare_swap", "stream"]
+__all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "load_torch", "prepare_swap", "save_torch", "stream"]

@@ -165,3 +165,37 @@ async def test_a_hot_swap_switches_whole_or_not_at_all(tmp_path: Any) -> None:
     with pytest.raises(ChecksumError):
         await prepare_swap(model, tmp_path / "v3.safetensors")
     assert torch.equal(bits(model.weight), bits(new.weight))
+
+
+async def test_row_slices_read_only_those_rows(tmp_path: Any) -> None:
+    w = {"a": torch.randn(100, 64), "b": torch.randn(10)}
+    await save_file(w, tmp_path / "m.safetensors")
+    eng = FaultyEngine()
+    got = await collect(stream(tmp_path / "m.safetensors", keys=["a"], rows={"a": (40, 50)}, scheduler=aiotensor.Scheduler(eng)))
+    assert torch.equal(got["a"], w["a"][40:50])
+    assert read_bytes(eng) <= 4096 + 10 * 64 * 4 + 4
+    with pytest.raises(ValueError, match="rows"):
+        await collect(stream(tmp_path / "m.safetensors", rows={"a": (90, 101)}))
+
+
+async def test_aligned_torch_save_files_open_with_torch_load(tmp_path: Any) -> None:
+    import zipfile
+
+    from aiotensor.formats import torchsave as ts
+
+    w = weights(5)
+    await aiotensor.save_torch(w, tmp_path / "m.pt")
+    assert all(torch.equal(v, w[k]) for k, v in torch.load(tmp_path / "m.pt", weights_only=True).items())
+    with open(tmp_path / "m.pt", "rb") as f:
+        with zipfile.ZipFile(f) as z:
+            offsets = [ts._data_offset(f, i, os.path.getsize(tmp_path / "m.pt"), "m.pt") for i in z.infolist() if "/data/" in i.filename]
+    assert offsets and all(o % 4096 == 0 for o in offsets)
+    assert all(torch.equal(v, w[k]) for k, v in (await aiotensor.load_torch(tmp_path / "m.pt")).items())
+
+
+async def test_the_scheduler_reports_metrics(tmp_path: Any) -> None:
+    await save_file(weights(), tmp_path / "m.safetensors")
+    sched = aiotensor.Scheduler()
+    await collect(stream(tmp_path / "m.safetensors", scheduler=sched))
+    m = sched.metrics()
+    assert m["bytes_read"] >= sum(t.nbytes for t in weights().values()) and m["bytes_in_flight"] == 0 and m["queue_depth"] == 0
