@@ -247,9 +247,9 @@ async def write_file(
                 src, off = src[n:], off + n
 
         if bounce:
-            await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority, slot=True)
+            await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority, slot=True, io=True)
         else:
-            await sched.map(functools.partial(run, None), units, nbytes=lambda u: len(u[1]), priority=priority)
+            await sched.map(functools.partial(run, None), units, nbytes=lambda u: len(u[1]), priority=priority, io=True)
         if size is not None:
             await sched.call(eng.truncate, fd, size, priority=priority)
         await sched.call(eng.sync, fd, priority=priority)
@@ -473,7 +473,7 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         _copy(sched, dst, src)
         return _checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
 
-    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
+    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, io=True)
     sched.stats.bytes_read += sum(u.nbytes for u in units)
     await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
 

@@ -11,7 +11,7 @@ from . import _io, _root
 from .errors import ManifestError
 from .formats import manifest as mf
 from .formats.tree import flatten, unflatten
-from .scheduler import Priority, Scheduler
+from .scheduler import Priority, ProgressCallback, Scheduler, reporting
 
 
 async def load_checkpoint(
@@ -23,6 +23,7 @@ async def load_checkpoint(
     device: str | torch.device = "cpu",
     atomic: bool = False,
     step: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Any:
     """Load one checkpoint folder (see :meth:`TensorStore.load` for ``into``, ``device``, ``atomic``).
 
@@ -57,6 +58,12 @@ async def load_checkpoint(
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     dest, targets = await sched.call(_targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD)
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
+    with reporting(sum(e.spec.nbytes for e in m.entries.values()), progress):
+        await _read_passes(sched, folder, targets, passes)
+    return await sched.call(_finish, m, dest, mpath, priority=Priority.LOAD)
+
+
+async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[_io.Target]], passes: tuple[str, ...]) -> None:
     for what in passes:
         for shard, shard_targets in targets.items():
             path = os.path.join(folder, shard)
@@ -68,7 +75,6 @@ async def load_checkpoint(
                     await _io.read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
             finally:
                 await _io.close(sched, fd)
-    return await sched.call(_finish, m, dest, mpath, priority=Priority.LOAD)
 
 
 def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.Manifest, dict[str, list[mf.Entry]]]:

@@ -22,7 +22,7 @@ from ._dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from ._plan import check_tensor
 from .errors import HeaderError, StateError, annotate_oserror
 from .formats import safetensors as st
-from .scheduler import Priority, Scheduler
+from .scheduler import Priority, ProgressCallback, Scheduler, reporting
 
 CRC_KEY = "aiotensor.crc32c"
 
@@ -206,6 +206,7 @@ async def load_file(
     device: str | torch.device = "cpu",
     verify: bool = True,
     scheduler: Scheduler | None = None,
+    progress: ProgressCallback | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
     ``into`` (whose tensors may be on CUDA; parameters that require grad are filled in place).
@@ -214,7 +215,8 @@ async def load_file(
     carries a crc32c per tensor: each is verified (unless ``verify=False``), so a flipped bit or a
     file rewritten in place by another process while it was read is an error, never silent wrong
     values. CUDA tensors are filled through cuFile by the kvikio engine, or through pinned bounce
-    slots and a copy stream; either way they are complete when this returns.
+    slots and a copy stream; either way they are complete when this returns. ``progress(done,
+    total)`` is called on the loop thread as bytes are read.
 
     Raises:
         HeaderError: a malformed header, or not a safetensors file (a torch.save zip is named as
@@ -233,7 +235,8 @@ async def load_file(
         fd, layout = await _open_layout(sched, path)
         try:
             dest, targets = await sched.call(_targets, sched, layout, path, into, dev, verify, priority=Priority.LOAD)
-            await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
+            with reporting(layout.file_size - layout.data_start, progress):
+                await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
         finally:
             await _io.close(sched, fd)
     return dest

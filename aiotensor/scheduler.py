@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -104,6 +105,39 @@ class _Gate:
             self._release(n)
 
 
+ProgressCallback = Callable[[int, int], object]
+
+
+class _Progress:
+    def __init__(self, total: int, callback: ProgressCallback) -> None:
+        self.total, self.done, self.callback = total, 0, callback
+
+    def add(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        self.callback(self.done, self.total)
+
+
+_progress: ContextVar[_Progress | None] = ContextVar("aiotensor_progress", default=None)
+
+
+@contextmanager
+def reporting(total: int, callback: ProgressCallback | None) -> Iterator[None]:
+    """Within this block (this task and the tasks it starts), bytes read or written by the
+    scheduler's I/O are reported as ``callback(done, total)``, on the loop thread, once per batch;
+    a last ``callback(total, total)`` comes when the block ends without an error."""
+    if callback is None:
+        yield
+        return
+    p = _Progress(total, callback)
+    token = _progress.set(p)
+    try:
+        yield
+        if p.done < total:
+            p.add(total - p.done)
+    finally:
+        _progress.reset(token)
+
+
 @dataclass
 class Stats:
     """Counters of a scheduler (bytes moved by the engine, calls run)."""
@@ -176,6 +210,7 @@ class Scheduler:
         slot: bool = False,
         batch_bytes: int | None = None,
         budget: bool = True,
+        io: bool = False,
     ) -> list[T]:
         """Run ``fn(unit)`` (``fn(slot, unit)`` with ``slot``) over ``units``; results in unit order.
 
@@ -183,7 +218,8 @@ class Scheduler:
         scheduler) and each batch runs in one thread call, so work goes on in the threads even
         while the event loop is held by other code; up to ``workers`` batches run at once, and
         priorities take effect between batches. ``budget=False`` admits batches without counting
-        their bytes (memory copies that do no I/O).
+        their bytes (memory copies that do no I/O). ``io=True``: the units' bytes are file I/O,
+        reported to the progress callback of the operation (see :func:`reporting`).
 
         The first failure cancels the batches not yet started, waits for those running, and is
         raised as itself (not wrapped in an exception group).
@@ -209,10 +245,14 @@ class Scheduler:
             *pre, batch = args
             return [fn(*pre, u) for u in batch]
 
+        progress = _progress.get() if io else None
+
         async def worker() -> None:
             for i, batch in it:
-                cost = sum(nbytes(u) for u in batch) if budget else 0
-                results[i] = await self.call(run, batch, nbytes=cost, priority=priority, slot=slot)
+                size = sum(nbytes(u) for u in batch)
+                results[i] = await self.call(run, batch, nbytes=size if budget else 0, priority=priority, slot=slot)
+                if progress is not None:
+                    progress.add(size)
 
         await run_concurrently(*[worker] * min(self.workers, len(batches)))
         return [r for batch in results for r in batch]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -218,8 +217,11 @@ class TensorStream:
         self.scheduler = scheduler if scheduler is not None else Scheduler()
         self.device = _io.check_device(self.scheduler, device)
         self.bytes_read = 0
-        self._items: deque[_Item] | None = None
-        self._ready: deque[tuple[_Item, Any]] = deque()  # read ahead: (item, tensor or error)
+        self._items: list[_Item] | None = None
+        self._ready: dict[int, tuple[_Item, Any]] = {}  # read ahead, by index: (item, tensor or error)
+        self._next = 0  # the index the consumer gets next
+        self._count = 0
+        self._failed = False
         self._ahead = 0  # bytes in _ready and in flight
         self._changed = anyio.Event()
         self._reader: anyio.CancelScope | None = None
@@ -246,22 +248,23 @@ class TensorStream:
                 with anyio.CancelScope(shield=True):
                     await self.aclose()
                 raise
-            self._items = deque(items)
+            self._items, self._count = items, len(items)
             self._start_reader()
-        while not self._ready:
-            if not self._items and self._reader_done is not None and self._reader_done.is_set():
+        while self._next not in self._ready:
+            if self._next >= self._count or (self._reader_done is not None and self._reader_done.is_set()):
                 await self.aclose()
                 raise StopAsyncIteration
             await self._wait()
-        item, got = self._ready[0]
+        item, got = self._ready[self._next]
         if isinstance(got, BaseException):
             await self.aclose()
             raise got
         name = item.names[0]
         if len(item.names) > 1:  # a tied weight: the same tensor under its other names next
-            self._ready[0] = (_Item(item.path, item.spec, item.crc, item.names[1:]), got)
+            self._ready[self._next] = (_Item(item.path, item.spec, item.crc, item.names[1:]), got)
         else:
-            self._ready.popleft()
+            del self._ready[self._next]
+            self._next += 1
             self._ahead -= item.spec.nbytes
             self._notify()
         return name, got
@@ -286,40 +289,50 @@ class TensorStream:
         _spawn(self._read_all)
 
     async def _read_all(self) -> None:
+        """Read items in order, up to ``workers`` at once and ``window_bytes`` ahead of the consumer;
+        each file is opened once. Results land in ``_ready`` by index; the first error ends it."""
         assert self._items is not None and self._reader_done is not None
+        fds: dict[str, int] = {}
+        slots = anyio.Semaphore(self.scheduler.workers)
         try:
             with anyio.CancelScope() as scope:
                 self._reader = scope
-                while self._items and not self._closed:
-                    item = self._items[0]
-                    while self._ahead and self._ahead + item.spec.nbytes > self.window_bytes:
-                        await self._wait_space()
-                    self._items.popleft()
-                    self._ahead += item.spec.nbytes
-                    try:
-                        got: Any = await self._read(item)
-                    except Exception as e:
-                        got = e
-                        self._items.clear()
-                    self._ready.append((item, got))
-                    self._notify()
+                async with anyio.create_task_group() as tg:
+                    for index, item in enumerate(self._items):
+                        while self._ahead and self._ahead + item.spec.nbytes > self.window_bytes:
+                            await self._wait_space()
+                        if self._closed or self._failed:
+                            break
+                        await slots.acquire()
+                        self._ahead += item.spec.nbytes
+                        if item.path not in fds:
+                            fds[item.path] = await _io.open_read(self.scheduler, item.path)
+                        tg.start_soon(self._read_one, index, item, fds[item.path], slots)
         finally:
+            with anyio.CancelScope(shield=True):
+                for fd in fds.values():
+                    await _io.close(self.scheduler, fd)
             self._reader_done.set()
             self._notify()
+
+    async def _read_one(self, index: int, item: _Item, fd: int, slots: anyio.Semaphore) -> None:
+        try:
+            got: Any = await self._read(item, fd)
+        except Exception as e:
+            got, self._failed = e, True
+        finally:
+            slots.release()
+        self._ready[index] = (item, got)
+        self._notify()
 
     async def _wait_space(self) -> None:
         await self._changed.wait()
 
-    async def _read(self, item: _Item) -> torch.Tensor:
+    async def _read(self, item: _Item, fd: int) -> torch.Tensor:
         sched = self.scheduler
         t = _io.new_tensor(item.spec, self.device)
-        fd = await _io.open_read(sched, item.path)
-        try:
-            await _io.read_tensors(
-                sched, fd, item.path, [_io.Target(item.spec, t, item.crc if self.verify else None)], Priority.LOAD
-            )
-        finally:
-            await _io.close(sched, fd)
+        target = _io.Target(item.spec, t, item.crc if self.verify else None)
+        await _io.read_tensors(sched, fd, item.path, [target], Priority.LOAD)
         self.bytes_read += item.spec.nbytes
         if item.view is not None:
             v = item.view

@@ -48,7 +48,7 @@ from .errors import (
 )
 from .files import TensorInfo, tensor_info
 from .formats import manifest as mf
-from .scheduler import MiB, Priority, Scheduler, run_concurrently
+from .scheduler import MiB, Priority, ProgressCallback, Scheduler, reporting, run_concurrently
 
 log = logging.getLogger("aiotensor")
 _LOCK_POLL = 0.05
@@ -351,12 +351,13 @@ class TensorStore:
 
     # --- save ------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any, *, background: bool = False) -> SaveHandle:
+    def save(self, step: int, state: Any, *, background: bool = False, progress: ProgressCallback | None = None) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`.
 
         ``await store.save(step, state)`` returns once the checkpoint is committed and durable;
         ``await handle.staged`` returns once the tensors are copied out. ``background=True`` runs
-        the save's I/O behind loads and foreground saves. The handle is also a coroutine object:
+        the save's I/O behind loads and foreground saves. ``progress(done, total)`` is called on the
+        loop thread as the tensor bytes are written. The handle is also a coroutine object:
         ``asyncio.create_task(store.save(...))`` works.
 
         ``save`` returns at once whatever the size of ``state``: walking and planning it runs in a
@@ -399,7 +400,7 @@ class TensorStore:
         handle = SaveHandle(step, 0)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
-        self._start(lambda: self._run_save(handle, state, prio, producers))
+        self._start(lambda: self._run_save(handle, state, prio, producers, progress))
         return handle
 
     def _check_writable(self) -> None:
@@ -422,14 +423,16 @@ class TensorStore:
 
         _spawn(run)
 
-    async def _run_save(self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any]) -> None:
+    async def _run_save(
+        self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
+    ) -> None:
         error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
                 h._scope = scope
                 if h._cancel_requested:
                     scope.cancel()
-                await self._save(h, state, prio, producers)
+                await self._save(h, state, prio, producers, progress)
             if scope.cancelled_caught and not h.committed:
                 error = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         except Exception as e:
@@ -443,7 +446,9 @@ class TensorStore:
                 self._unobserved.append(h)
             h._finish(error)
 
-    async def _save(self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any]) -> None:
+    async def _save(
+        self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
+    ) -> None:
         t0 = anyio.current_time()
         plan: SavePlan
         sources: dict[str, torch.Tensor]
@@ -458,7 +463,8 @@ class TensorStore:
             sources.clear()  # the caller's tensors are free to change from here on
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()
-            await self._write(h, plan, arena, pieces, prio)
+            with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):
+                await self._write(h, plan, arena, pieces, prio)
             h.commit_seconds = anyio.current_time() - t0
         finally:
             self.staging.release(arena)
@@ -632,6 +638,7 @@ class TensorStore:
         verify: bool | None = None,
         device: str | torch.device = "cpu",
         atomic: bool = False,
+        progress: ProgressCallback | None = None,
     ) -> Any:
         """Load a committed step (default: the newest) as the nested state it was saved as.
 
@@ -640,6 +647,8 @@ class TensorStore:
         and the saved non-tensor values. ``into`` tensors may be on CUDA; without ``into``, new
         tensors are made on ``device`` (``"cuda"``: read straight into GPU memory by the kvikio
         engine, else through pinned bounce slots and a copy stream; complete when this returns).
+
+        ``progress(done, total)`` is called on the loop thread as tensor bytes are read.
 
         ``atomic=True`` (with ``into``) is all-or-nothing: every tensor's checksum is verified in a
         first pass that writes nothing (extra memory: the bounce slots only; extra time: a second
@@ -682,7 +691,14 @@ class TensorStore:
         try:
             verify = self.verify if verify is None else verify
             return await load_checkpoint(
-                self.scheduler, self.path(step), into=into, verify=verify, device=device, atomic=atomic, step=step
+                self.scheduler,
+                self.path(step),
+                into=into,
+                verify=verify,
+                device=device,
+                atomic=atomic,
+                step=step,
+                progress=progress,
             )
         except FileNotFoundError as e:
             if await self._call(os.path.lexists, self.path(step), what=f"checking {self.path(step)}"):

@@ -2,7 +2,8 @@
 
 One state (default ~300 MB of transformer weights) as one safetensors file and as 4 Hugging Face
 shards, read cold (pages dropped) and warm, by ``aiotensor.stream`` (tensors consumed as they land),
-``safetensors.load_file`` and ``torch.load(mmap=True)`` + a copy (both in ``asyncio.to_thread``).
+``safetensors.load_file`` and ``torch.load(mmap=True)``, each + a copy into owned memory (both map
+the file and read nothing until a tensor is touched), both in ``asyncio.to_thread``.
 Reports: time to the first tensor, throughput, peak extra RSS, and the worst / p99 lag of a 1 ms
 ticker on the loop; the fio sequential read limit of the same folder. Medians of ``--reps``.
 
@@ -89,10 +90,15 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 out[name] = t
         return out
 
+    def st_owned(f: str) -> dict[str, torch.Tensor]:
+        # safetensors maps the file: a tensor's bytes are read when first touched, so copy them
+        # into owned memory, as a server does before it serves (or moves them to the GPU)
+        return {k: v.clone() for k, v in st_load(f).items()}
+
     async def safetensors_(src: str, first: Callable[[], None]) -> Any:
         out = {}
         for f in files(src):
-            out |= await asyncio.to_thread(st_load, f)
+            out |= await asyncio.to_thread(st_owned, f)
             first()
         return out
 

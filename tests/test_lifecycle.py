@@ -112,3 +112,15 @@ async def test_open_reserves_staging_memory_in_the_background(tmp_path: Any) -> 
             assert mapped >= 1 << 20
             await store.save(1, state)
             assert store.staging.mapped_bytes == mapped, "the first save used the reserved arena"
+
+
+async def test_progress_is_reported_for_saves_and_loads(tmp_path: Any) -> None:
+    state = {f"w{i}": torch.randn(1 << 16) for i in range(8)}  # 2 MiB in 256 KiB pieces
+    seen: list[tuple[int, int]] = []
+    async with TensorStore(tmp_path, chunk_bytes=1 << 18, batch_bytes=1 << 18) as store:
+        await store.save(1, state, progress=lambda d, t: seen.append((d, t)))
+        assert len(seen) > 2 and seen[-1][0] == seen[-1][1] >= 2 << 20
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen), "monotonic"
+        seen.clear()
+        await store.load(1, progress=lambda d, t: seen.append((d, t)))
+        assert len(seen) > 2 and seen[-1] == (2 << 20, 2 << 20)
