@@ -107,3 +107,13 @@ def test_dcp_file_system_checkpoints_are_read_without_their_pickle(tmp_path: Any
     with pytest.raises(UnsafeFileError):  # called directly, it is ours
         SafeFileSystemReader(tmp_path / "fs").read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+def test_dcp_async_save_through_aiotensor(tmp_path: Any) -> None:
+    s = state()
+    path = tmp_path / "root" / "step-000000000007"
+    fut = dcp.async_save(s, storage_writer=AiotensorWriter(path))
+    fut.result(timeout=60)
+    into = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "step": 0, "names": []}
+    dcp.load(into, storage_reader=AiotensorReader(path))
+    assert torch.equal(into["model"]["w"], s["model"]["w"]) and into["step"] == 3

@@ -1,0 +1,22 @@
+"""The README's examples run end to end: the training demo (a short run), then the command line on
+the checkpoints it left (the model server has its own test, tests/test_model_server.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_training_demo_then_the_command_line_on_its_checkpoints(tmp_path: Any) -> None:
+    root = str(tmp_path / "ckpts")
+    demo = [sys.executable, "examples/train_snapshot.py", "--root", root, "--steps", "3", "--every", "2"]
+    r = subprocess.run(demo, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "bit-exact with the weights at that step: True" in r.stdout and "trainer held" in r.stdout
+    for args, expect in ((["ls", root], "step"), (["verify", root], "OK"), (["inspect", root], "tensors")):
+        r = subprocess.run([sys.executable, "-m", "aiotensor", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and expect in r.stdout, r.stdout + r.stderr
