@@ -32,6 +32,7 @@ EXAMPLES = """examples:
   aiotensor verify ckpts/                    re-read every step and check every crc32c
   aiotensor convert model.pt model.safetensors
   aiotensor convert ckpts/ hf-out/ --shard-size 2GB   Hugging Face shards with an index
+  aiotensor bench --dir /mnt/nvme --size 2GB  disk limit, memcpy, aiotensor vs peers; report + plot
 
 PATH may be a store root, a step folder, a safetensors file, a Hugging Face folder, or a torch.save
 zip (.pt/.bin, read without unrestricted pickle)."""
@@ -269,6 +270,22 @@ def cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from . import _bench
+
+    folder = os.path.join(a.dir, f"aiotensor-bench-{os.getpid()}")
+    res = anyio.run(_bench.run, folder, a.size, a.reps, lambda line: print(line, file=sys.stderr))
+    png = os.path.splitext(a.out)[0] + ".png"
+    if not _bench.plot(res, png):
+        png = None
+    text = _bench.markdown(res, png)
+    with open(a.out, "w") as f:
+        f.write(text)
+    print(text)
+    print(f"report: {a.out}" + (f", plot: {png}" if png else ""))
+    return 0
+
+
 def _write_durably(path: str, data: bytes) -> None:
     with open(path, "wb") as out:
         out.write(data)
@@ -309,6 +326,13 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
     conv.add_argument("--step", type=int, help="the step, for --to checkpoint (default 0)")
     conv.set_defaults(fn=cmd_convert)
+    bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save and safetensors",
+                           epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md")  # fmt: skip
+    bench.add_argument("--dir", default="/tmp", help="where to write (the disk to measure)")
+    bench.add_argument("--size", type=_size, default=_size("512MB"), help="state size (default 512MB)")
+    bench.add_argument("--reps", type=int, default=2, help="repetitions (medians)")
+    bench.add_argument("--out", default="aiotensor-bench.md", help="the Markdown report (a PNG plot beside it)")
+    bench.set_defaults(fn=cmd_bench)
     return p
 
 

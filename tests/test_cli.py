@@ -123,3 +123,18 @@ def test_progress_on_a_terminal_only(files: dict[str, Any]) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0, out
     assert b"verifying" in out and b"100%" in out and b"/s" in out, out
+
+
+def test_bench_writes_a_report_and_a_plot(tmp_path: Any, capsys: Any) -> None:
+    out = tmp_path / "report.md"
+    assert main(["bench", "--dir", str(tmp_path), "--size", "8MB", "--reps", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| aiotensor |" in text and "| torch.save |" in text and "| safetensors |" in text and "load / disk read" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot" in text
+    else:
+        png = tmp_path / "report.png"
+        assert png.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n" and "report.png" in text
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("aiotensor-bench-")], "the bench cleans up"
