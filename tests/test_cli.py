@@ -136,5 +136,5 @@ def test_bench_writes_a_report_and_a_plot(tmp_path: Any, capsys: Any) -> None:
         assert "no plot" in text
     else:
         png = tmp_path / "report.png"
-        assert png.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n" and "report.png" in text
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "report.png" in text
     assert not [n for n in os.listdir(tmp_path) if n.startswith("aiotensor-bench-")], "the bench cleans up"
