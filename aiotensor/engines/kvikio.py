@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import logging
 import os
 import threading
 from collections import Counter
@@ -61,6 +62,7 @@ class KvikioEngine(PosixEngine):
             self.driver = None
         _configure(self.defaults, num_threads, task_size)
         self.mode = io_mode(self.defaults, self.driver)
+        logging.getLogger("aiotensor").info("kvikio engine: CUDA tensors move through cuFile in %s mode", self.mode)
         self.file_modes: Counter[str] = Counter()
         self._paths: dict[int, tuple[str, str]] = {}  # fd -> (path, kvikio open flags)
         self._files: dict[int, Any] = {}  # fd -> CuFile, opened on the first device call
@@ -87,7 +89,10 @@ class KvikioEngine(PosixEngine):
                 f = self._files[fd] = self.kvikio.CuFile(path, flags)
                 # GDS needs O_DIRECT on the file: without it kvikio runs this file in compat mode
                 direct_io = getattr(f, "is_direct_io_supported", lambda: True)()
-                self.file_modes[self.mode if self.mode != "gds" or direct_io else "compat"] += 1
+                mode = self.mode if self.mode != "gds" or direct_io else "compat"
+                if mode != self.mode:
+                    logging.getLogger("aiotensor").info("%s: no O_DIRECT on its file system: kvikio runs it in compat mode", path)
+                self.file_modes[mode] += 1
             return f
 
     def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import stat
@@ -12,6 +13,7 @@ from ..errors import UnsafePathError
 from .base import Engine
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+log = logging.getLogger("aiotensor")
 
 
 class PosixEngine(Engine):
@@ -42,6 +44,7 @@ class PosixEngine(Engine):
                 if e.errno != errno.EINVAL:
                     os.close(fd)
                     raise
+                log.info("%s: the file system refuses O_DIRECT; writing through the page cache", path)
         return fd
 
     def truncate(self, fd: int, size: int) -> None:
