@@ -1,8 +1,8 @@
-"""``aiotensor bench``: this machine's disk and memcpy, then aiotensor against torch.save/torch.load
-and safetensors on the same state, in one run; a table of ratios, a Markdown report, a PNG plot.
+"""``aiotensor bench``: this machine's disk and memcpy, then aiotensor against torch.save/torch.load,
+safetensors and torch.distributed.checkpoint on the same state, in one run; a table of ratios, a Markdown report, a PNG plot.
 
 Smaller and self-contained (it ships in the package) next to ``bench/bench_cpu.py``, which also
-runs DCP and fio and is what ``bench/results/`` reports.
+runs fio and is what ``bench/results/`` reports.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -117,6 +118,25 @@ async def run(folder: str, nbytes: int, reps: int, report: Callable[[str], None]
         "torch.save": (fsynced(torch.save), lambda p: {k: v.clone() for k, v in torch.load(p, weights_only=True).items()}),
         "safetensors": (fsynced(st_save), lambda p: {k: v.clone() for k, v in st_load(p).items()}),
     }
+
+    def dcp_save(s: Any, p: str) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        shutil.rmtree(p, ignore_errors=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns when there is no process group
+            save(s, checkpoint_id=p)
+
+    def dcp_load(p: str) -> Any:
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        into = {k: torch.empty_like(v) for k, v in state.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(into, checkpoint_id=p)
+        return into
+
+    peers["dcp"] = (dcp_save, dcp_load)
     rows: dict[str, dict[str, float]] = {}
     async with TensorStore(os.path.join(folder, "store"), keep_last=1) as store:
         await store.save(0, state)  # maps and touches the staging arena once

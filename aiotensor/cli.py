@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -34,8 +34,9 @@ EXAMPLES = """examples:
   aiotensor convert ckpts/ hf-out/ --shard-size 2GB   Hugging Face shards with an index
   aiotensor bench --dir /mnt/nvme --size 2GB  disk limit, memcpy, aiotensor vs peers; report + plot
 
-PATH may be a store root, a step folder, a safetensors file, a Hugging Face folder, or a torch.save
-zip (.pt/.bin, read without unrestricted pickle)."""
+PATH may be a store root, a step folder, a safetensors file, a Hugging Face folder, a torch.save
+zip (.pt/.bin, read without unrestricted pickle) or a DCP checkpoint (aiotensor's, or DCP's own
+FileSystemWriter folder, whose .metadata pickle is read with an allow-list)."""
 
 
 def _size(text: str) -> int:
@@ -87,6 +88,8 @@ def _kind(path: str) -> str:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, _root.MANIFEST)):
             return "step"
+        if _dcp().is_checkpoint(path):
+            return "dcp"
         names = os.listdir(path)
         if any(_root.parse_step(n) is not None for n in names) or _root.LATEST in names or _root.LOCK in names:
             return "root"
@@ -97,8 +100,23 @@ def _kind(path: str) -> str:
         return "torch" if ts.is_torch_zip(f.read(4)) else "safetensors"
 
 
+def _dcp() -> Any:
+    from . import dcp  # imports torch.distributed: only when a DCP checkpoint is involved
+
+    return dcp
+
+
 def _infos(path: str, kind: str, sched: Scheduler) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensor name -> info dict, extra facts) from headers and manifests only."""
+    if kind == "dcp":
+        meta = _dcp().reader_for(path).read_metadata()
+        tensors = {}
+        for fqn, m in meta.state_dict_metadata.items():
+            if hasattr(m, "size"):
+                dtype = m.properties.dtype
+                nbytes = torch.Size(m.size).numel() * dtype.itemsize
+                tensors[fqn] = {"dtype": str(dtype).removeprefix("torch."), "shape": list(m.size), "bytes": nbytes}
+        return tensors, {"chunks": sum(len(getattr(m, "chunks", [])) for m in meta.state_dict_metadata.values())}
     if kind in ("root", "step"):
         folder = path if kind == "step" else serving._newest_step(sched, path)
         m = _root.read_manifest(sched.engine, folder)
@@ -127,6 +145,29 @@ def _row(t: Any) -> dict[str, Any]:
 
 
 # --- commands --------------------------------------------------------------------------------------
+
+
+async def _tensors(src: str, kind: str) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``src`` with its dotted name: streamed, or for a DCP checkpoint (sharded:
+    it must be assembled) loaded whole in a worker thread."""
+    if kind == "dcp":
+        state = await anyio.to_thread.run_sync(_dcp().load_full, src)
+        for name, t in _flat(state, ""):
+            yield name, t
+        return
+    async with serving.stream(src, window_bytes=64 << 20) as s:
+        async for name, t in s:
+            yield name, t
+
+
+def _flat(tree: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        return [(prefix, tree)]
+    if isinstance(tree, dict):
+        return [x for k, v in tree.items() for x in _flat(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(tree, (list, tuple)):
+        return [x for i, v in enumerate(tree) for x in _flat(v, f"{prefix}.{i}" if prefix else str(i))]
+    return []
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
@@ -185,9 +226,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
         try:
 
             async def run(source: str = src, bar: Progress = progress) -> None:
-                async with serving.stream(source, window_bytes=64 << 20) as s:
-                    async for _name, t in s:
-                        bar.add(t.nbytes)
+                async for _name, t in _tensors(source, _kind(source)):
+                    bar.add(t.nbytes)
 
             anyio.run(run)
         except (errors.FormatError, OSError) as e:
@@ -229,13 +269,12 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
         if sharded:
             os.makedirs(work)
-        async with serving.stream(a.src) as s:
-            async for name, t in s:
-                progress.add(t.nbytes)
-                if sharded and state and size + t.nbytes > a.shard_size:
-                    await flush()
-                state[name] = t
-                size += t.nbytes
+        async for name, t in _tensors(a.src, kind):
+            progress.add(t.nbytes)
+            if sharded and state and size + t.nbytes > a.shard_size:
+                await flush()
+            state[name] = t
+            size += t.nbytes
         if to == "checkpoint":
             async with TensorStore(a.dst) as store:
                 await store.save(a.step or 0, state)
@@ -326,7 +365,7 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
     conv.add_argument("--step", type=int, help="the step, for --to checkpoint (default 0)")
     conv.set_defaults(fn=cmd_convert)
-    bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save and safetensors",
+    bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
                            epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md")  # fmt: skip
     bench.add_argument("--dir", default="/tmp", help="where to write (the disk to measure)")
     bench.add_argument("--size", type=_size, default=_size("512MB"), help="state size (default 512MB)")

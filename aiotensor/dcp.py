@@ -337,4 +337,44 @@ class SafeFileSystemReader(FileSystemReader):
         return m
 
 
-__all__ = ["AiotensorReader", "AiotensorWriter", "SafeFileSystemReader", "dumps_metadata", "loads_metadata"]
+def reader_for(path: str | os.PathLike[str]) -> StorageReader:
+    """The reader for a DCP checkpoint folder: aiotensor's, or DCP's own without its pickle."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return AiotensorReader(path)
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return SafeFileSystemReader(path)
+    raise FileNotFoundError(f"{path}: not a DCP checkpoint (no {METADATA} or .metadata)")
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return any(os.path.isfile(os.path.join(os.fspath(path), n)) for n in (METADATA, ".metadata"))
+
+
+def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The whole state a DCP checkpoint holds, unsharded, in this process (no process group):
+    what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does, through
+    :func:`reader_for` (so no pickle runs). Memory: the whole state. Blocking."""
+    import warnings
+
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+        _load_state_dict(state, storage_reader=reader_for(path), planner=planner, no_dist=True)
+    return state
+
+
+__all__ = [
+    "AiotensorReader",
+    "AiotensorWriter",
+    "SafeFileSystemReader",
+    "dumps_metadata",
+    "is_checkpoint",
+    "load_full",
+    "loads_metadata",
+    "reader_for",
+]

@@ -129,7 +129,8 @@ def test_bench_writes_a_report_and_a_plot(tmp_path: Any, capsys: Any) -> None:
     out = tmp_path / "report.md"
     assert main(["bench", "--dir", str(tmp_path), "--size", "8MB", "--reps", "1", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "| aiotensor |" in text and "| torch.save |" in text and "| safetensors |" in text and "load / disk read" in text
+    assert "| aiotensor |" in text and "| torch.save |" in text and "| safetensors |" in text and "| dcp |" in text
+    assert "load / disk read" in text
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -138,3 +139,26 @@ def test_bench_writes_a_report_and_a_plot(tmp_path: Any, capsys: Any) -> None:
         png = tmp_path / "report.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "report.png" in text
     assert not [n for n in os.listdir(tmp_path) if n.startswith("aiotensor-bench-")], "the bench cleans up"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_dcp_checkpoints_inspect_verify_and_convert(tmp_path: Any, capsys: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from aiotensor.dcp import AiotensorWriter
+
+    w = {"model": {"w": torch.randn(8, 4), "b": torch.zeros(4)}}
+    dcp.save(w, storage_writer=AiotensorWriter(tmp_path / "ours" / "step-000000000001"))
+    dcp.save(w, checkpoint_id=tmp_path / "theirs")  # DCP's FileSystemWriter
+    capsys.readouterr()
+    for path in (tmp_path / "ours" / "step-000000000001", tmp_path / "theirs"):
+        code = main(["inspect", str(path), "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        doc = json.loads(captured.out)
+        assert doc["kind"] == "dcp" and doc["tensors"]["model.w"]["shape"] == [8, 4]
+        assert main(["verify", str(path)]) == 0
+        out = tmp_path / f"{path.name}.safetensors"
+        assert main(["convert", str(path), str(out)]) == 0
+        assert torch.equal(anyio.run(load_file, out)["model.w"], w["model"]["w"])
+        capsys.readouterr()
