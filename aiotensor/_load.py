@@ -43,6 +43,8 @@ async def load_checkpoint(
     """
     folder = os.fspath(folder)
     dev = _io.check_device(sched, device)
+    if await sched.call(_root.is_dcp_step, folder, priority=Priority.LOAD):
+        return await sched.call(_load_dcp, folder, into, dev, priority=Priority.LOAD)
     m: mf.Manifest
     m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)
     mpath = os.path.join(folder, _root.MANIFEST)
@@ -75,6 +77,39 @@ async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[_i
                     await _io.read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
             finally:
                 await _io.close(sched, fd)
+
+
+def _load_dcp(folder: str, into: Any, device: torch.device) -> Any:
+    """A checkpoint written through DCP by aiotensor (any number of ranks), assembled whole."""
+    from . import dcp  # torch.distributed: imported only for such a checkpoint
+
+    state = dcp.load_full(folder)
+    _, loaded = flatten(state)
+    if into is None:
+        return state if device.type == "cpu" else unflatten_to(state, device)
+    _, targets = flatten(into)
+    got = dict(loaded)
+    specs = {k: _spec_of(k, t) for k, t in got.items()}
+    _io.check_into(dict(targets), specs, (device.type,), "the checkpoint")
+    for k, t in targets:
+        t.detach().copy_(got[k])
+    return into
+
+
+def unflatten_to(state: Any, device: torch.device) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: unflatten_to(v, device) for k, v in state.items()}
+    return state
+
+
+def _spec_of(key: str, t: torch.Tensor) -> Any:
+    from ._dtypes import TORCH_TO_SAFETENSORS, file_shape
+    from .formats.safetensors import TensorSpec
+
+    dtype = TORCH_TO_SAFETENSORS[t.dtype]
+    return TensorSpec(key, dtype, file_shape(dtype, t.shape), 0, t.nbytes)
 
 
 def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.Manifest, dict[str, list[mf.Entry]]]:

@@ -162,7 +162,8 @@ def _check_step(
             return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(st.st_mode) else "not a folder"
         mst = os.lstat(os.path.join(folder, MANIFEST))
     except FileNotFoundError:
-        return "no manifest.json (not a checkpoint)"
+        return _check_dcp_step(engine, folder)
+
     except OSError as e:
         return f"cannot be read ({e.strerror})"
     key = _manifest_key(mst)
@@ -174,6 +175,27 @@ def _check_step(
         return e
     known[name] = (key, m.step)
     return None
+
+
+DCP_METADATA = ".metadata.json"
+
+
+def _check_dcp_step(engine: Engine, folder: str) -> str | Exception | None:
+    """None if ``folder`` is a checkpoint committed by :class:`aiotensor.dcp.AiotensorWriter` (its
+    sealed metadata is intact), else why not."""
+    path = os.path.join(folder, DCP_METADATA)
+    if not os.path.lexists(path):
+        return "no manifest.json (not a checkpoint)"
+    try:
+        data = read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the DCP metadata")
+        mf._check_checksum(data, path)
+    except (FormatError, OSError) as e:
+        return e
+    return None
+
+
+def is_dcp_step(folder: str) -> bool:
+    return not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isfile(os.path.join(folder, DCP_METADATA))
 
 
 def read_manifest(engine: Engine, folder: str, step: int | None = None) -> mf.Manifest:

@@ -235,8 +235,10 @@ class AiotensorWriter(StorageWriter):
 
 
 class AiotensorReader(StorageReader):
-    """A DCP ``StorageReader`` for checkpoints :class:`AiotensorWriter` wrote; any world size loads
-    them (DCP reshards by chunk). Every item's crc32c is verified as it is read."""
+    """A DCP ``StorageReader`` for checkpoints :class:`AiotensorWriter` wrote, and for TensorStore
+    steps (their tensors: ``dcp.load({"model": model.state_dict()},
+    storage_reader=AiotensorReader(store.path(step)))``); any world size loads them (DCP reshards by
+    chunk). Every item's crc32c is verified as it is read."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
@@ -248,10 +250,11 @@ class AiotensorReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+        if not os.path.lexists(os.path.join(self.path, METADATA)) and os.path.isfile(os.path.join(self.path, _root.MANIFEST)):
+            return _store_metadata(_root.read_manifest(PosixEngine(), self.path))
         path = os.path.join(self.path, METADATA)
-        return loads_metadata(
-            _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata"), path
-        )
+        raw = _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata")
+        return loads_metadata(raw, path)
 
     def set_up_storage_reader(self, metadata: md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -269,8 +272,11 @@ class AiotensorReader(StorageReader):
         for file, reqs in per_file.items():
             keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
 
-            async def read(file: str = file, keys: set[str] = keys) -> dict[str, torch.Tensor]:
-                async with stream(os.path.join(self.path, file), keys=keys) as s:
+            # a TensorStore step (file ""): read through its manifest, crc32c verified
+            source = os.path.join(self.path, file) if file else self.path
+
+            async def read(source: str = source, keys: set[str] = keys) -> dict[str, torch.Tensor]:
+                async with stream(source, keys=keys) as s:
                     return {name: t async for name, t in s}
 
             got = _run(read)
@@ -292,7 +298,26 @@ class AiotensorReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA))
+        folder = os.fspath(checkpoint_id)
+        return any(os.path.isfile(os.path.join(folder, n)) for n in (METADATA, _root.MANIFEST))
+
+
+def _store_metadata(m: mf.Manifest) -> md.Metadata:
+    """DCP's view of a TensorStore step: every tensor (aliases too) as one whole chunk; non-tensor
+    leaves of the state are not DCP items (load them with ``TensorStore.load``)."""
+    from ._dtypes import SAFETENSORS_TO_TORCH, torch_shape
+
+    sdm: dict[str, Any] = {}
+    storage: dict[md.MetadataIndex, dict[str, str]] = {}
+    keys = {k: k for k in m.entries} | dict(m.aliases)
+    for fqn, stored in keys.items():
+        spec = m.entries[stored].spec
+        shape = torch.Size(torch_shape(spec.dtype, spec.shape))
+        props = md.TensorProperties(dtype=SAFETENSORS_TO_TORCH[spec.dtype])
+        origin = torch.Size([0] * len(shape))
+        sdm[fqn] = md.TensorStorageMetadata(props, shape, [md.ChunkStorageMetadata(origin, shape)])
+        storage[md.MetadataIndex(fqn, origin)] = {"file": "", "key": fqn}
+    return md.Metadata(sdm, planner_data={k: tuple(k.split(".")) for k in sdm}, storage_data=storage)
 
 
 # --- existing FileSystemWriter checkpoints, without their pickle -----------------------------------

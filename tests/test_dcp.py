@@ -117,3 +117,31 @@ def test_dcp_async_save_through_aiotensor(tmp_path: Any) -> None:
     into = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "step": 0, "names": []}
     dcp.load(into, storage_reader=AiotensorReader(path))
     assert torch.equal(into["model"]["w"], s["model"]["w"]) and into["step"] == 3
+
+
+def test_a_store_and_dcp_open_each_others_checkpoints(tmp_path: Any) -> None:
+    import anyio
+
+    model = {"w": torch.randn(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}
+
+    async def save_with_store() -> None:
+        async with TensorStore(tmp_path) as store:
+            await store.save(1, {"model": model, "tied": model["w"], "step": 1})
+
+    anyio.run(save_with_store)
+    into = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "tied": torch.zeros(16, 8)}
+    dcp.load(into, storage_reader=AiotensorReader(tmp_path / "step-000000000001"))  # DCP reads a TensorStore step
+    assert torch.equal(into["model"]["w"], model["w"]) and torch.equal(into["tied"], model["w"])
+    assert torch.equal(into["model"]["b"], model["b"])
+    dcp.save({"model": model, "step": 2}, storage_writer=AiotensorWriter(tmp_path / "step-000000000002"))
+
+    async def load_with_store() -> None:
+        async with TensorStore(tmp_path, readonly=True) as store:
+            assert store.steps() == [1, 2]  # a DCP checkpoint is a committed step of the root
+            got = await store.load(2)
+            assert torch.equal(got["model"]["w"], model["w"]) and got["step"] == 2
+            target = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "step": 0}
+            await store.load(2, into=target)
+            assert torch.equal(target["model"]["w"], model["w"])
+
+    anyio.run(load_with_store)
