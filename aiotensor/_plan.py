@@ -48,7 +48,8 @@ def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",))
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         raise StateError(
             f"tensor {key!r} is a {type(t).__name__}, a tensor subclass that is not plain memory "
-            "(DTensor: .full_tensor() or the DCP storage layer; others: convert to a plain tensor)"
+            "(DTensor: open the store with distributed=True on every rank, or save .full_tensor(); "
+            "others: convert to a plain tensor)"
         )
     if t.device.type not in devices:
         raise StateError(f"tensor {key!r} is on {t.device}; this store handles {', '.join(devices)} tensors")

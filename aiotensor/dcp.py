@@ -150,15 +150,20 @@ class AiotensorWriter(StorageWriter):
     """A DCP ``StorageWriter``: ``dcp.save(state, storage_writer=AiotensorWriter("root/step-000000000100"))``.
 
     The folder's name should be a step folder of a TensorStore root (``step-`` + 12 digits) so that
-    its leftovers are cleaned like a TensorStore's; any name works for DCP itself.
+    its leftovers are cleaned like a TensorStore's; any name works for DCP itself. There the
+    coordinator also points ``latest`` at it (``latest=False``: left to the caller, as a distributed
+    :class:`~aiotensor.TensorStore` does, which also applies its retention). ``nbytes``: the bytes this
+    rank wrote.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, latest: bool = True) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.latest = latest
         self.is_coordinator = False
         self.rank = 0
-        self._tmp = ""  # the coordinator's temporary folder
+        self.nbytes = 0
+        self.tmp = ""  # the coordinator's temporary folder, once made
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -177,7 +182,7 @@ class AiotensorWriter(StorageWriter):
             raise errors.CheckpointExistsError(f"{self.path} exists already")
         root = os.path.dirname(os.path.abspath(self.path)) or "."
         os.makedirs(root, exist_ok=True)
-        tmp = self._tmp = os.path.join(root, _root.temp_name(os.path.basename(self.path)))
+        tmp = self.tmp = os.path.join(root, _root.temp_name(os.path.basename(self.path)))
         os.mkdir(tmp)
         return [dataclasses.replace(p, storage_data={"tmp": tmp, "prefix": f"__{i}_"}) for i, p in enumerate(plans)]
 
@@ -202,6 +207,7 @@ class AiotensorWriter(StorageWriter):
         async def write() -> None:
             await save_file(tensors, os.path.join(tmp, file))
 
+        self.nbytes = sum(t.nbytes for t in tensors.values())
         try:
             _run(write)
         except OSError as e:
@@ -211,13 +217,13 @@ class AiotensorWriter(StorageWriter):
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's file is durable: metadata, then the commit."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        tmp, root = self._tmp, os.path.dirname(os.path.abspath(self.path))
+        tmp, root = self.tmp, os.path.dirname(os.path.abspath(self.path))
         eng = PosixEngine()
         _write_durably(eng, os.path.join(tmp, METADATA), dumps_metadata(metadata))
         eng.sync_dir(tmp)
         eng.rename(tmp, self.path)
         eng.sync_dir(root)  # the commit point
-        if _root.parse_step(os.path.basename(self.path)) is not None:  # a TensorStore root: `latest`
+        if self.latest and _root.parse_step(os.path.basename(self.path)) is not None:  # a TensorStore root
             latest = os.path.join(root, _root.temp_name(_root.LATEST))
             _write_durably(eng, latest, (os.path.basename(self.path) + "\n").encode())
             eng.rename(latest, os.path.join(root, _root.LATEST))
@@ -229,6 +235,30 @@ class AiotensorWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _SafeBytes:
+    """``planner`` with its byte items unpickled only where torch's ``weights_only`` unpickler admits
+    them: DCP's ``DefaultLoadPlanner.load_bytes`` runs ``torch.load(weights_only=False)`` on whatever
+    bytes a checkpoint holds, so a hostile one could run code through any reader."""
+
+    def __init__(self, planner: LoadPlanner, path: str) -> None:
+        self._planner, self._path = planner, path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, req: Any, value: io.BytesIO) -> None:
+        data = value.getvalue() if isinstance(value, io.BytesIO) else value.read()
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:
+            raise errors.UnsafeFileError(
+                f"item {req.storage_index.fqn!r} is not a value torch.load(weights_only=True) admits "
+                f"({type(e).__name__}: {str(e)[:200]}); nothing was run",
+                self._path,
+            ) from None
+        self._planner.load_bytes(req, io.BytesIO(data))
 
 
 # --- the reader ------------------------------------------------------------------------------------
@@ -266,6 +296,7 @@ class AiotensorReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        planner = _SafeBytes(planner, self.path)  # type: ignore[assignment]
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)
@@ -344,7 +375,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader``, with ``.metadata`` unpickled by an allow-list of DCP's metadata
     classes only: a hostile pickle is :class:`~aiotensor.errors.UnsafeFileError` and runs nothing.
-    (The ``.distcp`` data files are read by DCP with ``torch.load(weights_only=True)``.)"""
+    Byte items (non-tensor values) are admitted only if ``torch.load(weights_only=True)`` loads them:
+    DCP's planner would unpickle them with ``weights_only=False``."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return super().read_data(plan, _SafeBytes(planner, os.fspath(self.path)))  # type: ignore[arg-type]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
         path = os.path.join(os.fspath(self.path), ".metadata")

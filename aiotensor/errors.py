@@ -34,6 +34,7 @@ __all__ = [
     "AiotensorError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "DistributedError",
     "ChecksumError",
     "FormatError",
     "HeaderError",
@@ -128,6 +129,13 @@ class StoreClosedError(AiotensorError, RuntimeError):
 
 class SaveFailedError(AiotensorError, RuntimeError):
     """A background save failed and its handle was never awaited; ``__cause__`` is the failure."""
+
+
+class DistributedError(AiotensorError, RuntimeError):
+    """A save or load under a process group failed on other ranks; ``failures`` maps each rank that
+    failed to what it raised (this rank's own failure is raised as itself instead)."""
+
+    failures: dict[int, BaseException]
 
 
 def annotate_oserror(exc: OSError, what: str) -> OSError:

@@ -38,6 +38,7 @@ from .engines import Engine
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    DistributedError,
     ReadOnlyStoreError,
     SaveCancelledError,
     SaveFailedError,
@@ -105,10 +106,27 @@ class TensorStore:
         reserve: a state like the ones you will save (or its size in bytes): ``open()`` starts
             mapping and touching a staging arena for it in the background, so the first save's
             ``staged`` does not pay for the page faults (a save that comes sooner waits for it).
+        distributed: ``True`` (the default process group) or a ``ProcessGroup``: every rank of the
+            group opens the store on the same root (a shared file system) and calls ``save``,
+            ``load(into=)`` and ``close`` together; see "Under a process group" below.
 
     Tensors sharing memory: keys that are the very same view of one storage (tied weights) are
     stored once; ``load()`` gives them back as one tensor object, and ``load(into=...)`` fills
     each target. Partly overlapping views are stored separately and come back unshared.
+
+    Under a process group (``distributed=``, ``torch.distributed`` initialized): the group's rank 0
+    is the root's writer (it takes the lock, cleans leftovers, moves ``latest`` and applies
+    ``keep_last``); the other ranks write only their own files. ``save`` hands the state (DTensor,
+    FSDP and ShardedTensor shards, plain tensors, non-tensor values) to
+    ``torch.distributed.checkpoint``: each rank stages its shards to CPU memory (``staged``), writes
+    one safetensors file with a crc32c per item, and rank 0 commits the step once, after every
+    rank's file is durable. ``load(into=)`` fills each rank's sharded ``into`` through DCP, which
+    reshards, so a different world size loads it. ``load()`` without ``into`` gives each rank the
+    whole state. A failure on any rank fails the save on every rank (this rank's own error raised as
+    itself, another rank's as :class:`~aiotensor.errors.DistributedError` naming it) and commits
+    nothing. A rank that dies makes the others fail as soon as the backend notices, at the latest
+    after the process group's timeout (``init_process_group(timeout=...)``). Collectives cannot be
+    abandoned half-way: cancelling such a save or load waits for it to end on this rank.
 
     What a committed step is: a folder named exactly ``step-`` + 12 ASCII digits, a real folder
     (not a symbolic link), holding a valid manifest that names the same step. Anything else in the
@@ -130,6 +148,7 @@ class TensorStore:
         max_staged: int = 2,
         verify: bool = True,
         reserve: Any = None,
+        distributed: Any = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -149,6 +168,12 @@ class TensorStore:
         self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None)
         self.ignored: dict[str, str] = {}  # names in the root that are not committed steps, and why
         self._errors: dict[str, Exception] = {}  # of those, the ones whose manifest failed to load
+        if distributed is not False and readonly:
+            raise ValueError("a distributed store writes: readonly=True and distributed= do not go together")
+        self.distributed = distributed
+        self._group: Any = None  # set by open() when distributed
+        self._saver: Any = None  # its _dist.Saver
+        self._collective = anyio.Lock()  # one save or load of the group's at a time, in call order
         self._lock = None if readonly else _root.WriterLock(self.root)
         self._known: dict[str, Any] = {}  # manifests already validated, by folder name
         self._committed: set[int] = set()
@@ -194,6 +219,9 @@ class TensorStore:
         if self._open:
             raise RuntimeError("store is already open")
         self._commit_lock = anyio.Lock()
+        if self.distributed is not False:
+            await self._open_distributed()
+            return
         try:
             if self._lock is None:
                 if not await self._call(os.path.isdir, self.root, what=f"opening {self.root}"):
@@ -213,6 +241,38 @@ class TensorStore:
         self._open = True
         if self.reserve is not None and not self.readonly:
             self._start(self._reserve)
+
+    async def _open_distributed(self) -> None:
+        """Rank 0 opens as the writer; every rank learns whether it could, then lists the root."""
+        from . import _dist
+
+        group, rank, _ = _dist.group_of(self.distributed)
+        if rank != 0:
+            self._lock = None  # only rank 0 locks, cleans and commits
+        problem: BaseException | None = None
+        if rank == 0:
+            try:
+                await self._call(os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
+                await self._take_lock()
+                for name in (await self._list()).leftovers:
+                    await self._try(functools.partial(self._remove, name), None, f"removing {name}, left by an interrupted save")
+                await self._try(self._sync_latest, None, "repairing `latest`")
+            except Exception as e:
+                problem = e
+        try:
+            mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
+            text = await anyio.to_thread.run_sync(_dist.share_outcome, mine, group)
+            if problem is not None:
+                raise problem
+            if text:
+                raise DistributedError(f"rank 0 could not open {self.root} as its writer: {text}")
+            await self._list()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._release()
+            raise
+        self._group, self._saver = group, _dist.Saver(group)
+        self._open = True
 
     async def _reserve(self) -> None:
         """Map and touch a staging arena for ``reserve`` (the pool keeps it for the first save)."""
@@ -285,6 +345,8 @@ class TensorStore:
         def release() -> None:
             self.staging.close()
             self.scheduler.close()
+            if self._saver is not None:
+                self._saver.close()
             if self._lock is not None:
                 self._lock.release()
 
@@ -406,7 +468,7 @@ class TensorStore:
     def _check_writable(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
-        if self._lock is None:
+        if self.readonly:
             raise ReadOnlyStoreError(f"this store of {self.root} was opened with readonly=True: it cannot save or delete")
 
     def _start(self, fn: Callable[[], Awaitable[None]]) -> None:
@@ -449,6 +511,8 @@ class TensorStore:
     async def _save(
         self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
     ) -> None:
+        if self._saver is not None:
+            return await self._save_distributed(h, state)
         t0 = anyio.current_time()
         plan: SavePlan
         sources: dict[str, torch.Tensor]
@@ -468,6 +532,28 @@ class TensorStore:
             h.commit_seconds = anyio.current_time() - t0
         finally:
             self.staging.release(arena)
+
+    async def _save_distributed(self, h: SaveHandle, state: Any) -> None:
+        """A save under the process group (see the class): DCP plans, aiotensor writes, rank 0 commits."""
+        t0, what = anyio.current_time(), f"saving step {h.step} in {self.root}"
+        with anyio.CancelScope(shield=True):  # collectives cannot be left half-way
+            async with self._collective:
+                staged = await anyio.to_thread.run_sync(self._saver.stage, state, what)
+                del state
+                h.stage_seconds = anyio.current_time() - t0
+                h._staged_event.set()
+                h.nbytes = await anyio.to_thread.run_sync(self._saver.write, staged, self.path(h.step), what)
+            h.commit_seconds = anyio.current_time() - t0
+            assert self._commit_lock is not None
+            async with self._commit_lock:
+                h.committed = True
+                self._committed.add(h.step)
+                if self._lock is not None:  # rank 0, the root's writer
+                    log.info("%s: committed step %d (rank 0 wrote %d bytes)", self.root, h.step, h.nbytes)
+                    await self._try(self._sync_latest, h, "updating `latest`")
+                    await self._try(self._retain, h, "retiring old steps")
+                elif self.keep_last is not None:  # rank 0 retires them
+                    self._committed.difference_update(self.steps()[: -self.keep_last])
 
     async def _write(self, h: SaveHandle, plan: SavePlan, arena: Any, pieces: Any, prio: int) -> None:
         final = self.path(h.step)
@@ -690,6 +776,8 @@ class TensorStore:
         self._busy.add(done)
         try:
             verify = self.verify if verify is None else verify
+            if self._saver is not None and into is not None:
+                return await self._load_distributed(step, into)
             return await load_checkpoint(
                 self.scheduler,
                 self.path(step),
@@ -711,6 +799,15 @@ class TensorStore:
             self._readers[step] -= 1
             self._busy.discard(done)
             done.set()
+
+    async def _load_distributed(self, step: int, into: Any) -> Any:
+        from . import _dist
+
+        what = f"loading step {step} from {self.root}"
+        with anyio.CancelScope(shield=True):  # collectives cannot be left half-way
+            async with self._collective:
+                await anyio.to_thread.run_sync(_dist.load, into, self.path(step), self._group, what)
+        return into
 
     async def info(self, step: int | None = None) -> dict[str, TensorInfo]:
         """Names, dtypes, shapes and sizes of a committed step's tensors (default: the newest), from

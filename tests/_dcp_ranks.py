@@ -1,44 +1,135 @@
-"""Ranks for tests/test_dcp.py: ``python -m tests._dcp_ranks ROLE PATH WORLD`` under torch.multiprocessing."""
+"""Ranks for tests/test_dcp.py: ``python -m tests._dcp_ranks PATH WORLD PORT MODE [OUT]``.
+
+Each rank is a spawned process of its own (not ``mp.spawn``, which kills the survivors as soon as
+one rank dies: the SIGKILL test needs to see what the survivors do). Each rank writes what it saw
+to ``OUT/rank-R.json``; the exit status is 0 only if every rank exited 0.
+
+Modes: ``ok``/``fail`` (DCP with AiotensorWriter), ``store`` (a TensorStore under the group: saves,
+retention, a resharding load), ``load`` (WORLD ranks load the ``store`` root into their shards),
+``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import time
+import traceback
 import warnings
 from datetime import timedelta
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-
-from aiotensor.dcp import AiotensorWriter
 
 ROWS, COLS = 8, 6
+TIMEOUT = 20  # the process group's: a rank that dies fails the others within this
 
 
-def full() -> torch.Tensor:
-    return torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS)
+def full(step: int = 0) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS) + step
 
 
-def rank_main(rank: int, world: int, path: str, port: int, fail: bool) -> None:
+def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) -> None:
+    import anyio
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from aiotensor import TensorStore
+    from aiotensor.dcp import AiotensorWriter
+
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+    mesh = init_device_mesh("cpu", (world,))
+    report: dict[str, Any] = {"rank": rank}
 
-        mesh = init_device_mesh("cpu", (world,))
-        state = {"w": distribute_tensor(full(), mesh, [Shard(0)]), "b": torch.ones(3) * 7, "step": 5}
-        writer = AiotensorWriter(path)
-        if fail and rank == 1:
-            writer.write_data = lambda plan, planner: (_ for _ in ()).throw(OSError(28, "injected: no space left"))  # type: ignore[method-assign]
-        dcp.save(state, storage_writer=writer)
+    def sharded(step: int) -> dict[str, Any]:
+        return {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "b": torch.ones(3) * step, "step": step}
+
+    def fail_writes(exc: BaseException | None) -> None:
+        def write_data(self: Any, plan: Any, planner: Any) -> Any:
+            if exc is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise exc  # type: ignore[misc]
+
+        AiotensorWriter.write_data = write_data  # type: ignore[method-assign]
+
+    async def with_store() -> None:
+        async with TensorStore(path, distributed=True, keep_last=2) as store:
+            if mode == "store":
+                for step in (1, 2, 3):
+                    h = store.save(step, sharded(step))
+                    await h.staged
+                    await h
+                report["steps"] = store.steps()
+                into = sharded(0)
+                await store.load(into=into)
+                report["loaded_ok"] = bool(torch.equal(into["w"].full_tensor(), full(3))) and into["step"] == 3
+                report["whole_ok"] = bool(torch.equal((await store.load())["w"], full(3)))
+            elif mode == "load":
+                into = sharded(0)
+                await store.load(3, into=into)
+                report["rows"] = into["w"].to_local().shape[0]  # this rank's share: 3, 3, 2 of 8
+                report["loaded_ok"] = bool(torch.equal(into["w"].full_tensor(), full(3))) and into["step"] == 3
+            else:
+                await store.save(1, sharded(1))
+                if rank == 1:
+                    fail_writes(OSError(28, "injected: no space left") if mode == "store-fail" else None)
+                t = time.monotonic()
+                try:
+                    await store.save(2, sharded(2))
+                except BaseException as e:
+                    report["error"] = f"{type(e).__name__}: {e}"
+                    report["notes"] = getattr(e, "__notes__", [])
+                    report["seconds"] = time.monotonic() - t
+                    report["steps"] = store.steps()
+                    if mode == "kill":
+                        return  # the group is broken: leaving the store must not need it
+                    raise
+
+    try:
+        if mode in ("ok", "fail"):
+            if mode == "fail" and rank == 1:
+                fail_writes(OSError(28, "injected: no space left"))
+            dcp.save(sharded(5) | {"b": torch.ones(3) * 7}, storage_writer=AiotensorWriter(path))
+        else:
+            anyio.run(with_store)
+    except BaseException:
+        report["traceback"] = traceback.format_exc()[-3000:]
+        raise
     finally:
-        dist.destroy_process_group()
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+            json.dump(report, f)
+        if mode != "kill":
+            dist.destroy_process_group()
+
+
+def _run_rank(rank: int, world: int, path: str, port: int, mode: str, out: str) -> None:
+    try:
+        rank_main(rank, world, path, port, mode, out)
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
-    path, world, port, fail = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "fail"
-    mp.spawn(rank_main, args=(world, path, port, fail), nprocs=world, join=True)
+    import multiprocessing as mp
+
+    path, world, port, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    out = sys.argv[5] if len(sys.argv) > 5 else os.path.dirname(os.path.abspath(path))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_run_rank, args=(r, world, path, port, mode, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT * 4)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    print(json.dumps({"exitcodes": codes}))
+    sys.exit(0 if all(c == 0 for c in codes) else 1)

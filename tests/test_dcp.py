@@ -3,6 +3,7 @@ metadata, and DCP's own FileSystemWriter checkpoints read without running their 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
@@ -56,12 +57,69 @@ def test_a_corrupt_item_is_named(tmp_path: Any) -> None:
         dcp.load({"w": torch.zeros(1000)}, storage_reader=AiotensorReader(path))
 
 
-def _spawn(path: Any, world: int, mode: str) -> subprocess.CompletedProcess[str]:
+def _spawn(path: Any, world: int, mode: str, out: Any = None) -> subprocess.CompletedProcess[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tests._dcp_ranks", str(path), str(world), str(port), mode]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
+        cmd.append(str(out))
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+
+
+def _reports(out: Any, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def test_a_store_under_a_process_group_saves_sharded_state_and_3_ranks_load_what_2_saved(tmp_path: Any) -> None:
+    root = tmp_path / "root"
+    r = _spawn(root, 2, "store", tmp_path / "two")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rep in _reports(tmp_path / "two", 2):  # 3 saves with keep_last=2; sharded and whole loads
+        assert rep == {"rank": rep["rank"], "steps": [2, 3], "loaded_ok": True, "whole_ok": True}
+    names = sorted(os.listdir(root))
+    assert names == [".aiotensor.lock", "latest", "step-000000000002", "step-000000000003"]
+    assert (root / "latest").read_text().strip() == "step-000000000003"
+    assert sorted(os.listdir(root / "step-000000000003")) == [".metadata.json", "__0_data.safetensors", "__1_data.safetensors"]
+
+    async def one_process() -> None:  # a plain store, no process group: the whole state
+        async with TensorStore(root, readonly=True) as store:
+            got = await store.load()
+            assert torch.equal(got["w"], full(3)) and torch.equal(got["b"], torch.ones(3) * 3) and got["step"] == 3
+
+    import anyio
+
+    anyio.run(one_process)
+    r = _spawn(root, 3, "load", tmp_path / "three")  # resharded: rows 3, 3, 2
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [(rep["rows"], rep["loaded_ok"]) for rep in _reports(tmp_path / "three", 3)] == [(3, True), (3, True), (2, True)]
+
+
+@pytest.mark.parametrize("mode", ["store-fail", "kill"])
+def test_a_rank_that_fails_or_dies_mid_save_fails_the_others_and_commits_nothing(tmp_path: Any, mode: str) -> None:
+    root, out = tmp_path / "root", tmp_path / "out"
+    r = _spawn(root, 2, mode, out)
+    assert r.returncode != 0
+    reps = {rep["rank"]: rep for rep in _reports(out, 2 if mode == "store-fail" else 1)}
+    if mode == "store-fail":  # rank 1 raises its own error; rank 0 is told which rank failed and why
+        assert reps[1]["error"] == "OSError: [Errno 28] injected: no space left"
+        assert reps[0]["error"].startswith("DistributedError: saving step 2 in ")
+        assert reps[0]["error"].endswith("failed: rank 1: OSError: [Errno 28] injected: no space left")
+    else:  # rank 1 was SIGKILLed while writing: rank 0 fails well within the group's timeout
+        assert "rank 1" not in reps and reps[0]["error"].startswith("DistributedError: saving step 2")
+        assert reps[0]["seconds"] < 20
+    assert all(rep["steps"] == [1] for rep in reps.values())
+    assert sorted(os.listdir(root)) == [".aiotensor.lock", "latest", "step-000000000001"]  # no half-written step
+    assert (root / "latest").read_text().strip() == "step-000000000001"
+
+    async def previous_loads() -> None:
+        async with TensorStore(root) as store:
+            assert store.steps() == [1] and torch.equal((await store.load())["w"], full(1))
+
+    import anyio
+
+    anyio.run(previous_loads)
 
 
 def test_two_ranks_save_a_sharded_tensor_and_one_process_loads_it(tmp_path: Any) -> None:
@@ -71,7 +129,7 @@ def test_two_ranks_save_a_sharded_tensor_and_one_process_loads_it(tmp_path: Any)
     assert sorted(os.listdir(path)) == [".metadata.json", "__0_data.safetensors", "__1_data.safetensors"]
     into = {"w": torch.zeros(8, 6), "b": torch.zeros(3), "step": 0}
     dcp.load(into, storage_reader=AiotensorReader(path))  # resharded: 2 row shards into one tensor
-    assert torch.equal(into["w"], full()) and torch.equal(into["b"], torch.ones(3) * 7) and into["step"] == 5
+    assert torch.equal(into["w"], full(5)) and torch.equal(into["b"], torch.ones(3) * 7) and into["step"] == 5
     # a rank that fails mid-save: every rank fails, nothing is committed
     failed = tmp_path / "root" / "step-000000000006"
     r = _spawn(failed, 2, "fail")
@@ -107,6 +165,23 @@ def test_dcp_file_system_checkpoints_are_read_without_their_pickle(tmp_path: Any
     with pytest.raises(UnsafeFileError):  # called directly, it is ours
         SafeFileSystemReader(tmp_path / "fs").read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("writer", ["filesystem", "aiotensor"])
+def test_a_pickled_byte_item_that_would_run_code_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    # DCP stores non-tensor values with torch.save and its planner loads them with weights_only=False
+    warnings.simplefilter("ignore")
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "ckpt"
+    w = AiotensorWriter(path) if writer == "aiotensor" else None
+    dcp.save({"x": Evil(), "ok": {"lr": 0.1}}, checkpoint_id=None if w else path, storage_writer=w)
+    reader = AiotensorReader(path) if w else SafeFileSystemReader(path)
+    with pytest.raises(CheckpointException, match="UnsafeFileError.*item 'x' is not a value torch.load.weights_only=True"):
+        dcp.load({"x": None, "ok": {"lr": 0.0}}, storage_reader=reader)
+    assert not (tmp_path / "pwned").exists()
+    into: dict[str, Any] = {"ok": {"lr": 0.0}}
+    dcp.load(into, storage_reader=reader)  # plain values still load
+    assert into == {"ok": {"lr": 0.1}}
 
 
 def test_dcp_async_save_through_aiotensor(tmp_path: Any) -> None:

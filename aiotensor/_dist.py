@@ -1,0 +1,145 @@
+"""TensorStore under a process group: saves and loads delegated to torch.distributed.checkpoint with
+aiotensor as its storage (:mod:`aiotensor.dcp`). Everything here blocks (collectives): the store
+calls it in threads of its own, never on the loop thread and never in the scheduler's workers.
+
+Imported only by stores opened with ``distributed=``, so plain users never import torch.distributed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .engines.posix import PosixEngine
+from .errors import DistributedError
+
+
+def group_of(distributed: Any) -> tuple[Any, int, int]:
+    """The process group (None: the default group), this process's rank in it and its size."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "TensorStore(distributed=...) needs torch.distributed initialized first "
+            "(torch.distributed.init_process_group, e.g. under torchrun)"
+        )
+    group = None if distributed is True else distributed
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _coordinator(group: Any) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def share_outcome(error: str, group: Any) -> str:
+    """Every rank gets the coordinator's ``error`` text ("" when it opened fine). Plain tensors, no pickle."""
+    src = _coordinator(group)
+    data = torch.frombuffer(bytearray(error.encode()[:4000] or b"\0"), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    dist.broadcast(size, src, group=group)
+    buf = data if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+class Saver:
+    """A rank's side of distributed saves: stage, agree, write. One save at a time (the store holds a
+    lock around each): the stager keeps its CPU copies between saves, as the store keeps arenas."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        opts = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                              use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
+        self.stager = DefaultStager(opts)
+
+    def stage(self, state: Any, what: str) -> Any:
+        """A CPU copy of this rank's part of ``state`` (DCP's stager: DTensor and ShardedTensor kept
+        as such). Every rank learns whether every other one could, before anyone starts writing: a
+        rank that failed here would otherwise leave the others waiting in DCP's first collective."""
+        try:
+            staged, problem = self.stager.stage(state), None
+        except Exception as e:
+            staged, problem = None, e
+        failed = agree(problem is not None, self.group)
+        if problem is not None:
+            if len(failed) > 1:
+                problem.add_note(f"{what} was abandoned on every rank; ranks {failed} could not stage their state")
+            raise problem
+        if failed:
+            raise DistributedError(f"{what} was abandoned: ranks {failed} could not stage their state")
+        return staged
+
+    def write(self, staged: Any, path: str, what: str) -> int:
+        """Write through :class:`~aiotensor.dcp.AiotensorWriter`; returns this rank's bytes once rank 0
+        committed the step (DCP's last collective carries the commit's outcome to every rank)."""
+        from .dcp import AiotensorWriter
+
+        writer = AiotensorWriter(path, latest=False)
+        try:
+            collective(lambda: dcp_save(staged, storage_writer=writer, process_group=self.group), what)
+        except BaseException as e:
+            if writer.tmp:  # rank 0, after every rank left write_data (or died): nothing writes there now
+                try:
+                    PosixEngine().remove_tree(writer.tmp)
+                except OSError as cleanup:
+                    e.add_note(f"clean-up could not remove the unfinished {writer.tmp} ({cleanup}); the next writer removes it")
+            raise
+        return writer.nbytes
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def agree(failed: bool, group: Any) -> list[int]:
+    """The group ranks for which ``failed`` is true, known to every rank."""
+    world = dist.get_world_size(group)
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32), group=group)
+    return [r for r, f in enumerate(flags) if f.item()]
+
+
+def load(into: Any, path: str, group: Any, what: str) -> None:
+    """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk."""
+    from .dcp import AiotensorReader
+
+    collective(lambda: dcp_load(into, storage_reader=AiotensorReader(path), process_group=group), what)
+
+
+def collective(fn: Callable[[], Any], what: str) -> None:
+    """Run DCP's ``fn`` with its errors made ordinary: see :func:`unwrap`; a rank that died or hung
+    shows up as the backend's error (at the latest after the group's timeout), raised as
+    :class:`DistributedError`."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's notices, once per call
+            fn()
+    except CheckpointException as e:
+        raise unwrap(e, what) from None
+    except RuntimeError as e:  # the backend's (DistBackendError, gloo's "Connection reset by peer")
+        raise DistributedError(f"{what} failed: another rank stopped answering ({str(e)[:300]})") from e
+
+
+def unwrap(exc: CheckpointException, what: str) -> BaseException:
+    """DCP's ``CheckpointException`` (a BaseException, which ``except Exception`` misses) as an
+    ordinary error: this rank's own failure as itself (noting the other ranks that failed), or a
+    :class:`DistributedError` naming the ranks that did and what they raised."""
+    failures: dict[int, Any] = dict(exc.failures)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    lines = {r: f"rank {r}: {type(e).__name__}: {e}"[:600] for r, (e, _tb) in sorted(failures.items())}
+    own = failures.get(me, (None, None))[0]
+    if isinstance(own, Exception):
+        if len(failures) > 1:
+            own.add_note(f"{what} also failed on " + "; ".join(ln for r, ln in lines.items() if r != me))
+        return own
+    err = DistributedError(f"{what} failed: " + "; ".join(lines.values()))
+    err.failures = {r: e for r, (e, _tb) in failures.items()}
+    return err
+
+
+__all__ = ["Saver", "agree", "group_of", "load", "share_outcome", "unwrap"]
