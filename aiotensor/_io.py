@@ -21,7 +21,7 @@ import torch
 from . import _checksum, cuda
 from ._dtypes import SAFETENSORS_TO_TORCH, torch_shape
 from ._plan import SavePlan, check_tensor
-from .buffers import PAGE, HostBuffer
+from .buffers import PAGE, HostBuffer, round_up
 from .errors import ChecksumError, FormatError, MismatchError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, Scheduler, run_concurrently
@@ -227,11 +227,27 @@ async def write_file(
     eng = sched.engine
     # thousands of ranges (save_file of many small tensors): cut them up in a thread
     direct, units, bounce, total = await sched.call(_write_units, sched, ranges, size, priority=priority)
+    blocks = None if direct or size is not None else await sched.call(_image_blocks, sched, ranges, priority=priority)
     try:
-        fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority)
+        fd = await sched.call(lambda: eng.create(path, direct=direct or blocks is not None), priority=priority)
     except OSError as e:
         raise annotate_oserror(e, f"creating {path}") from e
     try:
+
+        def assemble(slot: memoryview, block: _Block) -> None:
+            """Copy the block's pieces into a page-aligned slot and write it whole (O_DIRECT)."""
+            off, length, pieces = block
+            dst = np.frombuffer(slot, np.uint8, length)
+            if sum(len(mv) for _, mv in pieces) < length:  # padding past the end, or gaps
+                dst[:] = 0
+            for pos, mv in pieces:
+                dst[pos : pos + len(mv)] = np.frombuffer(mv, np.uint8)  # numpy copies without the GIL
+            buf = slot[:length]
+            while len(buf):
+                n = eng.pwrite(fd, buf, off)
+                if n <= 0:
+                    raise OSError(28, "no progress writing (disk full?)")
+                buf, off = buf[n:], off + n
 
         def run(slot: memoryview | None, u: tuple[int, memoryview | torch.Tensor]) -> None:
             off, src = u
@@ -246,7 +262,10 @@ async def write_file(
                     raise OSError(28, "no progress writing (disk full?)")
                 src, off = src[n:], off + n
 
-        if bounce:
+        if blocks is not None:
+            await sched.map(assemble, blocks, nbytes=lambda b: b[1], priority=priority, slot=True, io=True)
+            size = max(off + len(mv) for off, mv in ranges)  # the last block was written padded to whole pages
+        elif bounce:
             await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority, slot=True, io=True)
         else:
             await sched.map(functools.partial(run, None), units, nbytes=lambda u: len(u[1]), priority=priority, io=True)
@@ -308,6 +327,31 @@ def _write_units(
     ]
     bounce = any(isinstance(mv, torch.Tensor) and not sched.engine.handles_device(mv) for _, mv in units)
     return direct, units, bounce, sum(len(mv) for _, mv in ranges) if size is None else size
+
+
+_Block = tuple[int, int, list[tuple[int, memoryview]]]  # file offset, length (whole pages), (position, bytes)
+_IMAGE_MIN = 4 << 20
+
+
+def _image_blocks(sched: Scheduler, ranges: Sequence[tuple[int, memoryview | torch.Tensor]]) -> list[_Block] | None:
+    """For a file of host ranges that are not page-aligned (``save_file``'s tensors, wherever torch
+    allocated them): slot-sized blocks of the file to assemble in page-aligned bounce slots and
+    write with O_DIRECT. Bypassing the page cache is what makes a durable write fast (on the VM
+    this was measured on, fio wrote 1.0 GB/s with O_DIRECT and 0.24 GB/s buffered + fsync); the
+    price is one memory copy, which the kernel would make into the page cache anyway. None for
+    small files and many small tensors (not worth the Python work per piece), and for device
+    memory (its own path)."""
+    if any(isinstance(mv, torch.Tensor) for _, mv in ranges):
+        return None
+    end = max((off + len(mv) for off, mv in ranges), default=0)
+    if end < _IMAGE_MIN or end < len(ranges) * (256 << 10):
+        return None
+    step = sched.slots.slot_bytes
+    pieces: dict[int, list[tuple[int, memoryview]]] = {}
+    for off, mv in ranges:
+        for a, b in _pieces(len(mv), step, start=off):
+            pieces.setdefault((off + a) // step, []).append(((off + a) % step, mv[a:b]))  # type: ignore[arg-type]
+    return [(k * step, min(step, round_up(end - k * step)), ps) for k, ps in sorted(pieces.items())]
 
 
 def _page_aligned(mv: memoryview) -> bool:
@@ -377,11 +421,16 @@ def new_tensor(spec: st.TensorSpec, device: torch.device) -> torch.Tensor:
 
 
 def check_into(
-    given: Mapping[str, torch.Tensor], specs: Mapping[str, st.TensorSpec], devices: tuple[str, ...], where: str
+    given: Mapping[str, torch.Tensor],
+    specs: Mapping[str, st.TensorSpec],
+    devices: tuple[str, ...],
+    where: str,
+    strict: bool = True,
 ) -> None:
-    """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
-    and shape on a device this machine handles; else MismatchError (StateError for the device)."""
-    missing, extra = sorted(set(specs) - set(given)), sorted(set(given) - set(specs))
+    """``given`` (``into``'s tensors) has exactly ``specs``' keys (``strict=False``: some of them),
+    each a tensor of its spec's dtype and shape on a device this machine handles; else
+    MismatchError (StateError for the device)."""
+    missing, extra = sorted(set(specs) - set(given)) if strict else [], sorted(set(given) - set(specs))
     if missing or extra:
         raise MismatchError(f"`into` does not match {where}: missing {_few(missing)}, unexpected {_few(extra)}")
     for k, t in given.items():

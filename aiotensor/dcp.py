@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from . import _root, errors
 from .engines.posix import PosixEngine
-from .files import save_file
+from .files import load_file, save_file
 from .formats import manifest as mf
 from .serving import stream
 
@@ -288,6 +288,7 @@ class AiotensorReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -295,11 +296,35 @@ class AiotensorReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _whole(self, req: Any, target: torch.Tensor) -> bool:
+        """Does ``req`` fill all of ``target`` from all of one stored item (same sharding as saved)?"""
+        if any(req.storage_offsets) or any(req.dest_offsets) or tuple(req.lengths) != tuple(target.shape):
+            return False
+        meta = self.metadata.state_dict_metadata.get(req.storage_index.fqn)
+        offset = req.storage_index.offset
+        chunks = getattr(meta, "chunks", [])
+        return target.is_contiguous() and any(c.offsets == offset and tuple(c.sizes) == tuple(target.shape) for c in chunks)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         planner = _SafeBytes(planner, self.path)  # type: ignore[assignment]
         per_file: dict[str, list[Any]] = {}
+        direct: dict[str, dict[str, tuple[Any, torch.Tensor]]] = {}  # file -> key -> (request, target)
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index]["file"], []).append(req)
+            info = self.storage_data[req.storage_index]
+            if info["file"] and req.type == LoadItemType.TENSOR:
+                target = planner.resolve_tensor(req).detach()
+                if self._whole(req, target) and info["key"] not in direct.get(info["file"], {}):
+                    direct.setdefault(info["file"], {})[info["key"]] = (req, target)
+                    continue
+            per_file.setdefault(info["file"], []).append(req)
+        for file, wanted in direct.items():  # straight into the targets: no copy, crc32c verified
+
+            async def fill(path: str = os.path.join(self.path, file), wanted: dict[str, Any] = wanted) -> None:
+                await load_file(path, into={k: t for k, (_, t) in wanted.items()}, strict=False)
+
+            _run(fill)
+            for req, target in wanted.values():
+                planner.commit_tensor(req, target)
         for file, reqs in per_file.items():
             keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
 

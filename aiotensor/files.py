@@ -205,11 +205,13 @@ async def load_file(
     into: Mapping[str, torch.Tensor] | None = None,
     device: str | torch.device = "cpu",
     verify: bool = True,
+    strict: bool = True,
     scheduler: Scheduler | None = None,
     progress: ProgressCallback | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
     ``into`` (whose tensors may be on CUDA; parameters that require grad are filled in place).
+    ``strict=False`` lets ``into`` name some of the file's tensors: only those are read.
 
     The header is validated completely before anything is allocated. A file written by aiotensor
     carries a crc32c per tensor: each is verified (unless ``verify=False``), so a flipped bit or a
@@ -234,8 +236,8 @@ async def load_file(
         dev = _io.check_device(sched, device)
         fd, layout = await _open_layout(sched, path)
         try:
-            dest, targets = await sched.call(_targets, sched, layout, path, into, dev, verify, priority=Priority.LOAD)
-            with reporting(layout.file_size - layout.data_start, progress):
+            dest, targets = await sched.call(_targets, sched, layout, path, into, dev, verify, strict, priority=Priority.LOAD)
+            with reporting(sum(t.spec.nbytes for t in targets), progress):
                 await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
         finally:
             await _io.close(sched, fd)
@@ -243,14 +245,20 @@ async def load_file(
 
 
 def _targets(
-    sched: Scheduler, layout: st.Layout, path: str, into: Mapping[str, torch.Tensor] | None, dev: torch.device, verify: bool
+    sched: Scheduler,
+    layout: st.Layout,
+    path: str,
+    into: Mapping[str, torch.Tensor] | None,
+    dev: torch.device,
+    verify: bool,
+    strict: bool = True,
 ) -> tuple[dict[str, torch.Tensor], list[_io.Target]]:
     """The tensors to fill (in ``into``'s order, or the file's) and a read target for each."""
     crcs = _checksums(layout, path) if verify else None
     if into is None:
         dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors}
     else:
-        _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}")
+        _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", strict)
         dest = dict(into)
-    targets = [_io.Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors]
+    targets = [_io.Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
     return dest, targets

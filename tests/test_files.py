@@ -115,3 +115,28 @@ async def test_load_file_to_a_device_this_machine_lacks_is_a_clear_error(tmp_pat
             await aiotensor.load_file(path, device="cuda")
         with pytest.raises(StateError, match="'a'"):
             await aiotensor.save_file({"a": torch.ones(3, device="meta")}, path)
+
+
+async def test_big_tensors_are_written_in_page_aligned_blocks_bypassing_the_page_cache(tmp_path: Any) -> None:
+    # tensors wherever torch put them (not page-aligned), odd sizes: assembled into aligned slots
+    t = {f"w{i}": torch.randn(1000 + i, 777) for i in range(4)} | {"tail": torch.randn(3), "i8": torch.ones(5, dtype=torch.int8)}
+    eng = aiotensor.FaultyEngine()
+    sched = aiotensor.Scheduler(eng, chunk_bytes=1 << 20)
+    path = tmp_path / "big.safetensors"
+    try:
+        await aiotensor.save_file(t, path, scheduler=sched)
+    finally:
+        sched.close()
+    creates = [op for op in eng.ops if op[0] == "create"]
+    assert len(creates) == 1 and creates[0][2] is True  # O_DIRECT asked for
+    writes = [op for op in eng.ops if op[0] == "pwrite"]
+    assert all(off % 4096 == 0 and n % 4096 == 0 for _, _, off, n in writes)
+    assert_state_equal(t, st_load(str(path)))  # the real safetensors reads every byte back
+    info = await aiotensor.read_header(path)
+    assert os.path.getsize(path) == info.file_size  # the padded last block was cut off
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert info.file_size == 8 + header_len + sum(v.nbytes for v in t.values())
+    got = await aiotensor.load_file(path, into={"tail": torch.zeros(3)}, strict=False)  # only what is asked for
+    assert list(got) == ["tail"] and torch.equal(got["tail"], t["tail"])
+    with pytest.raises(MismatchError, match="missing"):
+        await aiotensor.load_file(path, into={"tail": torch.zeros(3)})
