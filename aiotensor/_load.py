@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _io, _root
+from . import _gil, _io, _root
 from .errors import ManifestError
 from .formats import manifest as mf
 from .formats.tree import flatten, unflatten
@@ -120,6 +120,7 @@ def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.
     return m, by_shard
 
 
+@_gil.quiet_gc
 def _targets(
     m: mf.Manifest,
     by_shard: dict[str, list[mf.Entry]],
@@ -136,6 +137,7 @@ def _targets(
     return dest, targets
 
 
+@_gil.quiet_gc
 def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str) -> Any:
     """Fill the aliases and rebuild the state tree."""
     for alias, target in m.aliases.items():

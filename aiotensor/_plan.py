@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import _gil
 from ._dtypes import PACKED, TORCH_TO_SAFETENSORS, file_shape
 from .buffers import round_up
 from .errors import StateError
@@ -71,6 +72,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
+@_gil.quiet_gc
 def plan_save(
     state: Any, *, shard_bytes: int = 4 << 30, devices: tuple[str, ...] = ("cpu",)
 ) -> tuple[SavePlan, dict[str, torch.Tensor]]:

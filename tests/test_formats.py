@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Any
 
 import pytest
 import torch
@@ -280,3 +281,36 @@ def test_plan_refuses_unsupported_tensors() -> None:
         plan_save({"y": torch.ones(2, dtype=torch.complex128)})
     with pytest.raises(StateError, match="'z'.*meta"):
         plan_save({"z": torch.ones(2, device="meta")})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hs.recursive(
+        hs.none() | hs.booleans() | hs.integers() | hs.floats(allow_nan=False, allow_infinity=False) | hs.text(),
+        lambda inner: hs.lists(inner, max_size=40) | hs.dictionaries(hs.text(), inner, max_size=40),
+        max_leaves=400,
+    )
+)
+def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any) -> None:
+    from aiotensor import _gil
+
+    assert _gil.dumps(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def test_quiet_gc_pauses_the_collector_and_restores_it_nested() -> None:
+    import gc
+
+    from aiotensor import _gil
+
+    seen = []
+    inner = _gil.quiet_gc(lambda: seen.append(gc.isenabled()))
+    outer = _gil.quiet_gc(lambda: (inner(), seen.append(gc.isenabled())))
+    assert gc.isenabled()
+    outer()
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        outer()
+        assert not gc.isenabled()  # a collector the user turned off stays off
+    finally:
+        gc.enable()

@@ -9,13 +9,12 @@ change silently.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _checksum
+from .. import _checksum, _gil
 from .._dtypes import ITEMSIZE, nbytes_of
 from ..errors import ManifestError
 from .safetensors import TensorSpec, is_count, loads_json_object, shape_problem
@@ -47,6 +46,7 @@ class Manifest:
     aliases: Mapping[str, str]  # key -> key of the stored tensor it shares memory with
 
 
+@_gil.quiet_gc
 def dumps(m: Manifest) -> bytes:
     doc = {
         "format": FORMAT,
@@ -70,10 +70,11 @@ def dumps(m: Manifest) -> bytes:
     return seal(doc)
 
 
+@_gil.quiet_gc
 def seal(doc: dict[str, Any]) -> bytes:
     """Serialize a manifest document and append its checksum."""
     doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
-    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    raw = _gil.dumps(doc).encode()
     digits = len(raw) - len(_ZEROS) - 2  # the digits sit right before the closing '"}'
     return raw[:digits] + b"%08x" % _checksum.crc32c(raw) + raw[digits + len(_ZEROS) :]
 
@@ -93,6 +94,7 @@ def safe_shard_name(name: object) -> bool:
     return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None and ".." not in name
 
 
+@_gil.quiet_gc
 def loads(data: bytes, path: object) -> Manifest:
     """Validate a manifest completely before anything is allocated from it.
 

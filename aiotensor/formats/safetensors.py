@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _gil
 from .._dtypes import ITEMSIZE, nbytes_of, packing_problem
 from ..errors import HeaderError
 
@@ -55,6 +56,7 @@ def shape_problem(shape: object, dtype: str) -> str | None:
     return packing_problem(dtype, shape)
 
 
+@_gil.quiet_gc
 def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
     """Header bytes (length prefix included, padded with spaces to a multiple of 4096) and the layout.
 
@@ -71,7 +73,7 @@ def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[st
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         sizes.append(n)
         pos += n
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text = _gil.dumps(header).encode()
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
     blob = struct.pack("<Q", padded) + text + b" " * (padded - len(text))
@@ -116,6 +118,7 @@ class _Duplicate(Exception):
     pass
 
 
+@_gil.quiet_gc
 def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderError] | Any = HeaderError) -> dict[str, Any]:
     """Parse UTF-8 JSON that must be an object with unique keys; any failure is ``error``.
 
