@@ -376,6 +376,15 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parser(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """The options the newer benchmarks share: --reps, --dir (scratch folder), --out (results)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dir", default=f"/tmp/aiotensor-bench-{name}")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    return p
+
+
 def write_results(folder: str, name: str, text: str, res: dict[str, Any]) -> None:
     """The table as ``name.md`` and the raw figures as ``name.json`` in ``folder``."""
     os.makedirs(folder, exist_ok=True)

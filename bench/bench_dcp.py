@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu import evict, fio_limits, ratio_table, write_results
+from bench_cpu import evict, fio_limits, parser, ratio_table, write_results
 
 THREADS = (1, 2, 4)
 
@@ -191,12 +191,9 @@ def report(res: dict[str, Any], cmd: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, "dcp")
     p.add_argument("--gb", type=float, default=1.4)
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dir", default="/tmp/aiotensor-bench-dcp")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args()
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu import evict, fsync_path, nbytes, ratio_table, transformer_state, write_results
+from bench_cpu import evict, fsync_path, nbytes, parser, ratio_table, transformer_state, write_results
 
 import aiotensor
 
@@ -177,12 +177,9 @@ def report(res: dict[str, Any], cmd: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=3)
+    p = parser(__doc__, "http")
     p.add_argument("--small", action="store_true")
     p.add_argument("--idle-s", type=float, default=1.5)
-    p.add_argument("--dir", default="/tmp/aiotensor-bench-http")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args()
     res = asyncio.run(main_async(a))
     text = report(res, "python bench/bench_http.py " + " ".join(sys.argv[1:]))
