@@ -31,7 +31,7 @@ class Snapshotter:
     Policy when the disk cannot absorb a checkpoint per ``save`` call (every staging arena of the
     store — ``max_staged``, default 2 — belongs to a save that has not committed):
 
-    - ``"skip"`` (default): that ``save`` is skipped and returns None (counted in ``skipped``).
+    - ``"skip"`` (default, but see below): that ``save`` is skipped and returns None (counted in ``skipped``).
       The trainer never waits for the disk; checkpoints come as often as the disk can write them.
     - ``"wait"``: the save starts anyway and waits for an arena before it stages, so
       ``before_update`` holds the trainer until the disk has caught up with one save.
@@ -42,11 +42,23 @@ class Snapshotter:
     if the last ``save`` before it was skipped.
 
     A save that fails raises its error from the next ``save``, ``before_update`` or ``drain``.
+
+    Under a process group (a store opened with ``distributed=``) every rank must save the same
+    steps, and a rank cannot know whether another one would skip: the policy is then ``"wait"``
+    (the default there; ``"skip"`` is refused with ``ValueError``).
     """
 
-    def __init__(self, store: TensorStore, *, policy: Policy = "skip", background: bool = True) -> None:
-        if policy not in ("skip", "wait"):
+    def __init__(self, store: TensorStore, *, policy: Policy | None = None, background: bool = True) -> None:
+        if policy not in (None, "skip", "wait"):
             raise ValueError(f"policy must be 'skip' or 'wait', got {policy!r}")
+        distributed = store.distributed is not False
+        if policy is None:
+            policy = "wait" if distributed else "skip"
+        if distributed and policy == "skip":
+            raise ValueError(
+                "policy='skip' cannot be used with a distributed store: ranks deciding apart would "
+                "save different steps and wait for one another for ever; use policy='wait'"
+            )
         self.store = store
         self.policy = policy
         self.background = background

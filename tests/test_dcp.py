@@ -220,3 +220,52 @@ def test_a_store_and_dcp_open_each_others_checkpoints(tmp_path: Any) -> None:
             assert torch.equal(target["model"]["w"], model["w"])
 
     anyio.run(load_with_store)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Any) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_distributed_store_in_one_rank_saves_loads_and_snapshots_without_skipping(tmp_path: Any, one_rank_group: Any) -> None:
+    import anyio
+
+    from aiotensor import Snapshotter
+
+    async def main() -> None:
+        async with TensorStore(tmp_path / "root", distributed=True, keep_last=2) as store:
+            with pytest.raises(ValueError, match="policy='skip' cannot be used with a distributed store"):
+                Snapshotter(store, policy="skip")
+            snap = Snapshotter(store)  # "wait" under a process group: every rank saves every step
+            assert snap.policy == "wait"
+            for step in range(4):
+                await snap.before_update()
+                assert snap.save(step, {"w": torch.full((64, 64), float(step)), "step": step}) is not None
+            assert await snap.drain() == []
+            assert store.steps() == [2, 3] and store.latest() == 3
+            into = {"w": torch.zeros(64, 64), "step": 0}
+            await store.load(into=into)
+            assert torch.equal(into["w"], torch.full((64, 64), 3.0)) and into["step"] == 3
+            with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: nope"):
+                await store.load(into={"nope": torch.zeros(1)})  # DCP's own error, as itself (not a BaseException)
+
+    anyio.run(main)
+    with pytest.raises(ValueError, match="readonly=True and distributed= do not go together"):
+        TensorStore(tmp_path / "root", readonly=True, distributed=True)
+
+
+def test_a_distributed_store_needs_a_process_group(tmp_path: Any) -> None:
+    import anyio
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="needs torch.distributed initialized first"):
+            async with TensorStore(tmp_path / "root", distributed=True):
+                pass
+
+    anyio.run(main)
