@@ -36,7 +36,8 @@ def state_of(nbytes: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _drop_cache(path: str) -> None:
+def drop_cache(path: str) -> None:
+    """Drop a file's (or a folder's files') pages from the page cache (fsync'ed first)."""
     paths = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -67,7 +68,7 @@ def disk_limit(folder: str, nbytes: int) -> dict[str, float]:
     finally:
         os.close(fd)
     write = nbytes / (time.perf_counter() - t) / 1e9
-    _drop_cache(path)
+    drop_cache(path)
     t = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -173,7 +174,7 @@ async def _measure(
         t = time.perf_counter()
         written = await save()
         saves.append(time.perf_counter() - t)
-        await asyncio.to_thread(_drop_cache, written)
+        await asyncio.to_thread(drop_cache, written)
         ticker = _Ticker()
         task = asyncio.create_task(ticker.run())
         loads.append(await _timed(load))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,11 +225,15 @@ async def write_file(
     removes it: it lives in a temporary name).
     """
     eng = sched.engine
-    # thousands of ranges (save_file of many small tensors): cut them up in a thread
-    direct, units, bounce, total = await sched.call(_write_units, sched, ranges, size, priority=priority)
-    blocks = None if direct or size is not None else await sched.call(_image_blocks, sched, ranges, priority=priority)
+    # thousands of ranges (save_file of many small tensors): laid out in a thread
+    image = None if size is not None else await sched.call(_image_blocks, sched, ranges, priority=priority)
+    if image is None:
+        direct, units, bounce, total = await sched.call(_write_units, sched, ranges, size, priority=priority)
+    else:  # the last block is written padded to whole pages, then the file is cut to its size
+        size = total = image[1]
+        direct, units, bounce = True, [], False
     try:
-        fd = await sched.call(lambda: eng.create(path, direct=direct or blocks is not None), priority=priority)
+        fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority)
     except OSError as e:
         raise annotate_oserror(e, f"creating {path}") from e
     try:
@@ -242,12 +246,7 @@ async def write_file(
                 dst[:] = 0
             for pos, mv in pieces:
                 dst[pos : pos + len(mv)] = np.frombuffer(mv, np.uint8)  # numpy copies without the GIL
-            buf = slot[:length]
-            while len(buf):
-                n = eng.pwrite(fd, buf, off)
-                if n <= 0:
-                    raise OSError(28, "no progress writing (disk full?)")
-                buf, off = buf[n:], off + n
+            _write_all(eng.pwrite, fd, slot[:length], off)
 
         def run(slot: memoryview | None, u: tuple[int, memoryview | torch.Tensor]) -> None:
             off, src = u
@@ -255,16 +254,10 @@ async def write_file(
                 assert slot is not None
                 _copy(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, len(src))), src)
                 src = slot[: len(src)]
-            write = eng.pwrite_device if isinstance(src, torch.Tensor) else eng.pwrite
-            while len(src):
-                n = write(fd, src, off)  # type: ignore[arg-type]
-                if n <= 0:
-                    raise OSError(28, "no progress writing (disk full?)")
-                src, off = src[n:], off + n
+            _write_all(eng.pwrite_device if isinstance(src, torch.Tensor) else eng.pwrite, fd, src, off)
 
-        if blocks is not None:
-            await sched.map(assemble, blocks, nbytes=lambda b: b[1], priority=priority, slot=True, io=True)
-            size = max(off + len(mv) for off, mv in ranges)  # the last block was written padded to whole pages
+        if image is not None:
+            await sched.map(assemble, image[0], nbytes=lambda b: b[1], priority=priority, slot=True, io=True)
         elif bounce:
             await sched.map(run, units, nbytes=lambda u: len(u[1]), priority=priority, slot=True, io=True)
         else:
@@ -333,10 +326,21 @@ _Block = tuple[int, int, list[tuple[int, memoryview]]]  # file offset, length (w
 _IMAGE_MIN = 4 << 20
 
 
-def _image_blocks(sched: Scheduler, ranges: Sequence[tuple[int, memoryview | torch.Tensor]]) -> list[_Block] | None:
+def _write_all(write: Callable[[int, Any, int], int], fd: int, src: memoryview | torch.Tensor, off: int) -> None:
+    """``write(fd, bytes, offset)`` until all of ``src`` is written at ``off``."""
+    while len(src):
+        n = write(fd, src, off)
+        if n <= 0:
+            raise OSError(28, "no progress writing (disk full?)")
+        src, off = src[n:], off + n
+
+
+def _image_blocks(
+    sched: Scheduler, ranges: Sequence[tuple[int, memoryview | torch.Tensor]]
+) -> tuple[list[_Block], int] | None:
     """For a file of host ranges that are not page-aligned (``save_file``'s tensors, wherever torch
     allocated them): slot-sized blocks of the file to assemble in page-aligned bounce slots and
-    write with O_DIRECT. Bypassing the page cache is what makes a durable write fast (on the VM
+    write with O_DIRECT, and the file's size. Bypassing the page cache is what makes a durable write fast (on the VM
     this was measured on, fio wrote 1.0 GB/s with O_DIRECT and 0.24 GB/s buffered + fsync); the
     price is one memory copy, which the kernel would make into the page cache anyway. None for
     small files and many small tensors (not worth the Python work per piece), and for device
@@ -351,7 +355,7 @@ def _image_blocks(sched: Scheduler, ranges: Sequence[tuple[int, memoryview | tor
     for off, mv in ranges:
         for a, b in _pieces(len(mv), step, start=off):
             pieces.setdefault((off + a) // step, []).append(((off + a) % step, mv[a:b]))  # type: ignore[arg-type]
-    return [(k * step, min(step, round_up(end - k * step)), ps) for k, ps in sorted(pieces.items())]
+    return [(k * step, min(step, round_up(end - k * step)), ps) for k, ps in sorted(pieces.items())], end
 
 
 def _page_aligned(mv: memoryview) -> bool:

@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from . import _root, errors
 from .engines.posix import PosixEngine
-from .files import load_file, save_file
+from .files import load_file, own_scheduler, save_file
 from .formats import manifest as mf
 from .serving import stream
 
@@ -305,6 +305,22 @@ class AiotensorReader(StorageReader):
         chunks = getattr(meta, "chunks", [])
         return target.is_contiguous() and any(c.offsets == offset and tuple(c.sizes) == tuple(target.shape) for c in chunks)
 
+    @staticmethod
+    def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
+        """Hand ``req``'s part of the stored item ``t`` to the planner."""
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
+            return
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            t = t.narrow(dim, start, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != t.size():
+            raise errors.MismatchError(
+                f"{req.storage_index.fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}"
+            )
+        target.copy_(t)
+        planner.commit_tensor(req, target)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         planner = _SafeBytes(planner, self.path)  # type: ignore[assignment]
         per_file: dict[str, list[Any]] = {}
@@ -317,39 +333,26 @@ class AiotensorReader(StorageReader):
                     direct.setdefault(info["file"], {})[info["key"]] = (req, target)
                     continue
             per_file.setdefault(info["file"], []).append(req)
-        for file, wanted in direct.items():  # straight into the targets: no copy, crc32c verified
 
-            async def fill(path: str = os.path.join(self.path, file), wanted: dict[str, Any] = wanted) -> None:
-                await load_file(path, into={k: t for k, (_, t) in wanted.items()}, strict=False)
+        async def read() -> None:
+            """All of this rank's reads, on one scheduler, a file at a time: whole items straight
+            into their targets (no copy), the others streamed, then cut and copied; crc32c verified
+            either way."""
+            async with own_scheduler(None) as sched:
+                for file, wanted in direct.items():
+                    into = {k: t for k, (_, t) in wanted.items()}
+                    await load_file(os.path.join(self.path, file), into=into, strict=False, scheduler=sched)
+                    for req, target in wanted.values():
+                        planner.commit_tensor(req, target)
+                for file, reqs in per_file.items():
+                    keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
+                    source = os.path.join(self.path, file) if file else self.path  # "": a TensorStore step
+                    async with stream(source, keys=keys, scheduler=sched) as st:
+                        got = {name: t async for name, t in st}
+                    for req in reqs:
+                        self._fill(planner, req, got[self.storage_data[req.storage_index]["key"]])
 
-            _run(fill)
-            for req, target in wanted.values():
-                planner.commit_tensor(req, target)
-        for file, reqs in per_file.items():
-            keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
-
-            # a TensorStore step (file ""): read through its manifest, crc32c verified
-            source = os.path.join(self.path, file) if file else self.path
-
-            async def read(source: str = source, keys: set[str] = keys) -> dict[str, torch.Tensor]:
-                async with stream(source, keys=keys) as s:
-                    return {name: t async for name, t in s}
-
-            got = _run(read)
-            for req in reqs:
-                t = got[self.storage_data[req.storage_index]["key"]]
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
-                    continue
-                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                    t = t.narrow(dim, start, length)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != t.size():
-                    raise errors.MismatchError(
-                        f"{req.storage_index.fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}"
-                    )
-                target.copy_(t)
-                planner.commit_tensor(req, target)
+        _run(read)
         return _done(None)
 
     @classmethod

@@ -86,7 +86,7 @@ async def save_file(
         raise StateError("metadata must map str to str")
     if metadata is not None and CRC_KEY in metadata:
         raise StateError(f"metadata key {CRC_KEY!r} is aiotensor's own (the per-tensor checksums)")
-    async with _scheduler(scheduler) as sched:
+    async with own_scheduler(scheduler) as sched:
         # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
         entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
         await _io.wait_for_streams(sched, [t for _, _, t in entries])
@@ -140,7 +140,7 @@ def _ranges(
 
 
 @asynccontextmanager
-async def _scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
+async def own_scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
     """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end."""
     if given is not None:
         yield given
@@ -191,7 +191,7 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
     Cancellation: returns once the header read has stopped; nothing is left open.
     """
     path = os.fspath(path)
-    async with _scheduler(scheduler) as sched:
+    async with own_scheduler(scheduler) as sched:
         fd, layout = await _open_layout(sched, path)
         await _io.close(sched, fd)
         crcs = _checksums(layout, path)
@@ -232,7 +232,7 @@ async def load_file(
     Cancellation: returns once no worker thread writes into the tensors.
     """
     path = os.fspath(path)
-    async with _scheduler(scheduler) as sched:
+    async with own_scheduler(scheduler) as sched:
         dev = _io.check_device(sched, device)
         fd, layout = await _open_layout(sched, path)
         try:

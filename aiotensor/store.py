@@ -226,14 +226,9 @@ class TensorStore:
             if self._lock is None:
                 if not await self._call(os.path.isdir, self.root, what=f"opening {self.root}"):
                     raise CheckpointNotFoundError(f"{self.root} is not a folder (a read-only store never creates it)")
+                await self._list()
             else:
-                await self._call(os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
-                await self._take_lock()
-            listing = await self._list()
-            if self._lock is not None:
-                for name in listing.leftovers:  # the lock proves the save that made them is gone
-                    await self._try(functools.partial(self._remove, name), None, f"removing {name}, left by an interrupted save")
-                await self._try(self._sync_latest, None, "repairing `latest`")
+                await self._open_writer()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._release()
@@ -241,6 +236,15 @@ class TensorStore:
         self._open = True
         if self.reserve is not None and not self.readonly:
             self._start(self._reserve)
+
+    async def _open_writer(self) -> None:
+        """Create the root, take its lock, list it, remove the leftovers of interrupted saves and
+        repair ``latest``."""
+        await self._call(os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
+        await self._take_lock()
+        for name in (await self._list()).leftovers:  # the lock proves the save that made them is gone
+            await self._try(functools.partial(self._remove, name), None, f"removing {name}, left by an interrupted save")
+        await self._try(self._sync_latest, None, "repairing `latest`")
 
     async def _open_distributed(self) -> None:
         """Rank 0 opens as the writer; every rank learns whether it could, then lists the root."""
@@ -252,11 +256,7 @@ class TensorStore:
         problem: BaseException | None = None
         if rank == 0:
             try:
-                await self._call(os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
-                await self._take_lock()
-                for name in (await self._list()).leftovers:
-                    await self._try(functools.partial(self._remove, name), None, f"removing {name}, left by an interrupted save")
-                await self._try(self._sync_latest, None, "repairing `latest`")
+                await self._open_writer()
             except Exception as e:
                 problem = e
         try:
@@ -546,14 +546,7 @@ class TensorStore:
             h.commit_seconds = anyio.current_time() - t0
             assert self._commit_lock is not None
             async with self._commit_lock:
-                h.committed = True
-                self._committed.add(h.step)
-                if self._lock is not None:  # rank 0, the root's writer
-                    log.info("%s: committed step %d (rank 0 wrote %d bytes)", self.root, h.step, h.nbytes)
-                    await self._try(self._sync_latest, h, "updating `latest`")
-                    await self._try(self._retain, h, "retiring old steps")
-                elif self.keep_last is not None:  # rank 0 retires them
-                    self._committed.difference_update(self.steps()[: -self.keep_last])
+                await self._committed_now(h)
 
     async def _write(self, h: SaveHandle, plan: SavePlan, arena: Any, pieces: Any, prio: int) -> None:
         final = self.path(h.step)
@@ -602,11 +595,21 @@ class TensorStore:
                 await self._call(eng.rename, final, tmp, what=f"renaming {final} back to {tmp}")  # not durable: not committed
                 raise
             # the commit point: from here on the save has succeeded, whatever happens next
-            h.committed = True
-            self._committed.add(h.step)
-            log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
-            await self._try(self._sync_latest, h, "updating `latest`")
-            await self._try(self._retain, h, "retiring old steps")
+            await self._committed_now(h)
+
+    async def _committed_now(self, h: SaveHandle) -> None:
+        """Past the commit point (under the commit lock): the save has succeeded; then ``latest``
+        and retention, by the root's writer (a distributed store's rank 0; the other ranks only
+        drop from their view the steps rank 0 retires)."""
+        h.committed = True
+        self._committed.add(h.step)
+        if self._lock is None:
+            if self.keep_last is not None:
+                self._committed.difference_update(self.steps()[: -self.keep_last])
+            return
+        log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
+        await self._try(self._sync_latest, h, "updating `latest`")
+        await self._try(self._retain, h, "retiring old steps")
 
     async def _try(self, fn: Callable[[], Awaitable[Any]], h: SaveHandle | None, what: str) -> None:
         """Housekeeping that must not fail what it follows: a failure is logged and listed in ``h``'s

@@ -32,6 +32,7 @@ import psutil
 import torch
 
 import aiotensor
+from aiotensor._bench import drop_cache
 
 
 def transformer_state(layers: int = 24, d: int = 1024, vocab: int = 50257) -> dict[str, torch.Tensor]:
@@ -52,16 +53,7 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def evict(path: str) -> None:
-    """Drop a file's (or a folder's files') pages from the page cache."""
-    paths = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+evict = drop_cache  # the package's `aiotensor bench` evicts the same way
 
 
 def fsync_path(path: str) -> None:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file as st_save
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu import Ticker, fsync_path, write_results
+from bench_cpu import Ticker, fsync_path, parser, write_results
 
 import aiotensor
 
@@ -127,11 +127,8 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, "loop")
     p.add_argument("--tensors", type=int, default=20_000)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dir", default="/tmp/aiotensor-bench-loop")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args()
     res = asyncio.run(run(a))
     text = report(res)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file as st_save
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu import PeakRSS, Ticker, evict, fio_limits, transformer_state, write_results
+from bench_cpu import PeakRSS, Ticker, evict, fio_limits, parser, transformer_state, write_results
 
 import aiotensor
 
@@ -151,11 +151,8 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, "serving")
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--dir", default="/tmp/aiotensor-bench-serving")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = p.parse_args()
     res = asyncio.run(run(a))
     text = report(res)
