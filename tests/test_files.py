@@ -140,3 +140,23 @@ async def test_big_tensors_are_written_in_page_aligned_blocks_bypassing_the_page
     assert list(got) == ["tail"] and torch.equal(got["tail"], t["tail"])
     with pytest.raises(MismatchError, match="missing"):
         await aiotensor.load_file(path, into={"tail": torch.zeros(3)})
+
+
+async def test_a_failed_block_write_leaves_the_old_file_and_no_temporary(tmp_path: Any) -> None:
+    import errno
+
+    path = tmp_path / "big.safetensors"
+    old = {"old": torch.ones(3)}
+    await aiotensor.save_file(old, path)
+    t = {f"w{i}": torch.randn(1000, 777) for i in range(3)}  # big enough for the O_DIRECT blocks
+    eng = aiotensor.FaultyEngine(fail={"pwrite": (2, errno.ENOSPC)})
+    sched = aiotensor.Scheduler(eng, chunk_bytes=1 << 20)
+    try:
+        with pytest.raises(OSError) as info:
+            await aiotensor.save_file(t, path, scheduler=sched)
+    finally:
+        sched.close()
+    assert info.value.errno == errno.ENOSPC and "big.safetensors.tmp-" in str(info.value)  # names the file
+    assert next(op for op in eng.ops if op[0] == "create")[2] is True  # it was the block path that failed
+    assert_state_equal(old, st_load(str(path)))  # the old file, untouched
+    assert os.listdir(tmp_path) == ["big.safetensors"]  # the temporary file was removed
