@@ -26,6 +26,13 @@ from .errors import ChecksumError, FormatError, MismatchError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, Scheduler, run_concurrently
 
+# The largest piece one read moves into host memory. A buffered read is the kernel copying from the
+# page cache, and kernels built without preemption (PREEMPT_NONE, common on servers and cloud VMs)
+# let no other thread onto that core until the copy yields: with 16 MiB pieces the event loop's
+# thread waited on the run queue for up to 13 ms during a load, with 1 MiB pieces about 5 ms, at the
+# same or better throughput (2-core VM, /proc/<tid>/schedstat; see bench/results/http.md).
+READ_PIECE = 1 << 20
+
 
 def byte_tensor(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor on its device (no copy)."""
@@ -540,16 +547,22 @@ def _read_units(sched: Scheduler, targets: Sequence[Target]) -> list[_ReadUnit]:
             continue
         if sched.engine.handles_device(dst) or direct(dst):
             whole = io_bytes(sched.engine, dst)
-            units += [_ReadUnit(i, spec.offset + a, whole[a:b], b - a) for a, b in _pieces(spec.nbytes, sched.chunk_bytes)]
+            piece = sched.chunk_bytes if isinstance(whole, torch.Tensor) else _read_piece(sched)
+            units += [_ReadUnit(i, spec.offset + a, whole[a:b], b - a) for a, b in _pieces(spec.nbytes, piece)]
             continue
         rows = dst.shape[0] if dst.dim() else 1
         row_bytes = spec.nbytes // rows
-        per = max(1, sched.slots.slot_bytes // row_bytes)
+        per = max(1, _read_piece(sched) // row_bytes)
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
             units.append(_ReadUnit(i, spec.offset + r0 * row_bytes, None, (r1 - r0) * row_bytes, r0, r1))
 
     return units
+
+
+def _read_piece(sched: Scheduler) -> int:
+    """The largest read into host memory (see :data:`READ_PIECE`)."""
+    return min(sched.slots.slot_bytes, READ_PIECE)
 
 
 async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
@@ -561,7 +574,7 @@ async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence
 
     Cancellation: returns once no thread reads any more; nothing was changed.
     """
-    step = sched.slots.slot_bytes
+    step = _read_piece(sched)
     units = [
         _ReadUnit(i, t.spec.offset + a, None, b - a)
         for i, t in enumerate(targets)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from . import _threads
 from .buffers import SlotPool
 from .cuda import CopyStreams
 from .cuda import available as cuda_available
@@ -155,6 +156,9 @@ class Scheduler:
         workers: worker threads, and the most calls in flight at once.
         chunk_bytes: the largest piece one engine call reads or writes.
         batch_bytes: the most bytes one thread call moves before returning to the event loop.
+        nice: how many nice levels below the process the worker threads run (Linux; 0: the same
+            priority). The event loop's thread then gets a core as soon as it is ready, instead of
+            waiting for a time slice behind the copies (see :mod:`aiotensor._threads`).
     """
 
     def __init__(
@@ -164,6 +168,7 @@ class Scheduler:
         workers: int = 4,
         chunk_bytes: int = 16 * MiB,
         batch_bytes: int = 64 * MiB,
+        nice: int = _threads.NICE,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -173,11 +178,11 @@ class Scheduler:
         self.workers = workers
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = max(batch_bytes, chunk_bytes)
+        self.nice = nice
         self.slots = SlotPool(workers, chunk_bytes)
         self.stats = Stats()
         self.cuda: CopyStreams | None = CopyStreams() if cuda_available() else None
-        self._gate = _Gate(workers, workers * self.batch_bytes)
-        self._threads: anyio.CapacityLimiter | None = None
+        self._gate = _Gate(workers, workers * self.batch_bytes)  # also keeps the threads to `workers`
 
     async def call(
         self, fn: Callable[..., T], *args: Any, nbytes: int = 0, priority: int = Priority.SAVE, slot: bool = False
@@ -188,17 +193,20 @@ class Scheduler:
         thread has started, cancellation waits for the thread to return (the thread may be writing
         into a caller's buffer) and then raises; the slot is returned only after that.
         """
-        if self._threads is None:
-            self._threads = anyio.CapacityLimiter(self.workers)
         async with self._gate.hold(nbytes, priority):
             self.stats.calls += 1
             if not slot:
-                return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+                return await self.run_sync(fn, *args)
             i = self.slots.take()
             try:
-                return await anyio.to_thread.run_sync(fn, self.slots.view(i), *args, limiter=self._threads)
+                return await self.run_sync(fn, self.slots.view(i), *args)
             finally:
                 self.slots.give(i)
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in one of the worker threads now, outside the gate (for work that is
+        not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
+        return await _threads.run_sync(fn, *args, nice=self.nice)
 
     async def map(
         self,

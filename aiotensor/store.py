@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import _io, _root, cuda
+from . import _io, _root, _threads, cuda
 from ._handle import SaveHandle
 from ._load import load_checkpoint
 from ._plan import SavePlan, plan_save
@@ -97,6 +97,10 @@ class TensorStore:
         chunk_bytes: the largest piece of one I/O call.
         batch_bytes: the most bytes one worker-thread call moves before it returns to the loop
             (smaller: priorities act sooner; larger: fewer loop round trips).
+        nice: how many nice levels below the process the worker threads run (Linux; 0: the same
+            priority). The default lets the event loop's thread (and the rest of the machine) take a
+            core the moment it needs one while a save or load keeps every core copying; on an
+            otherwise idle machine the copies still get all of the CPU.
         shard_bytes: the largest shard file (a tensor is never split).
         max_staged: staging arenas, so saves that may be staged or writing at once; a further
             ``save`` waits for an arena before staging (memory stays ``max_staged`` × state size).
@@ -149,6 +153,7 @@ class TensorStore:
         verify: bool = True,
         reserve: Any = None,
         distributed: Any = False,
+        nice: int = _threads.NICE,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -163,9 +168,9 @@ class TensorStore:
         self.shard_bytes = shard_bytes
         self.verify = verify
         self.reserve = reserve
-        self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes)
+        self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes, nice=nice)
         cuda_ = self.scheduler.cuda
-        self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None)
+        self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None, nice=nice)
         self.ignored: dict[str, str] = {}  # names in the root that are not committed steps, and why
         self._errors: dict[str, Exception] = {}  # of those, the ones whose manifest failed to load
         if distributed is not False and readonly:
@@ -538,11 +543,11 @@ class TensorStore:
         t0, what = anyio.current_time(), f"saving step {h.step} in {self.root}"
         with anyio.CancelScope(shield=True):  # collectives cannot be left half-way
             async with self._collective:
-                staged = await anyio.to_thread.run_sync(self._saver.stage, state, what)
+                staged = await self.scheduler.run_sync(self._saver.stage, state, what)
                 del state
                 h.stage_seconds = anyio.current_time() - t0
                 h._staged_event.set()
-                h.nbytes = await anyio.to_thread.run_sync(self._saver.write, staged, self.path(h.step), what)
+                h.nbytes = await self.scheduler.run_sync(self._saver.write, staged, self.path(h.step), what)
             h.commit_seconds = anyio.current_time() - t0
             assert self._commit_lock is not None
             async with self._commit_lock:
@@ -809,7 +814,7 @@ class TensorStore:
         what = f"loading step {step} from {self.root}"
         with anyio.CancelScope(shield=True):  # collectives cannot be left half-way
             async with self._collective:
-                await anyio.to_thread.run_sync(_dist.load, into, self.path(step), self._group, what)
+                await self.scheduler.run_sync(_dist.load, into, self.path(step), self._group, what)
         return into
 
     async def info(self, step: int | None = None) -> dict[str, TensorInfo]:

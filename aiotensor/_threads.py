@@ -1,0 +1,168 @@
+"""The library's worker threads: a process-wide pool whose threads run at a lower CPU priority.
+
+Loads and saves keep every core busy with copies (the kernel's, from the page cache, and ours, into
+staging memory). At the default priority those threads compete as equals with the event loop's
+thread and with the rest of the machine (an HTTP client, a data loader), and each wake-up of the loop
+can wait for a time slice. With the workers ``nice``-r than the process (Linux: per thread), the
+kernel runs the loop's thread first whenever it is ready; the copies use whatever CPU is left,
+which on an otherwise idle machine is all of it (measured in ``bench/bench_http.py``).
+
+Threads start on demand and exit after :data:`IDLE_S` seconds without work, so a scheduler that is
+never closed leaves no thread behind; a forked child starts with no threads. The number of calls
+running at once is the callers' business (each :class:`~aiotensor.scheduler.Scheduler` admits at
+most ``workers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextvars
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+IDLE_S = 10.0
+NICE = 10  # how much lower than the process the workers run (0: the same priority)
+
+
+def lower_priority(by: int) -> None:
+    """Lower the calling thread's CPU priority by ``by`` nice levels (Linux; elsewhere, nothing).
+
+    One way only: an unprivileged thread cannot raise it again, so only our own threads call this."""
+    if by <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError:
+        pass
+
+
+class _Worker(threading.Thread):
+    def __init__(self, pool: _Pool) -> None:
+        super().__init__(name=f"aiotensor-worker-nice+{pool.nice}", daemon=True)
+        self.pool = pool
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None: end
+
+    def run(self) -> None:
+        lower_priority(self.pool.nice)
+        while True:
+            try:
+                job = self.jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self.pool.lock:
+                    if self in self.pool.idle:  # nobody took this thread: it ends
+                        self.pool.idle.remove(self)
+                        return
+                job = self.jobs.get()  # taken just now: its job is on the way
+            if job is None:
+                return
+            job()
+            del job
+            with self.pool.lock:
+                self.pool.idle.append(self)
+
+
+class _Pool:
+    def __init__(self, nice: int) -> None:
+        self.nice = nice
+        self.lock = threading.Lock()
+        self.idle: list[_Worker] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            worker = self.idle.pop() if self.idle else None  # the most recently busy: its caches are warm
+        if worker is None:
+            worker = _Worker(self)
+            worker.start()
+        worker.jobs.put(job)
+
+
+_pools: dict[int, _Pool] = {}
+_pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:
+    global _pools_lock
+    _pools.clear()  # the parent's threads do not exist in a forked child
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
+@atexit.register
+def _end_idle_workers() -> None:
+    """At interpreter exit, end the idle threads and wait for them (briefly), as anyio does for its
+    own when its event loop ends: a thread left running into the interpreter's and the C++ runtime's
+    teardown (after it ran gloo collectives, say) can abort the process."""
+    ending: list[_Worker] = []
+    with _pools_lock:
+        for pool in _pools.values():
+            with pool.lock:
+                ending += pool.idle
+                pool.idle.clear()
+    for w in ending:
+        w.jobs.put(None)
+    deadline = time.monotonic() + 2
+    for w in ending:
+        w.join(max(0.0, deadline - time.monotonic()))
+
+
+def _pool(nice: int) -> _Pool:
+    with _pools_lock:
+        pool = _pools.get(nice)
+        if pool is None:
+            pool = _pools[nice] = _Pool(nice)
+        return pool
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
+    """Schedule a callback on the running event loop (asyncio or trio) from any thread."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+
+
+async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE) -> T:
+    """Run ``fn(*args)`` in a worker thread ``nice`` levels below the process, in a copy of the
+    caller's context (as ``anyio.to_thread.run_sync``).
+
+    Cancellation: waits for ``fn`` to return (it may be writing into the caller's memory), then raises.
+    """
+    done = anyio.Event()
+    call_soon = _call_soon_threadsafe()
+    ctx = contextvars.copy_context()
+    out: list[Any] = []
+
+    def job() -> None:
+        try:
+            out.append((True, ctx.run(fn, *args)))
+        except BaseException as e:  # handed to the caller, whatever it is
+            out.append((False, e))
+        call_soon(done.set)
+
+    _pool(nice).submit(job)
+    with anyio.CancelScope(shield=True):
+        await done.wait()
+    ok, value = out.pop()
+    if not ok:
+        try:
+            raise value
+        finally:
+            del value
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    return value  # type: ignore[no-any-return]
