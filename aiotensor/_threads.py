@@ -153,7 +153,10 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE) -> T:
             out.append((True, ctx.run(fn, *args)))
         except BaseException as e:  # handed to the caller, whatever it is
             out.append((False, e))
-        call_soon(done.set)
+        try:
+            call_soon(done.set)
+        except RuntimeError:  # the loop was closed under its waiting caller (its process is ending)
+            pass
 
     _pool(nice).submit(job)
     with anyio.CancelScope(shield=True):
