@@ -28,9 +28,9 @@ from .scheduler import Priority, Scheduler, run_concurrently
 
 # The largest piece one read moves into host memory. A buffered read is the kernel copying from the
 # page cache, and kernels built without preemption (PREEMPT_NONE, common on servers and cloud VMs)
-# let no other thread onto that core until the copy yields: with 16 MiB pieces the event loop's
-# thread waited on the run queue for up to 13 ms during a load, with 1 MiB pieces about 5 ms, at the
-# same or better throughput (2-core VM, /proc/<tid>/schedstat; see bench/results/http.md).
+# let no other thread onto that core until the copy yields. Cold 1.4 GB loads on a 2-core VM
+# (bench/results/stall-cause.md): with 16 MiB pieces the loop stalled 73 ms per load (worst tick
+# 12.4 ms), with 1 MiB pieces 23 ms (8.2 ms), and the load ran at 2.36 GB/s against 1.66.
 READ_PIECE = 1 << 20
 
 

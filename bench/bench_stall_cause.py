@@ -62,9 +62,7 @@ async def ticker(stop: asyncio.Event, ticks: list[tuple[float, float]]) -> None:
 
 
 async def one_load(store: aiotensor.TensorStore, into: dict[str, torch.Tensor], gb: float) -> dict[str, float]:
-    for dirpath, _, files in os.walk(store.path(1)):
-        for f in files:
-            await asyncio.to_thread(evict, os.path.join(dirpath, f))
+    await asyncio.to_thread(evict, store.path(1))  # every file of the step
     await asyncio.sleep(0.3)
     stop, ticks = asyncio.Event(), []
     task = asyncio.create_task(ticker(stop, ticks))

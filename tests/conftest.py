@@ -19,6 +19,9 @@ except ImportError:  # pragma: no cover - uvloop is a Linux dependency
     _BACKENDS = [pytest.param(("asyncio", {}), id="asyncio")]
 
 
+ALL_BACKENDS = [*_BACKENDS, pytest.param(("trio", {}), id="trio")]  # for tests that take trio too
+
+
 @pytest.fixture(params=_BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param

@@ -13,10 +13,9 @@ import torch
 from aiotensor import TensorStore
 from aiotensor.errors import ChecksumError, SaveCancelledError
 
-from .conftest import _BACKENDS, assert_state_equal, small_state
+from .conftest import ALL_BACKENDS, assert_state_equal, small_state
 
 pytestmark = pytest.mark.anyio
-ALL_BACKENDS = [*_BACKENDS, pytest.param(("trio", {}), id="trio")]
 
 
 @pytest.fixture(params=ALL_BACKENDS)

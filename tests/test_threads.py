@@ -16,7 +16,7 @@ import pytest
 from aiotensor import _threads
 from aiotensor.scheduler import Scheduler
 
-from .conftest import _BACKENDS
+from .conftest import ALL_BACKENDS
 
 pytestmark = pytest.mark.anyio
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
@@ -24,7 +24,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thr
 var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
 
 
-@pytest.fixture(params=[*_BACKENDS, pytest.param(("trio", {}), id="trio")])
+@pytest.fixture(params=ALL_BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> object:
     return request.param
 
