@@ -111,7 +111,7 @@ def report(res: dict[str, Any]) -> str:
         "",
         f"`python bench/bench_stall_cause.py` — {platform.node()}, {os.cpu_count()} cores, kernel {platform.release()}, "
         f"torch {torch.__version__}; {res['reps']} loads per row (rows interleaved), medians. A stall is a 1 ms "
-        f"tick that fired more than {LATE * 1e3:.0f} ms late; \"waiting for a core\" is the part of the stalls the "
+        f'tick that fired more than {LATE * 1e3:.0f} ms late; "waiting for a core" is the part of the stalls the '
         "loop's thread spent runnable on the run queue (`/proc/self/task/<tid>/schedstat`); the rest it was not "
         "runnable: waiting for the GIL.",
         "",
