@@ -4,84 +4,131 @@ thread, which waits for every hold (measured with a 20,000-tensor state in ``ben
 Two things held it for 100 ms or more at a time:
 
 - one ``json.dumps`` call of a big manifest or safetensors header (the C encoder never lets the GIL
-  go): :func:`dumps` encodes big objects and arrays member by member, byte-identical to
-  ``json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``;
-- full collections of the cyclic garbage collector, set off by the tens of thousands of dicts a
-  manifest parse or a plan makes: each walks every object in the process (the user's state too).
-  :func:`quiet_gc` pauses the collector while such a function runs; reference counting still frees
-  everything at once, and the collector resumes (if it was enabled) when the last one returns.
+  go): :func:`dumps` encodes big objects and arrays in slices of members, each one C call, and
+  joins them, byte-identical to ``json.dumps(obj, separators=(",", ":"), ensure_ascii=False,
+  allow_nan=False)``. (It once went member by member in Python, which held the GIL longer in all
+  than the one C call it replaced: 0.45 s per save and load of 20,000 tensors, by py-spy.)
+- full collections of the cyclic garbage collector, set off by the tens of thousands of objects a
+  save or load of many tensors keeps alive for its duration (plans, specs, manifest entries): each
+  walks every object in the process (torch's own and the user's state too; 110-220 ms with 20,000
+  tensors on the development VM, in whichever thread set it off, the GIL held throughout).
+  :func:`paused_gc` pauses the collector for a whole save or load (and :func:`quiet_gc` for a
+  function that builds many objects outside one); reference counting still frees everything at
+  once, nothing the library makes is a reference cycle (``formats/tree.py``), and the collector
+  resumes (if it was enabled) when the last pause ends. What the application makes meanwhile is
+  collected then. A load without ``into`` hands its new tensors to the application: the next young
+  collection walks them once, as after any library that makes that many objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import inspect
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-_BIG = 32  # members: containers holding bigger ones, at any depth, are encoded member by member
+_FEW = 16  # members: see _size
+_CHUNK = 2048  # JSON values per call of the C encoder, which holds the GIL throughout: about 1 ms
 _lock = threading.Lock()
 _paused = 0
 _was_enabled = False
 
 
 def dumps(obj: Any) -> str:
+    """``json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, byte for
+    byte, in C-encoder calls of about :data:`_CHUNK` values each."""
     parts: list[str] = []
     _walk(obj, parts)
     return "".join(parts)
 
 
-def _heavy(obj: Any) -> bool:
-    """Does ``obj`` hold a container of more than ``_BIG`` members, at any depth?"""
-    if isinstance(obj, dict):
-        return len(obj) > _BIG or any(_heavy(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return len(obj) > _BIG or any(_heavy(v) for v in obj)
-    return False
+def _size(obj: Any) -> int:
+    """The number of JSON values in ``obj``, estimated: a container of up to :data:`_FEW` members
+    adds up its members' sizes, a bigger one takes its first member's size for every member (the big
+    containers of state trees, manifests and headers hold members alike), so that the estimate
+    costs little more than the depth of ``obj``."""
+    if not isinstance(obj, (dict, list, tuple)) or not obj:
+        return 1
+    members = obj.values() if isinstance(obj, dict) else obj
+    if len(obj) <= _FEW:
+        return 1 + sum(_size(m) for m in members)
+    return 1 + len(obj) * _size(next(iter(members)))
 
 
 def _walk(obj: Any, parts: list[str]) -> None:
-    if not _heavy(obj):
+    size = _size(obj)
+    if size <= _CHUNK:
         parts.append(_encode(obj))
-    elif isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        return
+    per = (size - 1) // len(obj)  # values per member
+    step = max(1, _CHUNK // per) if per <= _CHUNK else 0  # members per C call; 0: each member walked
+    if isinstance(obj, dict):
+        items = list(obj.items())
         parts.append("{")
-        for i, (k, v) in enumerate(obj.items()):
-            parts.append(("," if i else "") + _encode(k) + ":")
-            _walk(v, parts)
-        parts.append("}")
-    elif isinstance(obj, (list, tuple)):
-        parts.append("[")
-        for i, v in enumerate(obj):
+        for i in range(0, len(items), step or 1):
             if i:
                 parts.append(",")
-            _walk(v, parts)
-        parts.append("]")
+            if step:
+                parts.append(_encode(dict(items[i : i + step]))[1:-1])
+            else:
+                k, v = items[i]
+                parts.append(_encode({k: 0})[1:-3] + ":")  # the key as json.dumps writes it (int, float, bool, None too)
+                _walk(v, parts)
+        parts.append("}")
     else:
-        parts.append(_encode(obj))
+        parts.append("[")
+        for i in range(0, len(obj), step or 1):
+            if i:
+                parts.append(",")
+            if step:
+                parts.append(_encode(list(obj[i : i + step]))[1:-1])
+            else:
+                _walk(obj[i], parts)
+        parts.append("]")
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused inside (see the module's text); pauses nest and overlap
+    across threads and operations, and the state the first one found comes back after the last.
+    (An application that calls ``gc.disable()`` itself while a pause is on finds the collector
+    enabled again when the pause ends, if it was enabled when the pause began.)"""
+    global _paused, _was_enabled
+    with _lock:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
 
 
 def quiet_gc(fn: F) -> F:
-    """Run ``fn`` with the cyclic garbage collector paused (see the module's text)."""
+    """Run ``fn`` inside :func:`paused_gc`; for a coroutine function, the whole run of the coroutine."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            with paused_gc():
+                return await fn(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        global _paused, _was_enabled
-        with _lock:
-            if _paused == 0:
-                _was_enabled = gc.isenabled()
-                gc.disable()
-            _paused += 1
-        try:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with paused_gc():
             return fn(*args, **kwargs)
-        finally:
-            with _lock:
-                _paused -= 1
-                if _paused == 0 and _was_enabled:
-                    gc.enable()
 
-    return wrapper  # type: ignore[return-value]
+    return call  # type: ignore[return-value]

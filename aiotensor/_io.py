@@ -342,9 +342,7 @@ def _write_all(write: Callable[[int, Any, int], int], fd: int, src: memoryview |
         src, off = src[n:], off + n
 
 
-def _image_blocks(
-    sched: Scheduler, ranges: Sequence[tuple[int, memoryview | torch.Tensor]]
-) -> tuple[list[_Block], int] | None:
+def _image_blocks(sched: Scheduler, ranges: Sequence[tuple[int, memoryview | torch.Tensor]]) -> tuple[list[_Block], int] | None:
     """For a file of host ranges that are not page-aligned (``save_file``'s tensors, wherever torch
     allocated them): slot-sized blocks of the file to assemble in page-aligned bounce slots and
     write with O_DIRECT, and the file's size. Bypassing the page cache is what makes a durable write fast (on the VM

@@ -14,6 +14,7 @@ from .formats.tree import flatten, unflatten
 from .scheduler import Priority, ProgressCallback, Scheduler, reporting
 
 
+@_gil.quiet_gc  # the whole load (see _gil)
 async def load_checkpoint(
     sched: Scheduler,
     folder: str | os.PathLike[str],

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 import torch
 
-from . import _io
+from . import _gil, _io
 from ._dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from ._plan import check_tensor
 from .errors import HeaderError, StateError, annotate_oserror
@@ -56,6 +56,7 @@ def tensor_info(spec: st.TensorSpec) -> TensorInfo:
     return TensorInfo(spec.key, SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape), spec.nbytes)
 
 
+@_gil.quiet_gc  # the whole save (see _gil)
 async def save_file(
     tensors: Mapping[str, torch.Tensor],
     path: str | os.PathLike[str],
@@ -199,6 +200,7 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
     return FileInfo(path, layout.file_size, {s.key: tensor_info(s) for s in layout.tensors}, meta, crcs is not None)
 
 
+@_gil.quiet_gc  # the whole load (see _gil)
 async def load_file(
     path: str | os.PathLike[str],
     *,

@@ -306,15 +306,7 @@ async def run_concurrently(*fns: Callable[[], Any]) -> None:
 def _single(eg: BaseExceptionGroup) -> BaseException:
     """The first real error inside a task group's exception group (the group if only cancellations)."""
     leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for x in e.exceptions:
-                walk(x)
-        else:
-            leaves.append(e)
-
-    walk(eg)
+    _leaves(eg, leaves)
     real = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
     if not real:
         return eg
@@ -324,3 +316,11 @@ def _single(eg: BaseExceptionGroup) -> BaseException:
     for other in real[1:]:
         first.add_note(f"also: {type(other).__name__}: {other}")
     return first
+
+
+def _leaves(e: BaseException, out: list[BaseException]) -> None:
+    if isinstance(e, BaseExceptionGroup):
+        for x in e.exceptions:
+            _leaves(x, out)
+    else:
+        out.append(e)

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import _io, _root, _threads, cuda
+from . import _gil, _io, _root, _threads, cuda
 from ._handle import SaveHandle
 from ._load import load_checkpoint
 from ._plan import SavePlan, plan_save
@@ -490,6 +490,7 @@ class TensorStore:
 
         _spawn(run)
 
+    @_gil.quiet_gc  # from the walk of the state to the commit (see _gil)
     async def _run_save(
         self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
     ) -> None:

@@ -221,6 +221,7 @@ async def test_fifty_cuda_saves_leak_no_threads(tmp_path: Any) -> None:
     state = {"w": torch.randn(1 << 16, device="cuda")}
     async with TensorStore(tmp_path, keep_last=2) as store:
         await store.save(0, state)
+
         def ours() -> int:  # anyio's worker pool legitimately varies: count the library's own threads
             return sum(t.name.startswith("aiotensor") for t in threading.enumerate())
 

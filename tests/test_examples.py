@@ -23,7 +23,13 @@ def test_the_training_demo_then_the_command_line_on_its_checkpoints(tmp_path: An
 
 
 def test_the_distributed_example(tmp_path: Any) -> None:
-    r = subprocess.run([sys.executable, "examples/distributed_dcp.py", "--root", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [sys.executable, "examples/distributed_dcp.py", "--root", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "every rank loaded its rows back: True" in r.stdout
     assert "model.w intact: True" in r.stdout and "`latest` names step-000000000100" in r.stdout

@@ -283,18 +283,31 @@ def test_plan_refuses_unsupported_tensors() -> None:
         plan_save({"z": torch.ones(2, device="meta")})
 
 
-@settings(max_examples=200, deadline=None)
+_finite = hs.floats(allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     hs.recursive(
-        hs.none() | hs.booleans() | hs.integers() | hs.floats(allow_nan=False, allow_infinity=False) | hs.text(),
-        lambda inner: hs.lists(inner, max_size=40) | hs.dictionaries(hs.text(), inner, max_size=40),
+        hs.none() | hs.booleans() | hs.integers() | _finite | hs.text(),
+        lambda inner: (
+            hs.lists(inner, max_size=40)
+            | hs.lists(inner, max_size=5).map(tuple)
+            | hs.dictionaries(hs.text() | hs.integers() | hs.booleans() | hs.none() | _finite, inner, max_size=40)
+        ),
         max_leaves=400,
-    )
+    ),
+    hs.sampled_from([1, 2, 3, 7, 2048]),
 )
-def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any) -> None:
+def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any, chunk: int) -> None:
+    # small chunks: every way of cutting a container (slices of members, members walked one by one,
+    # a big member after small ones, which the size estimate does not see) is exercised
+    from unittest import mock
+
     from aiotensor import _gil
 
-    assert _gil.dumps(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    with mock.patch.object(_gil, "_CHUNK", chunk):
+        assert _gil.dumps(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def test_quiet_gc_pauses_the_collector_and_restores_it_nested() -> None:
@@ -314,3 +327,26 @@ def test_quiet_gc_pauses_the_collector_and_restores_it_nested() -> None:
         assert not gc.isenabled()  # a collector the user turned off stays off
     finally:
         gc.enable()
+
+
+def test_quiet_gc_on_a_coroutine_function_covers_its_awaits_and_overlapping_runs() -> None:
+    import asyncio
+    import gc
+
+    from aiotensor import _gil
+
+    seen = []
+
+    @_gil.quiet_gc
+    async def op(delay: float) -> str:
+        seen.append(gc.isenabled())
+        await asyncio.sleep(delay)
+        seen.append(gc.isenabled())
+        return "done"
+
+    async def main() -> list[str]:
+        return list(await asyncio.gather(op(0.01), op(0.03)))  # the first ends while the second runs
+
+    assert gc.isenabled()
+    assert asyncio.run(main()) == ["done", "done"]
+    assert seen == [False, False, False, False] and gc.isenabled()

@@ -200,7 +200,9 @@ async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any, kv: An
         (f"posix_fadvise failed: {os.strerror(errno.EDQUOT)}", errno.EDQUOT),
     ],
 )
-async def test_a_kvikio_failure_is_an_oserror_naming_the_file_with_its_errno(tmp_path: Any, kv: Any, message: str, code: int) -> None:
+async def test_a_kvikio_failure_is_an_oserror_naming_the_file_with_its_errno(
+    tmp_path: Any, kv: Any, message: str, code: int
+) -> None:
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
         await store.save(1, {"w": torch.ones(1000)})
     eng = HostKvikio()

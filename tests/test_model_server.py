@@ -86,7 +86,9 @@ async def test_the_server_streams_answers_and_hot_swaps(tmp_path: Any) -> None:
                         return body["version"], body["embeddings"]
 
                 version, got = await embed()
-                assert version == 1 and torch.allclose(torch.tensor(got), torch.tensor(expected(v1, tmp_path / "v1", texts)), atol=1e-5)
+                assert version == 1 and torch.allclose(
+                    torch.tensor(got), torch.tensor(expected(v1, tmp_path / "v1", texts)), atol=1e-5
+                )
                 answers: list[tuple[int, list[list[float]]]] = []
 
                 async def keep_asking() -> None:

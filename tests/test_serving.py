@@ -188,7 +188,9 @@ async def test_aligned_torch_save_files_open_with_torch_load(tmp_path: Any) -> N
     assert all(torch.equal(v, w[k]) for k, v in torch.load(tmp_path / "m.pt", weights_only=True).items())
     with open(tmp_path / "m.pt", "rb") as f:
         with zipfile.ZipFile(f) as z:
-            offsets = [ts._data_offset(f, i, os.path.getsize(tmp_path / "m.pt"), "m.pt") for i in z.infolist() if "/data/" in i.filename]
+            offsets = [
+                ts._data_offset(f, i, os.path.getsize(tmp_path / "m.pt"), "m.pt") for i in z.infolist() if "/data/" in i.filename
+            ]
     assert offsets and all(o % 4096 == 0 for o in offsets)
     assert all(torch.equal(v, w[k]) for k, v in (await aiotensor.load_torch(tmp_path / "m.pt")).items())
 
