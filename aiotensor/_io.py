@@ -121,7 +121,7 @@ async def stage(
     Cancellation: returns only once no copy reads a source tensor or writes the arena.
     """
     # one unit per piece of every tensor: tens of thousands for a large state, so built in a thread
-    pieces, cpu, gpu = await sched.call(_stage_units, sched, plan, sources, arena, priority=priority)
+    pieces, cpu, gpu, cpu_bytes = await sched.call(_stage_units, sched, plan, sources, arena, priority=priority)
 
     def copy(u: _StageUnit) -> None:
         if u.whole:
@@ -130,7 +130,8 @@ async def stage(
             np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
 
     async def host() -> None:
-        await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=_per_cpu(sched, cpu), budget=False)
+        batch = _per_cpu(sched, cpu_bytes)
+        await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=batch, budget=False)
 
     async def device() -> None:
         assert sched.cuda is not None and producers is not None
@@ -140,14 +141,15 @@ async def stage(
                 await sched.cuda.bridge(dev).wait(event, keep=[*(src for _, src in copies), *resolved])
 
     await run_concurrently(host, device) if gpu else await host()
+    await sched.discard(cpu, gpu)  # the views of the sources: freed in a thread
     return pieces
 
 
 def _stage_units(
     sched: Scheduler, plan: SavePlan, sources: dict[str, torch.Tensor], arena: HostBuffer
-) -> tuple[list[_StageUnit], list[_StageUnit], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]]:
+) -> tuple[list[_StageUnit], list[_StageUnit], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]], int]:
     """Copy the headers into ``arena``; return every piece to checksum (in arena order, without
-    sources), the CPU copies to make, and the CUDA copies per device."""
+    sources), the CPU copies to make, the CUDA copies per device, and the CPU copies' bytes."""
     units: list[_StageUnit] = []
     cpu: list[_StageUnit] = []
     gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -171,7 +173,8 @@ def _stage_units(
                     cpu.append(_StageUnit(spec.key, flat[a:b], start + a * size, (b - a) * size, False))
     units += cpu
     units.sort(key=lambda u: u.start)
-    return [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units], cpu, gpu
+    pieces = [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units]
+    return pieces, cpu, gpu, sum(u.nbytes for u in cpu)
 
 
 async def checksums(
@@ -183,7 +186,7 @@ async def checksums(
         units,
         nbytes=lambda u: u.nbytes,
         priority=priority,
-        batch_bytes=_per_cpu(sched, units),
+        batch_bytes=_per_cpu(sched, plan.nbytes),
         budget=False,
     )
     return await sched.call(_crcs_by_key, plan, units, crcs, priority=priority)
@@ -199,10 +202,11 @@ def _crcs_by_key(plan: SavePlan, units: list[_StageUnit], crcs: list[int]) -> di
 _NO_SOURCE = torch.empty(0)
 
 
-def _per_cpu(sched: Scheduler, units: Sequence[_StageUnit]) -> int:
-    """Batch size giving one batch per core but one: CPU-bound work, and the loop keeps a core."""
+def _per_cpu(sched: Scheduler, nbytes: int) -> int:
+    """Batch size giving one batch per core but one for work on ``nbytes``: CPU-bound, and the
+    loop keeps a core."""
     threads = max(1, min(sched.workers, (os.cpu_count() or 2) - 1))
-    return max(1, -(-sum(u.nbytes for u in units) // threads))
+    return max(1, -(-nbytes // threads))
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -507,7 +511,7 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     Cancellation: returns only once no thread writes into any target tensor.
     """
     await wait_for_streams(sched, (t.tensor for t in targets))
-    units = await sched.call(_read_units, sched, targets, priority=priority)
+    units, nbytes = await sched.call(_read_units, sched, targets, priority=priority)
 
     def run(slot: memoryview, u: _ReadUnit) -> int:
         t = targets[u.target]
@@ -532,12 +536,12 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         return _checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, io=True)
-    sched.stats.bytes_read += sum(u.nbytes for u in units)
-    await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
+    await _checked(sched, path, targets, units, nbytes, crcs, priority)
 
 
-def _read_units(sched: Scheduler, targets: Sequence[Target]) -> list[_ReadUnit]:
-    """The pieces to read: straight into each target's memory, or through bounce slots by rows."""
+def _read_units(sched: Scheduler, targets: Sequence[Target]) -> tuple[list[_ReadUnit], int]:
+    """The pieces to read (straight into each target's memory, or through bounce slots by rows)
+    and their bytes."""
     units: list[_ReadUnit] = []
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
@@ -554,8 +558,29 @@ def _read_units(sched: Scheduler, targets: Sequence[Target]) -> list[_ReadUnit]:
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
             units.append(_ReadUnit(i, spec.offset + r0 * row_bytes, None, (r1 - r0) * row_bytes, r0, r1))
+    return units, sum(u.nbytes for u in units)
 
-    return units
+
+def _verify_units(sched: Scheduler, targets: Sequence[Target]) -> tuple[list[_ReadUnit], int]:
+    """The pieces to read through bounce slots to check every target that has a crc, and their bytes."""
+    step = _read_piece(sched)
+    units = [
+        _ReadUnit(i, t.spec.offset + a, None, b - a)
+        for i, t in enumerate(targets)
+        if t.crc is not None
+        for a, b in _pieces(t.spec.nbytes, step)
+    ]
+    return units, sum(u.nbytes for u in units)
+
+
+async def _checked(
+    sched: Scheduler, path: str, targets: Sequence[Target], units: list[_ReadUnit], nbytes: int, crcs: list[int], priority: int
+) -> None:
+    """After a read or verify pass: count the bytes, compare the crcs, and free the units (tens
+    of thousands of views, for a state of many tensors) in a thread."""
+    sched.stats.bytes_read += nbytes
+    await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
+    await sched.discard(units, crcs)
 
 
 def _read_piece(sched: Scheduler) -> int:
@@ -572,21 +597,14 @@ async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence
 
     Cancellation: returns once no thread reads any more; nothing was changed.
     """
-    step = _read_piece(sched)
-    units = [
-        _ReadUnit(i, t.spec.offset + a, None, b - a)
-        for i, t in enumerate(targets)
-        if t.crc is not None
-        for a, b in _pieces(t.spec.nbytes, step)
-    ]
+    units, nbytes = await sched.call(_verify_units, sched, targets, priority=priority)
 
     def run(slot: memoryview, u: _ReadUnit) -> int:
         _read_exact(sched, fd, slot[: u.nbytes], u.offset, path, f"tensor {targets[u.target].spec.key!r}")
         return _checksum.crc32c(slot[: u.nbytes])
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
-    sched.stats.bytes_read += sum(u.nbytes for u in units)
-    await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
+    await _checked(sched, path, targets, units, nbytes, crcs, priority)
 
 
 def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit], crcs: Sequence[int]) -> None:

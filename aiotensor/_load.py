@@ -59,11 +59,17 @@ async def load_checkpoint(
         finally:
             await _io.close(sched, fd)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
-    dest, targets = await sched.call(_targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD)
+    dest, targets, nbytes = await sched.call(_targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD)
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
-    with reporting(sum(e.spec.nbytes for e in m.entries.values()), progress):
+    with reporting(nbytes, progress):
         await _read_passes(sched, folder, targets, passes)
-    return await sched.call(_finish, m, dest, mpath, priority=Priority.LOAD)
+    state = await sched.call(_finish, m, dest, mpath, priority=Priority.LOAD)
+    # the manifest's entries, the targets: tens of thousands of objects for a state of many
+    # tensors, freed in a thread
+    manifest = [m]
+    del m
+    await sched.discard(by_shard, targets, dest, manifest)
+    return state
 
 
 async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[_io.Target]], passes: tuple[str, ...]) -> None:
@@ -129,13 +135,13 @@ def _targets(
     device: torch.device,
     devices: tuple[str, ...],
     verify: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, list[_io.Target]]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, list[_io.Target]], int]:
     dest = _destinations(m, into, device, devices)
     targets = {
         shard: [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
         for shard, entries in by_shard.items()
     }
-    return dest, targets
+    return dest, targets, sum(e.spec.nbytes for e in m.entries.values())
 
 
 @_gil.quiet_gc

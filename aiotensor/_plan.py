@@ -31,11 +31,7 @@ class SavePlan:
     shards: tuple[ShardPlan, ...]
     aliases: dict[str, str]
     arena_bytes: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data (headers excluded)."""
-        return sum(s.nbytes for sh in self.shards for s in sh.layout.tensors)
+    nbytes: int  # bytes of tensor data (headers excluded)
 
 
 def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",)) -> str:
@@ -111,4 +107,5 @@ def plan_save(
         header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], {"format": "pt"})
         shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena))
         arena += round_up(layout.file_size)
-    return SavePlan(tree, tuple(shards), aliases, arena), {k: t for k, _, t in stored}
+    nbytes = sum(s.nbytes for sh in shards for s in sh.layout.tensors)
+    return SavePlan(tree, tuple(shards), aliases, arena, nbytes), {k: t for k, _, t in stored}

@@ -108,6 +108,7 @@ async def save_file(
             with anyio.CancelScope(shield=True):
                 await sched.call(eng.remove_tree, tmp)
             raise
+        await sched.discard(entries, sources, crcs, ranges)  # tens of thousands of objects: freed in a thread
 
 
 def _entries(tensors: Mapping[str, torch.Tensor], devices: tuple[str, ...]) -> list[tuple[str, str, torch.Tensor]]:
@@ -238,11 +239,16 @@ async def load_file(
         dev = _io.check_device(sched, device)
         fd, layout = await _open_layout(sched, path)
         try:
-            dest, targets = await sched.call(_targets, sched, layout, path, into, dev, verify, strict, priority=Priority.LOAD)
-            with reporting(sum(t.spec.nbytes for t in targets), progress):
+            dest, targets, nbytes = await sched.call(
+                _targets, sched, layout, path, into, dev, verify, strict, priority=Priority.LOAD
+            )
+            with reporting(nbytes, progress):
                 await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
         finally:
             await _io.close(sched, fd)
+        big = [layout]
+        del layout
+        await sched.discard(targets, big)  # tens of thousands of objects: freed in a thread
     return dest
 
 
@@ -254,8 +260,8 @@ def _targets(
     dev: torch.device,
     verify: bool,
     strict: bool = True,
-) -> tuple[dict[str, torch.Tensor], list[_io.Target]]:
-    """The tensors to fill (in ``into``'s order, or the file's) and a read target for each."""
+) -> tuple[dict[str, torch.Tensor], list[_io.Target], int]:
+    """The tensors to fill (in ``into``'s order, or the file's), a read target for each, and their bytes."""
     crcs = _checksums(layout, path) if verify else None
     if into is None:
         dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors}
@@ -263,4 +269,4 @@ def _targets(
         _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", strict)
         dest = dict(into)
     targets = [_io.Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
-    return dest, targets
+    return dest, targets, sum(t.spec.nbytes for t in targets)

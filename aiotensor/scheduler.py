@@ -208,6 +208,13 @@ class Scheduler:
         not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
         return await _threads.run_sync(fn, *args, nice=self.nice)
 
+    async def discard(self, *containers: list[Any] | dict[Any, Any]) -> None:
+        """Empty ``containers`` in a worker thread: where they held the last references to tens of
+        thousands of objects (tensor views, units, specs), freeing those is Python work too, and it
+        happens wherever the last reference goes. (To free one big object, pass ``[obj]`` and drop
+        your own reference first.) Cancellation: as for :meth:`run_sync`."""
+        await self.run_sync(_clear, containers)
+
     async def map(
         self,
         fn: Callable[..., T],
@@ -235,18 +242,15 @@ class Scheduler:
         Cancellation: as for :meth:`call`; returns only when no thread of this map still runs.
         """
         limit = self.batch_bytes if batch_bytes is None else batch_bytes
-        batches: list[list[U]] = []
-        size = 0
-        for u in units:
-            n = nbytes(u)
-            if not batches or size + n > limit:
-                batches.append([])
-                size = 0
-            batches[-1].append(u)
-            size += n
-        results: list[list[T]] = [[] for _ in batches]
-        if not batches:
+        units = list(units)
+        if not units:
             return []
+        # cutting tens of thousands of units into batches is Python work: not on the loop thread
+        if len(units) > _INLINE_UNITS:
+            batches = await self.run_sync(_batches, units, nbytes, limit)
+        else:
+            batches = _batches(units, nbytes, limit)
+        results: list[list[T]] = [[] for _ in batches]
         it = iter(enumerate(batches))
 
         def run(*args: Any) -> list[T]:
@@ -256,14 +260,15 @@ class Scheduler:
         progress = _progress.get() if io else None
 
         async def worker() -> None:
-            for i, batch in it:
-                size = sum(nbytes(u) for u in batch)
+            for i, (batch, size) in it:
                 results[i] = await self.call(run, batch, nbytes=size if budget else 0, priority=priority, slot=slot)
                 if progress is not None:
                     progress.add(size)
 
         await run_concurrently(*[worker] * min(self.workers, len(batches)))
-        return [r for batch in results for r in batch]
+        if len(units) > _INLINE_UNITS:
+            return await self.run_sync(_concat, results)
+        return _concat(results)
 
     def metrics(self) -> dict[str, int]:
         """What a server can export: bytes moved so far, bytes admitted and not yet done, calls
@@ -287,6 +292,34 @@ class Scheduler:
         self.slots.close()
         if self.cuda is not None:
             self.cuda.close()
+
+
+_INLINE_UNITS = 256  # Scheduler.map cuts and joins more units than this in a worker thread
+
+
+def _batches(units: list[U], nbytes: Callable[[U], int], limit: int) -> list[tuple[list[U], int]]:
+    """Consecutive units in batches of at most ``limit`` bytes (a bigger unit alone), with their sizes."""
+    batches: list[tuple[list[U], int]] = []
+    batch: list[U] = []
+    size = 0
+    for u in units:
+        n = nbytes(u)
+        if batch and size + n > limit:
+            batches.append((batch, size))
+            batch, size = [], 0
+        batch.append(u)
+        size += n
+    batches.append((batch, size))
+    return batches
+
+
+def _clear(containers: tuple[list[Any] | dict[Any, Any], ...]) -> None:
+    for c in containers:
+        c.clear()
+
+
+def _concat(results: list[list[T]]) -> list[T]:
+    return [r for batch in results for r in batch]
 
 
 async def run_concurrently(*fns: Callable[[], Any]) -> None:

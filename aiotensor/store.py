@@ -530,7 +530,7 @@ class TensorStore:
         arena = await self.staging.acquire(plan.arena_bytes)
         try:
             pieces = await _io.stage(self.scheduler, plan, sources, arena, prio, producers)
-            sources.clear()  # the caller's tensors are free to change from here on
+            await self.scheduler.discard(sources)  # the caller's tensors are free to change from here on
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()
             with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):
@@ -538,6 +538,11 @@ class TensorStore:
             h.commit_seconds = anyio.current_time() - t0
         finally:
             self.staging.release(arena)
+        # a plan and its pieces are tens of thousands of objects for a state of many tensors: freed
+        # in a thread (on failure they go where the error takes them)
+        big = [plan]
+        del plan
+        await self.scheduler.discard(pieces, big)
 
     async def _save_distributed(self, h: SaveHandle, state: Any) -> None:
         """A save under the process group (see the class): DCP plans, aiotensor writes, rank 0 commits."""
@@ -573,6 +578,7 @@ class TensorStore:
 
             await run_concurrently(checksum, write)
             data = await self.scheduler.call(_manifest, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
+            await self.scheduler.discard(crcs)
             await _io.write_file(self.scheduler, os.path.join(tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
             await self._call(eng.sync_dir, tmp, what=f"syncing {tmp}")
             # past this point the save completes even if cancelled: a rename that ran in its
