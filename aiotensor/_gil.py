@@ -25,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 import json
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -36,9 +36,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 _FEW = 16  # members: see _size
 _CHUNK = 2048  # JSON values per call of the C encoder, which holds the GIL throughout: about 1 ms
+SWITCH_INTERVAL = 0.001  # seconds: see switch_interval
 _lock = threading.Lock()
 _paused = 0
 _was_enabled = False
+_lowered = 0
+_was_interval = 0.0
+_set_interval = 0.0
 
 
 def dumps(obj: Any) -> str:
@@ -115,16 +119,40 @@ def paused_gc() -> Iterator[None]:
                 gc.enable()
 
 
+@contextlib.contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """The interpreter's GIL switch interval at most ``seconds`` inside (``None``: left alone).
+
+    A thread that wants the GIL waits a whole switch interval (5 ms by default) before it asks
+    the holder to let go, and a worker doing Python work for 20,000 small tensors holds it that
+    long every time: the event loop's thread then ran its callbacks 10 ms late at the 99th
+    percentile, with one worker as with four; at 1 ms, 3 ms late, and the save and load were no
+    slower (``bench/bench_loop.py``). Windows nest and overlap like :func:`paused_gc`; when the
+    last ends, the interval the first found comes back, unless someone changed it meanwhile.
+    """
+    global _lowered, _was_interval, _set_interval
+    if seconds is None:
+        yield
+        return
+    with _lock:
+        current = sys.getswitchinterval()
+        if _lowered == 0:
+            _was_interval = current
+        if seconds < current:
+            sys.setswitchinterval(seconds)
+        _set_interval = sys.getswitchinterval()
+        _lowered += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _lowered -= 1
+            if _lowered == 0 and sys.getswitchinterval() == _set_interval:
+                sys.setswitchinterval(_was_interval)
+
+
 def quiet_gc(fn: F) -> F:
-    """Run ``fn`` inside :func:`paused_gc`; for a coroutine function, the whole run of the coroutine."""
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def run(*args: Any, **kwargs: Any) -> Any:
-            with paused_gc():
-                return await fn(*args, **kwargs)
-
-        return run  # type: ignore[return-value]
+    """Run ``fn`` inside :func:`paused_gc`."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,6 @@ from .formats.tree import flatten, unflatten
 from .scheduler import Priority, ProgressCallback, Scheduler, reporting
 
 
-@_gil.quiet_gc  # the whole load (see _gil)
 async def load_checkpoint(
     sched: Scheduler,
     folder: str | os.PathLike[str],
@@ -42,8 +41,20 @@ async def load_checkpoint(
     ``into``, they may then hold a mix of old and new values (unless the verify pass of
     ``atomic`` was still running: then they are untouched).
     """
-    folder = os.fspath(folder)
-    dev = _io.check_device(sched, device)
+    with sched.operation():  # the whole load
+        return await _load(sched, os.fspath(folder), into, verify, _io.check_device(sched, device), atomic, step, progress)
+
+
+async def _load(
+    sched: Scheduler,
+    folder: str,
+    into: Any,
+    verify: bool,
+    dev: torch.device,
+    atomic: bool,
+    step: int | None,
+    progress: ProgressCallback | None,
+) -> Any:
     if await sched.call(_root.is_dcp_step, folder, priority=Priority.LOAD):
         return await sched.call(_load_dcp, folder, into, dev, priority=Priority.LOAD)
     m: mf.Manifest

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import anyio
 import torch
 
-from . import _gil, _io
+from . import _io
 from ._dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from ._plan import check_tensor
 from .errors import HeaderError, StateError, annotate_oserror
@@ -56,7 +56,6 @@ def tensor_info(spec: st.TensorSpec) -> TensorInfo:
     return TensorInfo(spec.key, SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape), spec.nbytes)
 
 
-@_gil.quiet_gc  # the whole save (see _gil)
 async def save_file(
     tensors: Mapping[str, torch.Tensor],
     path: str | os.PathLike[str],
@@ -143,13 +142,16 @@ def _ranges(
 
 @asynccontextmanager
 async def own_scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
-    """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end."""
+    """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end;
+    inside its :meth:`~Scheduler.operation` window."""
     if given is not None:
-        yield given
+        with given.operation():
+            yield given
         return
     sched = Scheduler()
     try:
-        yield sched
+        with sched.operation():
+            yield sched
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(sched.close)
@@ -201,7 +203,6 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
     return FileInfo(path, layout.file_size, {s.key: tensor_info(s) for s in layout.tensors}, meta, crcs is not None)
 
 
-@_gil.quiet_gc  # the whole load (see _gil)
 async def load_file(
     path: str | os.PathLike[str],
     *,

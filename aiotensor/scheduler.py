@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from . import _threads
+from . import _gil, _threads
 from .buffers import SlotPool
 from .cuda import CopyStreams
 from .cuda import available as cuda_available
@@ -159,6 +159,10 @@ class Scheduler:
         nice: how many nice levels below the process the worker threads run (Linux; 0: the same
             priority). The event loop's thread then gets a core as soon as it is ready, instead of
             waiting for a time slice behind the copies (see :mod:`aiotensor._threads`).
+        switch_interval: while an operation of this scheduler runs (:meth:`operation`), the
+            interpreter's GIL switch interval is at most this many seconds, so that the event loop's
+            thread waits at most about that long for the GIL (``None``: left alone; see
+            :func:`aiotensor._gil.switch_interval`).
     """
 
     def __init__(
@@ -169,6 +173,7 @@ class Scheduler:
         chunk_bytes: int = 16 * MiB,
         batch_bytes: int = 64 * MiB,
         nice: int = _threads.NICE,
+        switch_interval: float | None = _gil.SWITCH_INTERVAL,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -178,7 +183,10 @@ class Scheduler:
         self.workers = workers
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = max(batch_bytes, chunk_bytes)
+        if switch_interval is not None and not switch_interval > 0:
+            raise ValueError(f"switch_interval must be > 0 seconds or None, got {switch_interval}")
         self.nice = nice
+        self.switch_interval = switch_interval
         self.slots = SlotPool(workers, chunk_bytes)
         self.stats = Stats()
         self.cuda: CopyStreams | None = CopyStreams() if cuda_available() else None
@@ -207,6 +215,14 @@ class Scheduler:
         """Run ``fn(*args)`` in one of the worker threads now, outside the gate (for work that is
         not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
         return await _threads.run_sync(fn, *args, nice=self.nice)
+
+    @contextmanager
+    def operation(self) -> Iterator[None]:
+        """The window of one save or load: the cyclic garbage collector paused and the GIL switch
+        interval lowered (see :mod:`aiotensor._gil`), both process-wide, both given back when the
+        last such window ends."""
+        with _gil.paused_gc(), _gil.switch_interval(self.switch_interval):
+            yield
 
     async def discard(self, *containers: list[Any] | dict[Any, Any]) -> None:
         """Empty ``containers`` in a worker thread: where they held the last references to tens of

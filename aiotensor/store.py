@@ -101,6 +101,11 @@ class TensorStore:
             priority). The default lets the event loop's thread (and the rest of the machine) take a
             core the moment it needs one while a save or load keeps every core copying; on an
             otherwise idle machine the copies still get all of the CPU.
+        switch_interval: while a save or load runs, the interpreter's GIL switch interval is at
+            most this many seconds (default 1 ms, against Python's 5 ms), so that the event loop's
+            thread gets the GIL back from a worker within about that long; the previous interval
+            comes back when the last save or load ends. ``None`` leaves it alone. (The cyclic
+            garbage collector is paused for the same window: see the README.)
         shard_bytes: the largest shard file (a tensor is never split).
         max_staged: staging arenas, so saves that may be staged or writing at once; a further
             ``save`` waits for an arena before staging (memory stays ``max_staged`` × state size).
@@ -154,6 +159,7 @@ class TensorStore:
         reserve: Any = None,
         distributed: Any = False,
         nice: int = _threads.NICE,
+        switch_interval: float | None = _gil.SWITCH_INTERVAL,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -168,7 +174,9 @@ class TensorStore:
         self.shard_bytes = shard_bytes
         self.verify = verify
         self.reserve = reserve
-        self.scheduler = Scheduler(engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes, nice=nice)
+        self.scheduler = Scheduler(
+            engine, workers=workers, chunk_bytes=chunk_bytes, batch_bytes=batch_bytes, nice=nice, switch_interval=switch_interval
+        )
         cuda_ = self.scheduler.cuda
         self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None, nice=nice)
         self.ignored: dict[str, str] = {}  # names in the root that are not committed steps, and why
@@ -490,7 +498,6 @@ class TensorStore:
 
         _spawn(run)
 
-    @_gil.quiet_gc  # from the walk of the state to the commit (see _gil)
     async def _run_save(
         self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
     ) -> None:
@@ -500,7 +507,8 @@ class TensorStore:
                 h._scope = scope
                 if h._cancel_requested:
                     scope.cancel()
-                await self._save(h, state, prio, producers, progress)
+                with self.scheduler.operation():  # from the walk of the state to the commit
+                    await self._save(h, state, prio, producers, progress)
             if scope.cancelled_caught and not h.committed:
                 error = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         except Exception as e:

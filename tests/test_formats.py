@@ -329,24 +329,36 @@ def test_quiet_gc_pauses_the_collector_and_restores_it_nested() -> None:
         gc.enable()
 
 
-def test_quiet_gc_on_a_coroutine_function_covers_its_awaits_and_overlapping_runs() -> None:
+def test_operations_pause_the_collector_and_lower_the_switch_interval_until_the_last_ends() -> None:
     import asyncio
     import gc
+    import sys
 
-    from aiotensor import _gil
+    from aiotensor import Scheduler
 
+    sched = Scheduler(switch_interval=0.0005)
     seen = []
 
-    @_gil.quiet_gc
-    async def op(delay: float) -> str:
-        seen.append(gc.isenabled())
-        await asyncio.sleep(delay)
-        seen.append(gc.isenabled())
-        return "done"
+    async def op(delay: float) -> None:
+        with sched.operation():
+            seen.append((gc.isenabled(), sys.getswitchinterval()))
+            await asyncio.sleep(delay)
+            seen.append((gc.isenabled(), sys.getswitchinterval()))
 
-    async def main() -> list[str]:
-        return list(await asyncio.gather(op(0.01), op(0.03)))  # the first ends while the second runs
+    async def main() -> None:
+        await asyncio.gather(op(0.01), op(0.03))  # the first ends while the second runs
 
-    assert gc.isenabled()
-    assert asyncio.run(main()) == ["done", "done"]
-    assert seen == [False, False, False, False] and gc.isenabled()
+    before = sys.getswitchinterval()
+    assert gc.isenabled() and before > 0.0005
+    asyncio.run(main())
+    assert seen == [(False, 0.0005)] * 4
+    assert gc.isenabled() and sys.getswitchinterval() == before
+    try:  # an interval the application set meanwhile is left as it set it
+        with sched.operation():
+            sys.setswitchinterval(0.002)
+        assert sys.getswitchinterval() == 0.002
+        with Scheduler(switch_interval=None).operation():
+            assert sys.getswitchinterval() == 0.002 and not gc.isenabled()
+    finally:
+        sys.setswitchinterval(before)
+        sched.close()
