@@ -1,6 +1,7 @@
-"""Where the event loop's stalls during a cold 1.4 GB load come from (issue 11), and what the two
-settings aimed at them are worth: the worker threads' priority (``TensorStore(nice=)``) and the
-largest read into host memory (``aiotensor._io.READ_PIECE``).
+"""Where the event loop's stalls during a cold 1.4 GB load come from (issue 11), and what the
+settings aimed at them are worth: the worker threads' priority (``TensorStore(nice=)``), the GIL
+switch interval during the load (``TensorStore(switch_interval=)``) and the largest read into host
+memory (``aiotensor._io.READ_PIECE``).
 
 A 1 ms ticker runs on the loop while ``store.load(step, into=)`` reads a cold checkpoint (page cache
 dropped before each load). Around every tick it reads the loop thread's ``/proc/self/task/<tid>/
@@ -34,13 +35,14 @@ from aiotensor import _io
 
 LATE = 0.004  # a tick this late (s) counts as a stall
 
-# name -> (nice, largest host read, workers)
+# name -> (nice, largest host read, workers, GIL switch interval during the load)
 CONFIGS = {
-    "defaults (nice 10, 1 MiB reads, 4 workers)": (10, 1 << 20, 4),
-    "nice 0": (0, 1 << 20, 4),
-    "16 MiB reads": (10, 16 << 20, 4),
-    "nice 0, 16 MiB reads (before issue 11's fixes)": (0, 16 << 20, 4),
-    "2 workers": (10, 1 << 20, 2),
+    "defaults (nice 10, 1 MiB reads, 4 workers, switch interval 1 ms)": (10, 1 << 20, 4, 0.001),
+    "switch interval 5 ms (Python's default)": (10, 1 << 20, 4, None),
+    "nice 0": (0, 1 << 20, 4, 0.001),
+    "16 MiB reads": (10, 16 << 20, 4, 0.001),
+    "nice 0, 16 MiB reads, 5 ms (before issue 11's fixes)": (0, 16 << 20, 4, None),
+    "2 workers": (10, 1 << 20, 2, 0.001),
 }
 
 
@@ -93,9 +95,10 @@ async def run(a: Any) -> dict[str, Any]:
     default_piece = _io.READ_PIECE
     try:
         for rep in range(a.reps):
-            for name, (nice, piece, workers) in CONFIGS.items():
+            for name, (nice, piece, workers, interval) in CONFIGS.items():
                 _io.READ_PIECE = piece
-                async with aiotensor.TensorStore(a.dir, readonly=True, nice=nice, workers=workers) as store:
+                opts = {"nice": nice, "workers": workers, "switch_interval": interval}
+                async with aiotensor.TensorStore(a.dir, readonly=True, **opts) as store:
                     rows[name].append(await one_load(store, state, gb))
                 print(f"rep {rep}: {name}: {rows[name][-1]}", flush=True)
     finally:
