@@ -73,29 +73,22 @@ def _walk(obj: Any, parts: list[str]) -> None:
         return
     per = (size - 1) // len(obj)  # values per member
     step = max(1, _CHUNK // per) if per <= _CHUNK else 0  # members per C call; 0: each member walked
-    if isinstance(obj, dict):
-        items = list(obj.items())
-        parts.append("{")
-        for i in range(0, len(items), step or 1):
-            if i:
-                parts.append(",")
-            if step:
-                parts.append(_encode(dict(items[i : i + step]))[1:-1])
-            else:
-                k, v = items[i]
-                parts.append(_encode({k: 0})[1:-3] + ":")  # the key as json.dumps writes it (int, float, bool, None too)
-                _walk(v, parts)
-        parts.append("}")
-    else:
-        parts.append("[")
-        for i in range(0, len(obj), step or 1):
-            if i:
-                parts.append(",")
-            if step:
-                parts.append(_encode(list(obj[i : i + step]))[1:-1])
-            else:
-                _walk(obj[i], parts)
-        parts.append("]")
+    mapping = isinstance(obj, dict)
+    members = list(obj.items()) if mapping else list(obj)
+    whole = dict if mapping else list  # a slice of members, encoded as its own object or array
+    parts.append("{" if mapping else "[")
+    for i in range(0, len(members), step or 1):
+        if i:
+            parts.append(",")
+        if step:
+            parts.append(_encode(whole(members[i : i + step]))[1:-1])
+        elif mapping:
+            k, v = members[i]
+            parts.append(_encode({k: 0})[1:-3] + ":")  # the key as json.dumps writes it (int, float, bool, None too)
+            _walk(v, parts)
+        else:
+            _walk(members[i], parts)
+    parts.append("}" if mapping else "]")
 
 
 @contextlib.contextmanager
