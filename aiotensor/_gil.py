@@ -28,20 +28,24 @@ import gc
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 _FEW = 16  # members: see _size
 _CHUNK = 2048  # JSON values per call of the C encoder, which holds the GIL throughout: about 1 ms
 SWITCH_INTERVAL = 0.001  # seconds: see switch_interval
+YOUNG_EVERY_S = 5.0  # seconds: see call_collecting
 _lock = threading.Lock()
 _paused = 0
 _was_enabled = False
 _lowered = 0
 _was_interval = 0.0
+_next_young = 0.0
 _set_interval = 0.0
 
 
@@ -97,11 +101,12 @@ def paused_gc() -> Iterator[None]:
     across threads and operations, and the state the first one found comes back after the last.
     (An application that calls ``gc.disable()`` itself while a pause is on finds the collector
     enabled again when the pause ends, if it was enabled when the pause began.)"""
-    global _paused, _was_enabled
+    global _paused, _was_enabled, _next_young
     with _lock:
         if _paused == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
+            _next_young = time.monotonic() + YOUNG_EVERY_S
         _paused += 1
     try:
         yield
@@ -110,6 +115,26 @@ def paused_gc() -> Iterator[None]:
             _paused -= 1
             if _paused == 0 and _was_enabled:
                 gc.enable()
+
+
+def call_collecting(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, after a young collection if a pause has lasted :data:`YOUNG_EVERY_S` since
+    the last (worker threads run their calls through this).
+
+    Saves of big states, or saves back to back (a snapshotter on a slow disk), can keep the
+    collector paused for minutes, and the application's garbage cycles would pile up meanwhile.
+    Nothing is collected during a pause, so everything made since it began is young: collecting
+    the young generations frees those cycles at a cost that grows with what was made since the
+    last such collection, not with the heap, and it runs in the worker, not the loop's thread.
+    """
+    global _next_young
+    if _paused and time.monotonic() >= _next_young and _was_enabled:
+        with _lock:
+            due = _paused > 0 and time.monotonic() >= _next_young
+            _next_young = time.monotonic() + YOUNG_EVERY_S
+        if due:
+            gc.collect(1)
+    return fn(*args)
 
 
 @contextlib.contextmanager

@@ -214,7 +214,7 @@ class Scheduler:
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in one of the worker threads now, outside the gate (for work that is
         not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
-        return await _threads.run_sync(fn, *args, nice=self.nice)
+        return await _threads.run_sync(_gil.call_collecting, fn, *args, nice=self.nice)
 
     @contextmanager
     def operation(self) -> Iterator[None]:

@@ -362,3 +362,36 @@ def test_operations_pause_the_collector_and_lower_the_switch_interval_until_the_
     finally:
         sys.setswitchinterval(before)
         sched.close()
+
+
+def test_a_long_pause_collects_the_young_garbage_in_the_workers(monkeypatch: Any) -> None:
+    # saves back to back can keep the collector paused for minutes: the application's garbage
+    # cycles made meanwhile are still collected, by a worker, every YOUNG_EVERY_S
+    import asyncio
+    import gc
+    import weakref
+
+    from aiotensor import Scheduler, _gil
+
+    class Node:
+        pass
+
+    sched = Scheduler()
+
+    async def main() -> tuple[bool, bool]:
+        with sched.operation():
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # type: ignore[attr-defined]
+            ref = weakref.ref(a)
+            del a, b
+            await sched.call(lambda: None)  # not due yet: the cycle stays
+            kept = ref() is not None
+            monkeypatch.setattr(_gil, "_next_young", 0.0)
+            await sched.call(lambda: None)
+            return kept, ref() is None
+
+    assert gc.isenabled()
+    try:
+        assert asyncio.run(main()) == (True, True)
+    finally:
+        sched.close()
