@@ -40,6 +40,7 @@ CONFIGS = {
     "defaults (nice 10, 1 MiB reads, 4 workers, switch interval 1 ms)": (10, 1 << 20, 4, 0.001),
     "switch interval 5 ms (Python's default)": (10, 1 << 20, 4, None),
     "nice 0": (0, 1 << 20, 4, 0.001),
+    "256 KiB reads": (10, 256 << 10, 4, 0.001),
     "16 MiB reads": (10, 16 << 20, 4, 0.001),
     "nice 0, 16 MiB reads, 5 ms (before issue 11's fixes)": (0, 16 << 20, 4, None),
     "2 workers": (10, 1 << 20, 2, 0.001),
