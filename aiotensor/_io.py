@@ -112,8 +112,10 @@ async def stage(
     arena: HostBuffer,
     priority: int,
     producers: dict[torch.device, Any] | None = None,
-) -> list[_StageUnit]:
-    """Copy every source tensor and shard header into ``arena``; return the pieces copied.
+) -> tuple[list[_StageUnit], list[Any]]:
+    """Copy every source tensor and shard header into ``arena``; return the pieces copied, and the
+    containers of views of the sources (tens of thousands of objects for a state of many tensors),
+    for the caller to free in a thread (:meth:`Scheduler.discard`) once it has said ``staged``.
 
     CPU tensors are copied by worker threads; CUDA tensors by one device → host copy per device on
     its copy stream, after ``producers[device]`` (an event recorded when ``save`` was called).
@@ -141,8 +143,7 @@ async def stage(
                 await sched.cuda.bridge(dev).wait(event, keep=[*(src for _, src in copies), *resolved])
 
     await run_concurrently(host, device) if gpu else await host()
-    await sched.discard(cpu, gpu)  # the views of the sources: freed in a thread
-    return pieces
+    return pieces, [cpu, gpu]
 
 
 def _stage_units(

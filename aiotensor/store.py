@@ -537,10 +537,10 @@ class TensorStore:
         h.nbytes = plan.nbytes
         arena = await self.staging.acquire(plan.arena_bytes)
         try:
-            pieces = await _io.stage(self.scheduler, plan, sources, arena, prio, producers)
-            await self.scheduler.discard(sources)  # the caller's tensors are free to change from here on
+            pieces, views = await _io.stage(self.scheduler, plan, sources, arena, prio, producers)
             h.stage_seconds = anyio.current_time() - t0
-            h._staged_event.set()
+            h._staged_event.set()  # the caller's tensors are free to change from here on
+            await self.scheduler.discard(sources, *views)  # our references to them: freed in a thread
             with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):
                 await self._write(h, plan, arena, pieces, prio)
             h.commit_seconds = anyio.current_time() - t0
