@@ -118,3 +118,34 @@ def test_saves_and_loads_leave_no_cyclic_garbage(tmp_path: Any) -> None:
     # a few objects per operation (a save handle and its events) are fine; one per tensor is not
     kinds = collections.Counter(type(o).__name__ for o in garbage)
     assert len(garbage) < 200, kinds.most_common(5)
+
+
+def test_a_failed_or_cancelled_save_or_load_gives_back_the_collector_and_the_switch_interval(tmp_path: Any) -> None:
+    # the operation window (collector paused, switch interval lowered) must close on every way out
+    import sys
+
+    from aiotensor.errors import SaveCancelledError, StateError
+
+    before = sys.getswitchinterval()
+    state = {f"w{i}": torch.randn(1 << 16) for i in range(64)}
+
+    async def main() -> None:
+        async with TensorStore(tmp_path / "store") as store:
+            with pytest.raises(StateError):
+                await store.save(0, {"bad": object()})  # bad input
+            h = store.save(1, state)
+            await asyncio.sleep(0)
+            h.cancel()
+            with pytest.raises(SaveCancelledError):
+                await h
+            await store.save(2, state)
+            task = asyncio.ensure_future(store.load(2, into=state))
+            await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert gc.isenabled() and sys.getswitchinterval() == before
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="switch_interval"):
+        TensorStore(tmp_path / "other", switch_interval=0)
