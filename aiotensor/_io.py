@@ -464,6 +464,8 @@ def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
     dev = torch.device(device)
     if dev.type not in sched.devices:
         raise ValueError(f"cannot load to {device}: this machine handles {', '.join(sched.devices)} tensors")
+    if dev.type == "cuda" and dev.index is None:  # worker threads make the tensors: the caller's current device
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

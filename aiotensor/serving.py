@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from . import _io, _root
@@ -32,6 +34,14 @@ from .scheduler import MiB, Priority, Scheduler
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 WINDOW_BYTES = 256 * MiB
+# Neighbouring small tensors of one file are read together, up to this many bytes and tensors: one
+# read and a few worker round trips per batch, not per tensor (a stream of 20,000 small tensors took
+# 18 s and stalled the loop 150-180 ms when each was read alone; bench/bench_loop.py).
+BATCH_BYTES = 16 * MiB
+BATCH_TENSORS = 512
+# A consumer whose next tensors are already read does not wait, so it would run a whole batch's
+# worth of loop iterations in one go: the iteration lets other tasks run at least this often.
+YIELD_S = 0.0005
 Keys = Iterable[str] | Callable[[str], bool] | None
 
 
@@ -83,6 +93,39 @@ def _plan(sched: Scheduler, source: str, select: Callable[[str], bool]) -> list[
         crcs = _checksums(layout, path)
         items += [_Item(path, s, None if crcs is None else crcs[s.key], (s.key,)) for s in layout.tensors if select(s.key)]
     return items
+
+
+def _prepared(
+    sched: Scheduler, source: str, select: Callable[[str], bool], rows: Mapping[str, tuple[int, int]], batch_bytes: int
+) -> tuple[list[_Item], list[tuple[int, int]]]:
+    """The items to read (row slices applied) and the ``[a, b)`` index ranges read together: runs
+    of items of one file of at most ``batch_bytes`` and :data:`BATCH_TENSORS` items (blocking)."""
+    items = [_slice(i, rows[i.names[0]]) if i.names[0] in rows else i for i in _plan(sched, source, select)]
+    batches: list[tuple[int, int]] = []
+    a, size = 0, 0
+    for b, item in enumerate(items):
+        if b > a and (item.path != items[a].path or size + item.spec.nbytes > batch_bytes or b - a >= BATCH_TENSORS):
+            batches.append((a, b))
+            a, size = b, 0
+        size += item.spec.nbytes
+    if items:
+        batches.append((a, len(items)))
+    return items, batches
+
+
+def _new_targets(items: list[_Item], device: torch.device, verify: bool) -> list[_io.Target]:
+    return [_io.Target(i.spec, _io.new_tensor(i.spec, device), i.crc if verify else None) for i in items]
+
+
+def _finished(items: list[_Item], targets: list[_io.Target], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The tensors handed out: a torch.save view cut out of its storage, ``dtype`` applied."""
+    out = []
+    for item, target in zip(items, targets, strict=True):
+        t, v = target.tensor, item.view
+        if v is not None:
+            t = t.as_strided(v.size, v.stride, v.storage_offset).clone()
+        out.append(t if dtype is None or t.dtype == dtype else t.to(dtype))
+    return out
 
 
 def _is_zip(engine: Any, path: str) -> bool:
@@ -217,16 +260,20 @@ class TensorStream:
         self.scheduler = scheduler if scheduler is not None else Scheduler()
         self.device = _io.check_device(self.scheduler, device)
         self.bytes_read = 0
+        self._batch_bytes = min(window_bytes, BATCH_BYTES)
         self._items: list[_Item] | None = None
+        self._batches: list[tuple[int, int]] = []  # [a, b) index ranges read together
         self._ready: dict[int, tuple[_Item, Any]] = {}  # read ahead, by index: (item, tensor or error)
         self._next = 0  # the index the consumer gets next
         self._count = 0
         self._failed = False
         self._ahead = 0  # bytes in _ready and in flight
-        self._changed = anyio.Event()
+        self._changed = anyio.Event()  # set, and replaced, when something changed that a waiter wants
+        self._waiting = False  # anyone waiting on _changed (a new Event per tensor cost 13 us)
         self._reader: anyio.CancelScope | None = None
         self._reader_done: anyio.Event | None = None
         self._closed = False
+        self._yielded = 0.0  # when the consumer last let other tasks run
 
     async def __aenter__(self) -> TensorStream:
         return self
@@ -238,17 +285,22 @@ class TensorStream:
         return self
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
+        if not self._closed and time.perf_counter() - self._yielded > YIELD_S:
+            await self._wait(ready=True)
         if self._closed:
             raise StopAsyncIteration
         if self._items is None:
+            sched = self.scheduler
             try:
-                items = await self.scheduler.call(_plan, self.scheduler, self.source, self._select, priority=Priority.LOAD)
-                items = [_slice(i, self._rows[i.names[0]]) if i.names[0] in self._rows else i for i in items]
+                with sched.operation():
+                    prepared = await sched.call(
+                        _prepared, sched, self.source, self._select, self._rows, self._batch_bytes, priority=Priority.LOAD
+                    )
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.aclose()
                 raise
-            self._items, self._count = items, len(items)
+            (self._items, self._batches), self._count = prepared, len(prepared[0])
             self._start_reader()
         while self._next not in self._ready:
             if self._next >= self._count or (self._reader_done is not None and self._reader_done.is_set()):
@@ -269,18 +321,22 @@ class TensorStream:
             self._notify()
         return name, got
 
-    async def _wait(self) -> None:
-        event = self._changed
+    async def _wait(self, ready: bool = False) -> None:
+        """Wait for the reader to land something (``ready``: only let other tasks run); if
+        cancelled meanwhile, the stream is closed."""
         try:
-            await event.wait()
+            await (anyio.lowlevel.checkpoint() if ready else self._next_change())
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
             raise
+        self._yielded = time.perf_counter()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._waiting:
+            self._changed.set()
+            self._changed = anyio.Event()
+            self._waiting = False
 
     def _start_reader(self) -> None:
         from .store import _spawn
@@ -289,8 +345,9 @@ class TensorStream:
         _spawn(self._read_all)
 
     async def _read_all(self) -> None:
-        """Read items in order, up to ``workers`` at once and ``window_bytes`` ahead of the consumer;
-        each file is opened once. Results land in ``_ready`` by index; the first error ends it."""
+        """Read the batches in order, up to ``workers`` at once and ``window_bytes`` ahead of the
+        consumer; each file is opened once. Results land in ``_ready`` by index; the first error
+        ends it."""
         assert self._items is not None and self._reader_done is not None
         fds: dict[str, int] = {}
         slots = anyio.Semaphore(self.scheduler.workers)
@@ -298,16 +355,19 @@ class TensorStream:
             with anyio.CancelScope() as scope:
                 self._reader = scope
                 async with anyio.create_task_group() as tg:
-                    for index, item in enumerate(self._items):
-                        while self._ahead and self._ahead + item.spec.nbytes > self.window_bytes:
-                            await self._wait_space()
+                    for a, b in self._batches:
+                        items = self._items[a:b]
+                        nbytes = sum(i.spec.nbytes for i in items)
+                        while self._ahead and self._ahead + nbytes > self.window_bytes:
+                            await self._next_change()
                         if self._closed or self._failed:
                             break
                         await slots.acquire()
-                        self._ahead += item.spec.nbytes
-                        if item.path not in fds:
-                            fds[item.path] = await _io.open_read(self.scheduler, item.path)
-                        tg.start_soon(self._read_one, index, item, fds[item.path], slots)
+                        self._ahead += nbytes
+                        path = items[0].path
+                        if path not in fds:
+                            fds[path] = await _io.open_read(self.scheduler, path)
+                        tg.start_soon(self._read_batch, a, items, nbytes, fds[path], slots)
         finally:
             with anyio.CancelScope(shield=True):
                 for fd in fds.values():
@@ -315,45 +375,44 @@ class TensorStream:
             self._reader_done.set()
             self._notify()
 
-    async def _read_one(self, index: int, item: _Item, fd: int, slots: anyio.Semaphore) -> None:
+    async def _read_batch(self, start: int, items: list[_Item], nbytes: int, fd: int, slots: anyio.Semaphore) -> None:
+        """Read ``items`` (indices ``start``...) into new tensors; an error lands at ``start``."""
+        sched = self.scheduler
         try:
-            got: Any = await self._read(item, fd)
+            with sched.operation():
+                targets = await sched.call(_new_targets, items, self.device, self.verify, priority=Priority.LOAD)
+                await _io.read_tensors(sched, fd, items[0].path, targets, Priority.LOAD)
+                self.bytes_read += nbytes
+                got = await sched.call(_finished, items, targets, self.dtype, priority=Priority.LOAD)
         except Exception as e:
-            got, self._failed = e, True
+            self._failed = True
+            self._ready[start] = (items[0], e)
+        else:
+            self._ready.update(enumerate(zip(items, got, strict=True), start))
         finally:
             slots.release()
-        self._ready[index] = (item, got)
         self._notify()
 
-    async def _wait_space(self) -> None:
+    async def _next_change(self) -> None:
+        self._waiting = True
         await self._changed.wait()
 
-    async def _read(self, item: _Item, fd: int) -> torch.Tensor:
-        sched = self.scheduler
-        t = _io.new_tensor(item.spec, self.device)
-        target = _io.Target(item.spec, t, item.crc if self.verify else None)
-        await _io.read_tensors(sched, fd, item.path, [target], Priority.LOAD)
-        self.bytes_read += item.spec.nbytes
-        if item.view is not None:
-            v = item.view
-            t = t.as_strided(v.size, v.stride, v.storage_offset).clone()
-        if self.dtype is not None and t.dtype != self.dtype:
-            t = await sched.call(t.to, self.dtype, priority=Priority.LOAD)
-        return t
-
     async def aclose(self) -> None:
-        """Stop reading and free what was read ahead; waits until no thread writes any more."""
+        """Stop reading and free what was read ahead (and the read plan: for tens of thousands of
+        tensors, freeing it is work too, done in a worker thread); waits until no thread writes any
+        more. Cancellation: shielded, it finishes."""
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
-        if self._reader_done is not None:
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if self._reader_done is not None:
                 await self._reader_done.wait()
-        self._ready.clear()
-        self._ahead = 0
-        if self._own:
-            self._own = False
-            with anyio.CancelScope(shield=True):
+            self._ahead = 0
+            held = (self._ready, self._items or [], self._batches)
+            self._ready, self._items, self._batches = {}, [], []
+            await self.scheduler.discard(*held)
+            if self._own:
+                self._own = False
                 await anyio.to_thread.run_sync(self.scheduler.close)
 
 
@@ -383,9 +442,10 @@ async def load_torch(
     """
     path = os.fspath(path)
     async with stream(path, device=device, scheduler=scheduler) as s:
-        tree = await s.scheduler.call(ts.parse_path, os.path.realpath(path), priority=Priority.LOAD)  # noqa: ASYNC240
-        got = {name: t async for name, t in s}
-    return ts.map_tensors(tree, lambda name, ref: got[name].requires_grad_(ref.requires_grad) if ref.requires_grad else got[name])
+        with s.scheduler.operation():
+            tree = await s.scheduler.call(ts.parse_path, os.path.realpath(path), priority=Priority.LOAD)  # noqa: ASYNC240
+            got = {name: t async for name, t in s}
+            return await s.scheduler.run_sync(ts.map_tensors, tree, lambda name, ref: got[name].requires_grad_(ref.requires_grad))
 
 
 _ALIGN_LOCK = threading.Lock()
@@ -430,6 +490,54 @@ async def save_torch(state: Any, path: str | os.PathLike[str]) -> None:
         raise
 
 
+async def _matched(
+    module: torch.nn.Module,
+    source: str | os.PathLike[str],
+    fn: Callable[[str, torch.Tensor, torch.Tensor], object],
+    *,
+    strict: bool,
+    window_bytes: int,
+    scheduler: Scheduler | None,
+) -> LoadResult:
+    """Stream ``source`` and call ``fn(name, module's tensor, loaded tensor)`` for each tensor the
+    module has, of its shape, in worker threads, batches of up to :data:`BATCH_TENSORS` tensors or
+    :data:`BATCH_BYTES` at a time (one call per tensor made a 20,000-tensor load_into take 7 s).
+    ``strict``: a tensor the module lacks is an error at once (else it is reported)."""
+    unexpected: list[str] = []
+    async with stream(source, window_bytes=window_bytes, scheduler=scheduler) as s:
+        with s.scheduler.operation():
+            sched = s.scheduler
+            left = await sched.run_sync(lambda: dict(module.state_dict(keep_vars=True)))  # not found yet
+            batch: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            size = 0
+            async for name, t in s:
+                dst = left.pop(name, None)
+                if dst is None:
+                    if strict:
+                        raise MismatchError(f"{source} has a tensor {name!r} the module does not")
+                    unexpected.append(name)
+                    continue
+                if tuple(dst.shape) != tuple(t.shape):
+                    raise MismatchError(f"tensor {name!r}: {source} has {list(t.shape)}, the module {list(dst.shape)}")
+                batch.append((name, dst, t))
+                size += t.nbytes
+                if len(batch) >= BATCH_TENSORS or size >= BATCH_BYTES:
+                    await sched.call(_each, fn, batch, priority=Priority.LOAD)
+                    batch, size = [], 0
+            if batch:
+                await sched.call(_each, fn, batch, priority=Priority.LOAD)
+            missing: list[str] = await sched.run_sync(list, left)
+            await sched.discard(left)
+    return LoadResult(missing, unexpected)
+
+
+def _each(fn: Callable[[str, torch.Tensor, torch.Tensor], object], batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():  # per thread: set in the worker
+        for name, dst, t in batch:
+            fn(name, dst, t)
+    batch.clear()  # the loaded tensors are freed here, not on the loop's thread
+
+
 async def load_into(
     module: torch.nn.Module,
     source: str | os.PathLike[str],
@@ -439,7 +547,8 @@ async def load_into(
     scheduler: Scheduler | None = None,
 ) -> LoadResult:
     """Load ``source`` in place into ``module``'s parameters and buffers, tensor by tensor (memory:
-    the module plus the stream's window), converting dtypes on the fly.
+    the module, the stream's window and a batch of up to :data:`BATCH_BYTES`), converting dtypes
+    on the fly.
 
     Raises:
         MismatchError: a shape differs (named), or with ``strict``, missing or unexpected keys.
@@ -448,39 +557,36 @@ async def load_into(
     Cancellation: the stream is closed; the module may hold a mix of old and new values (load into
     a copy, or use :func:`prepare_swap`, to switch only once everything is in).
     """
-    targets = dict(module.state_dict(keep_vars=True))
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    async with stream(source, keys=lambda n: True, window_bytes=window_bytes, scheduler=scheduler) as s:
-        async for name, t in s:
-            dst = targets.get(name)
-            if dst is None:
-                unexpected.append(name)
-                continue
-            if tuple(dst.shape) != tuple(t.shape):
-                raise MismatchError(f"tensor {name!r}: the source has {list(t.shape)}, the module {list(dst.shape)}")
-            with torch.no_grad():
-                await s.scheduler.call(dst.detach().copy_, t, priority=Priority.LOAD)
-            seen.add(name)
-    missing = [k for k in targets if k not in seen]
-    if strict and (missing or unexpected):
-        raise MismatchError(f"load_into {source}: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
-    return LoadResult(missing, unexpected)
+    got = await _matched(
+        module,
+        source,
+        lambda name, dst, t: dst.detach().copy_(t),
+        strict=False,
+        window_bytes=window_bytes,
+        scheduler=scheduler,
+    )
+    if strict and (got.missing_keys or got.unexpected_keys):
+        missing, unexpected = got.missing_keys[:10], got.unexpected_keys[:10]
+        raise MismatchError(f"load_into {source}: missing keys {missing}, unexpected keys {unexpected}")
+    return got
 
 
 class Swap:
     """New weights for a module, loaded and verified beside the ones serving; :meth:`apply` switches."""
 
-    def __init__(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
         self.module = module
         self.tensors = dict(tensors)
+        self._current = current  # the module's tensors by name, as :func:`prepare_swap` found them
 
     def apply(self) -> None:
         """Switch the module to the new weights: pointer swaps only, no I/O and no copy. Call it
         between two requests, on the loop thread, while no other thread runs the module (with
         inference in worker threads, load a second module and switch the reference instead, as
         ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it."""
-        current = self.module.state_dict(keep_vars=True)
+        current = self._current if self._current is not None else self.module.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, new in self.tensors.items():
                 current[name].data = new
@@ -500,24 +606,17 @@ async def prepare_swap(
 
     Cancellation: nothing was switched; the partly loaded copy is dropped.
     """
-    current = dict(module.state_dict(keep_vars=True))
     new: dict[str, torch.Tensor] = {}
-    async with stream(source, window_bytes=window_bytes, scheduler=scheduler) as s:
-        async for name, t in s:
-            dst = current.get(name)
-            if dst is None:
-                raise MismatchError(f"the new version has a tensor {name!r} the module does not")
-            if tuple(dst.shape) != tuple(t.shape):
-                raise MismatchError(f"tensor {name!r}: the new version has {list(t.shape)}, the module {list(dst.shape)}")
-            new[name] = (
-                t
-                if (t.dtype, t.device) == (dst.dtype, dst.device)
-                else await s.scheduler.call(t.to, dst.device, dst.dtype, priority=Priority.LOAD)
-            )
-    missing = [k for k in current if k not in new]
-    if missing:
-        raise MismatchError(f"the new version lacks {missing[:10]}")
-    return Swap(module, new)
+    current: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, dst: torch.Tensor, t: torch.Tensor) -> None:
+        new[name] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
+        current[name] = dst
+
+    got = await _matched(module, source, keep, strict=True, window_bytes=window_bytes, scheduler=scheduler)
+    if got.missing_keys:
+        raise MismatchError(f"the new version lacks {got.missing_keys[:10]}")
+    return Swap(module, new, current)
 
 
 __all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "load_torch", "prepare_swap", "save_torch", "stream"]

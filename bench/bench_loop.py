@@ -4,6 +4,9 @@ and safetensors run in a thread (``asyncio.to_thread``), in the same run.
 For a state of N small tensors (default 20,000) it measures: how long ``store.save()`` itself holds
 the caller, save (durable) + load time, and the lag of a 1 ms ticker task on the loop (worst and p99)
 during each tool's save and load; the idle loop's lag is the floor. Several repetitions, medians.
+The serving paths are timed too: ``aiotensor.stream`` of the safetensors file (every tensor kept)
+and ``aiotensor.load_into`` a module of those parameters. What a load returns is kept until the
+ticker stops, then freed in a thread: freeing 20,000 tensors is the caller's work, whoever made them.
 
     python bench/bench_loop.py [--tensors 20000] [--reps 3] [--dir /tmp/aiotensor-bench-loop]
 """
@@ -40,15 +43,32 @@ async def with_ticker(fn: Callable[[], Awaitable[Any]]) -> tuple[float, float, f
     ticker, stop = Ticker(), asyncio.Event()
     task = asyncio.create_task(ticker.run(stop))
     await asyncio.sleep(0.01)
+    kept: list[Any] = []
     t = time.perf_counter()
     try:
-        await fn()
+        kept.append(await fn())
     finally:
         dt = time.perf_counter() - t
         stop.set()
         await task
+    await asyncio.to_thread(kept.clear)
     worst, p99 = ticker.summary()
     return dt, 1e3 * worst, 1e3 * p99
+
+
+class Params(torch.nn.Module):
+    """A module whose state_dict has :func:`small_state`'s keys and shapes."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ParameterDict() for _ in range((n + 3) // 4))
+        for i in range(n):
+            self.layers[i // 4][f"p{i % 4}"] = torch.nn.Parameter(torch.zeros(64))
+
+
+async def streamed(path: str) -> dict[str, torch.Tensor]:
+    async with aiotensor.stream(path) as s:
+        return {name: t async for name, t in s}
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -64,6 +84,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     async def idle() -> None:
         await asyncio.sleep(1.0)
 
+    module = Params(a.tensors)
     async with aiotensor.TensorStore(os.path.join(a.dir, "store"), keep_last=1) as store:
         for rep in range(a.reps + 1):  # the first round warms up (maps staging) and is not counted
             add("idle", *await with_ticker(idle))
@@ -100,6 +121,13 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             ld = await with_ticker(lambda: asyncio.to_thread(st_load, q))
             if rep:
                 add("safetensors (to_thread)", s[0], ld[0], s[1], s[2], ld[1], ld[2], float("nan"))
+            ld = await with_ticker(lambda: streamed(q))
+            nan = float("nan")
+            if rep:
+                add("aiotensor.stream (of that file)", nan, ld[0], nan, nan, ld[1], ld[2], nan)
+            ld = await with_ticker(lambda: aiotensor.load_into(module, q))
+            if rep:
+                add("aiotensor.load_into (a module)", nan, ld[0], nan, nan, ld[1], ld[2], nan)
     res["rows"] = {k: [statistics.median(c) for c in zip(*v, strict=True)] for k, v in rows.items()}
     shutil.rmtree(a.dir, ignore_errors=True)
     return res
@@ -114,8 +142,13 @@ def report(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     base = r["torch.save/load (to_thread)"][0] + r["torch.save/load (to_thread)"][1]
-    for name in ("aiotensor", "torch.save/load (to_thread)", "safetensors (to_thread)"):
+    for name in r:
+        if name == "idle":
+            continue
         s, ld, sw, sp, lw, lp, held = r[name]
+        if s != s:  # a load only
+            lines.append(f"| {name} | - | {ld:.3f} | - | - | {lw:.1f} / {lp:.1f} | - |")
+            continue
         lines.append(
             f"| {name} | {s:.3f} | {ld:.3f} | {base / (s + ld):.2f}x | {sw:.1f} / {sp:.1f} | {lw:.1f} / {lp:.1f} | "
             + ("-" if held != held else f"{held:.2f}")

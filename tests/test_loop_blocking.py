@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from aiotensor import TensorStore, load_file, save_file
+from aiotensor import TensorStore, load_file, save_file, stream
 
 # seconds of the loop thread's CPU in one callback: above a full garbage collection walking a
 # 20,000-tensor state (100-220 ms, when it falls on the loop's thread), below the 0.5-1 s that
@@ -78,6 +78,9 @@ def test_no_library_callback_blocks_the_loop(tmp_path: Any, monkeypatch: Any, n:
             await store.refresh()
         await save_file(flat, tmp_path / "f.safetensors")
         kept.append(await load_file(tmp_path / "f.safetensors"))
+        async with stream(tmp_path / "f.safetensors") as s:  # the tensors of a batch land at once
+            kept.append({name: t async for name, t in s})
+        assert len(kept[-1]) == n
 
     gc.collect()
     if not collector:
@@ -120,11 +123,11 @@ def test_saves_and_loads_leave_no_cyclic_garbage(tmp_path: Any) -> None:
     assert len(garbage) < 200, kinds.most_common(5)
 
 
-def test_a_failed_or_cancelled_save_or_load_gives_back_the_collector_and_the_switch_interval(tmp_path: Any) -> None:
+def test_a_failed_or_cancelled_save_load_or_stream_gives_back_the_collector_and_the_switch_interval(tmp_path: Any) -> None:
     # the operation window (collector paused, switch interval lowered) must close on every way out
     import sys
 
-    from aiotensor.errors import SaveCancelledError, StateError
+    from aiotensor.errors import ChecksumError, SaveCancelledError, StateError
 
     before = sys.getswitchinterval()
     state = {f"w{i}": torch.randn(1 << 16) for i in range(64)}
@@ -144,8 +147,51 @@ def test_a_failed_or_cancelled_save_or_load_gives_back_the_collector_and_the_swi
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+        await save_file(state, tmp_path / "f.safetensors")
+        task = asyncio.ensure_future(consume(tmp_path / "f.safetensors"))
+        await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        data = bytearray((tmp_path / "f.safetensors").read_bytes())
+        data[-3] ^= 0xFF
+        (tmp_path / "f.safetensors").write_bytes(bytes(data))
+        with pytest.raises(ChecksumError):
+            await consume(tmp_path / "f.safetensors")
         assert gc.isenabled() and sys.getswitchinterval() == before
+
+    async def consume(path: Any) -> None:
+        async with stream(path) as s:
+            async for _ in s:
+                pass
 
     asyncio.run(main())
     with pytest.raises(ValueError, match="switch_interval"):
         TensorStore(tmp_path / "other", switch_interval=0)
+
+
+def test_objects_made_in_a_pause_go_to_the_oldest_generation_unwalked() -> None:
+    # the first young collection after a load of 20,000 new tensors walked them all at once (15-47
+    # ms, often on the loop's thread): they are moved to the oldest generation instead
+    from aiotensor import _gil
+
+    gc.collect()
+    with _gil.paused_gc():
+        made = [[i] for i in range(3 * _gil.PROMOTE_OVER)]
+    assert gc.get_count()[0] < _gil.PROMOTE_OVER // 10, gc.get_count()
+    oldest = {id(o) for o in gc.get_objects(2)}
+    assert all(id(o) in oldest for o in made[:: _gil.PROMOTE_OVER])
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    with _gil.paused_gc():  # a few objects: left young
+        few = [[i] for i in range(100)]
+    young = {id(o) for o in gc.get_objects(0)}
+    assert all(id(o) in young for o in few)
+    gc.freeze()  # the application's own frozen objects are never given back to the collector
+    try:
+        frozen = gc.get_freeze_count()
+        with _gil.paused_gc():
+            more = [[i] for i in range(3 * _gil.PROMOTE_OVER)]
+        assert gc.get_freeze_count() == frozen
+        assert id(more[0]) not in {id(o) for o in gc.get_objects(2)}, "left to the young collections"
+    finally:
+        gc.unfreeze()

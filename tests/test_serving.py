@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from safetensors.torch import save_file as st_save
@@ -123,6 +124,32 @@ async def test_breaking_out_stops_every_read(tmp_path: Any) -> None:
             async for _name, _t in s:
                 await anyio.sleep(1)
     assert eng.open_fds() == []
+
+
+async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwhile(tmp_path: Any) -> None:
+    n = 3000
+    w = {f"t{i}": torch.full((4,), float(i)) for i in range(n)}
+    await save_file(w, tmp_path / "m.safetensors")
+    sched = aiotensor.Scheduler()
+    got: dict[str, torch.Tensor] = {}
+    seen: list[int] = []  # how many tensors the consumer had each time another task ran
+
+    async def other() -> None:
+        while len(got) < n:
+            seen.append(len(got))
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg, stream(tmp_path / "m.safetensors", scheduler=sched) as s:
+        async for name, t in s:
+            if not got:
+                await anyio.sleep(0.3)  # every tensor is read ahead meanwhile: the rest are ready
+                tg.start_soon(other)
+            got[name] = t
+    assert got.keys() == w.keys() and all(torch.equal(got[k], w[k]) for k in w)
+    # one read per tensor made 4 worker calls each (12,000 here); a batch of up to BATCH_TENSORS makes 5
+    assert sched.stats.calls < 6 * (n // aiotensor.serving.BATCH_TENSORS + 1) + 8, sched.stats.calls
+    # all were ready, so nothing made the consumer wait: it let other tasks run on its own
+    assert any(1 < k < n for k in seen), seen[:5]
 
 
 async def test_a_corrupt_tensor_is_named(tmp_path: Any) -> None:
