@@ -22,11 +22,13 @@ A load without ``into`` (or a stream) hands its new tensors to the application. 
 during a pause is young, so the first young collection after it walked them all at once, on
 whichever thread allocated next, often the loop's (15-47 ms for 20,000 tensors). When more than
 :data:`PROMOTE_OVER` objects are young as the last pause ends, they are moved to the oldest
-generation unwalked instead (``gc.freeze()`` then ``gc.unfreeze()``: two list splices), where the
-next full collection meets them as it meets the rest of the heap. The price: garbage cycles the
-application made in the last few seconds of the pause wait for that full collection too. Nothing
-is moved when the application has frozen objects itself (a pre-fork server's ``gc.freeze()``),
-which :func:`gc.unfreeze` would give back to the collector, nor on a free-threaded interpreter.
+generation unwalked instead (``gc.freeze()`` then ``gc.unfreeze()``: on CPython 3.11-3.13, two
+list splices), where the next full collection meets them as it meets the rest of the heap. The
+price: garbage cycles the application made in the last few seconds of the pause wait for that full
+collection too. Nothing is moved once the application has frozen objects itself (a pre-fork
+server's ``gc.freeze()``, which ``gc.unfreeze()`` would give back to the collector; counting them
+walks them, so it is counted until it is seen once), on 3.14 and later (the incremental collector's
+freeze marks objects one by one) or on a free-threaded interpreter.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ _CHUNK = 2048  # JSON values per call of the C encoder, which holds the GIL thro
 SWITCH_INTERVAL = 0.001  # seconds: see switch_interval
 YOUNG_EVERY_S = 5.0  # seconds: see call_collecting
 PROMOTE_OVER = 10_000  # young objects: see the module's text
-_CAN_PROMOTE = not sysconfig.get_config_var("Py_GIL_DISABLED")  # there, freeze() walks the heap
+# there, freeze() walks objects: see the module's text
+_can_promote = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 _lock = threading.Lock()
 _paused = 0
 _was_enabled = False
@@ -126,10 +129,20 @@ def paused_gc() -> Iterator[None]:
         with _lock:
             _paused -= 1
             if _paused == 0 and _was_enabled:
-                if _CAN_PROMOTE and gc.get_count()[0] > PROMOTE_OVER and gc.get_freeze_count() == 0:
-                    gc.freeze()
-                    gc.unfreeze()
+                _promote_young()
                 gc.enable()
+
+
+def _promote_young() -> None:
+    """Move the young objects to the oldest generation unwalked, if there are many (module text)."""
+    global _can_promote
+    if not _can_promote or gc.get_count()[0] <= PROMOTE_OVER:
+        return
+    if gc.get_freeze_count():  # the application's own: never given back; not counted again
+        _can_promote = False
+        return
+    gc.freeze()
+    gc.unfreeze()
 
 
 def call_collecting(fn: Callable[..., T], *args: Any) -> T:

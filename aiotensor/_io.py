@@ -8,6 +8,7 @@ contiguous CPU block) and verifies their checksums.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -457,6 +458,11 @@ def check_into(
 
 def _few(keys: list[str]) -> str:
     return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Inside: ``stream`` (a CUDA stream, or None: nothing changes) is this thread's current one."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:

@@ -113,18 +113,23 @@ def _prepared(
     return items, batches
 
 
-def _new_targets(items: list[_Item], device: torch.device, verify: bool) -> list[_io.Target]:
-    return [_io.Target(i.spec, _io.new_tensor(i.spec, device), i.crc if verify else None) for i in items]
+def _new_targets(items: list[_Item], device: torch.device, verify: bool, stream: Any) -> list[_io.Target]:
+    """New tensors to read ``items`` into (CUDA ones allocated on the consumer's ``stream``, which
+    the caching allocator ties their memory to, as if the consumer had made them)."""
+    with _io.on_stream(stream):
+        return [_io.Target(i.spec, _io.new_tensor(i.spec, device), i.crc if verify else None) for i in items]
 
 
-def _finished(items: list[_Item], targets: list[_io.Target], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """The tensors handed out: a torch.save view cut out of its storage, ``dtype`` applied."""
+def _finished(items: list[_Item], targets: list[_io.Target], dtype: torch.dtype | None, stream: Any) -> list[torch.Tensor]:
+    """The tensors handed out: a torch.save view cut out of its storage, ``dtype`` applied (on the
+    consumer's CUDA ``stream``, so that its own work is ordered after them)."""
     out = []
-    for item, target in zip(items, targets, strict=True):
-        t, v = target.tensor, item.view
-        if v is not None:
-            t = t.as_strided(v.size, v.stride, v.storage_offset).clone()
-        out.append(t if dtype is None or t.dtype == dtype else t.to(dtype))
+    with _io.on_stream(stream):
+        for item, target in zip(items, targets, strict=True):
+            t, v = target.tensor, item.view
+            if v is not None:
+                t = t.as_strided(v.size, v.stride, v.storage_offset).clone()
+            out.append(t if dtype is None or t.dtype == dtype else t.to(dtype))
     return out
 
 
@@ -214,7 +219,9 @@ def _slice(item: _Item, rows: tuple[int, int]) -> _Item:
 class TensorStream:
     """``async for name, tensor in aiotensor.stream(source, ...)``: the tensors of ``source`` (a
     safetensors file, a Hugging Face folder, a torch.save zip, an aiotensor checkpoint step or store
-    root) as ``(name, tensor)`` pairs in file order, each as soon as its bytes land.
+    root) as ``(name, tensor)`` pairs in file order, as soon as their bytes land: small neighbours
+    are read together (up to :data:`BATCH_TENSORS` tensors and :data:`BATCH_BYTES`) and handed out
+    together, a bigger tensor alone.
 
     ``keys`` selects what is read (names, prefixes ending in ``.``, or a predicate): the bytes of
     other tensors are never read. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of
@@ -224,7 +231,8 @@ class TensorStream:
 
     Raises (from the iteration): HeaderError / ManifestError (a malformed file or index, naming
     it), UnsafeFileError (a torch.save file that needs more than a state_dict's pickle),
-    ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError.
+    ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError. An error is
+    raised where its batch begins: the tensors read with a corrupt one are not handed out.
 
     Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
     window is read alone); a slow consumer holds the reading back. Use it as an async context
@@ -259,6 +267,8 @@ class TensorStream:
         self._own = scheduler is None
         self.scheduler = scheduler if scheduler is not None else Scheduler()
         self.device = _io.check_device(self.scheduler, device)
+        # the stream CUDA tensors are made and finished on, in worker threads: the caller's
+        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.bytes_read = 0
         self._batch_bytes = min(window_bytes, BATCH_BYTES)
         self._items: list[_Item] | None = None
@@ -366,7 +376,13 @@ class TensorStream:
                         self._ahead += nbytes
                         path = items[0].path
                         if path not in fds:
-                            fds[path] = await _io.open_read(self.scheduler, path)
+                            try:
+                                fds[path] = await _io.open_read(self.scheduler, path)
+                            except Exception as e:  # the consumer gets it where that file's tensors begin
+                                slots.release()
+                                self._failed = True
+                                self._ready[a] = (items[0], e)
+                                break
                         tg.start_soon(self._read_batch, a, items, nbytes, fds[path], slots)
         finally:
             with anyio.CancelScope(shield=True):
@@ -380,10 +396,10 @@ class TensorStream:
         sched = self.scheduler
         try:
             with sched.operation():
-                targets = await sched.call(_new_targets, items, self.device, self.verify, priority=Priority.LOAD)
+                targets = await sched.call(_new_targets, items, self.device, self.verify, self._stream, priority=Priority.LOAD)
                 await _io.read_tensors(sched, fd, items[0].path, targets, Priority.LOAD)
                 self.bytes_read += nbytes
-                got = await sched.call(_finished, items, targets, self.dtype, priority=Priority.LOAD)
+                got = await sched.call(_finished, items, targets, self.dtype, self._stream, priority=Priority.LOAD)
         except Exception as e:
             self._failed = True
             self._ready[start] = (items[0], e)
@@ -546,9 +562,9 @@ async def load_into(
     window_bytes: int = WINDOW_BYTES,
     scheduler: Scheduler | None = None,
 ) -> LoadResult:
-    """Load ``source`` in place into ``module``'s parameters and buffers, tensor by tensor (memory:
-    the module, the stream's window and a batch of up to :data:`BATCH_BYTES`), converting dtypes
-    on the fly.
+    """Load ``source`` in place into ``module``'s parameters and buffers, a batch of tensors at a
+    time (memory: the module, the stream's window and a batch of up to :data:`BATCH_BYTES`),
+    converting dtypes on the fly.
 
     Raises:
         MismatchError: a shape differs (named), or with ``strict``, missing or unexpected keys.
@@ -574,19 +590,16 @@ async def load_into(
 class Swap:
     """New weights for a module, loaded and verified beside the ones serving; :meth:`apply` switches."""
 
-    def __init__(
-        self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor] | None = None
-    ) -> None:
+    def __init__(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
         self.module = module
         self.tensors = dict(tensors)
-        self._current = current  # the module's tensors by name, as :func:`prepare_swap` found them
 
     def apply(self) -> None:
         """Switch the module to the new weights: pointer swaps only, no I/O and no copy. Call it
         between two requests, on the loop thread, while no other thread runs the module (with
         inference in worker threads, load a second module and switch the reference instead, as
         ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it."""
-        current = self._current if self._current is not None else self.module.state_dict(keep_vars=True)
+        current = self.module.state_dict(keep_vars=True)  # now: .to() or new parameters since replace tensors
         with torch.no_grad():
             for name, new in self.tensors.items():
                 current[name].data = new
@@ -607,16 +620,14 @@ async def prepare_swap(
     Cancellation: nothing was switched; the partly loaded copy is dropped.
     """
     new: dict[str, torch.Tensor] = {}
-    current: dict[str, torch.Tensor] = {}
 
     def keep(name: str, dst: torch.Tensor, t: torch.Tensor) -> None:
         new[name] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
-        current[name] = dst
 
     got = await _matched(module, source, keep, strict=True, window_bytes=window_bytes, scheduler=scheduler)
     if got.missing_keys:
         raise MismatchError(f"the new version lacks {got.missing_keys[:10]}")
-    return Swap(module, new, current)
+    return Swap(module, new)
 
 
 __all__ = ["LoadResult", "Swap", "TensorStream", "load_into", "load_torch", "prepare_swap", "save_torch", "stream"]

@@ -142,7 +142,9 @@ async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwh
     async with anyio.create_task_group() as tg, stream(tmp_path / "m.safetensors", scheduler=sched) as s:
         async for name, t in s:
             if not got:
-                await anyio.sleep(0.3)  # every tensor is read ahead meanwhile: the rest are ready
+                while s.bytes_read < 16 * n:  # every tensor is read ahead meanwhile: the rest are ready
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.1)  # and handed over
                 tg.start_soon(other)
             got[name] = t
     assert got.keys() == w.keys() and all(torch.equal(got[k], w[k]) for k in w)
@@ -150,6 +152,30 @@ async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwh
     assert sched.stats.calls < 6 * (n // aiotensor.serving.BATCH_TENSORS + 1) + 8, sched.stats.calls
     # all were ready, so nothing made the consumer wait: it let other tasks run on its own
     assert any(1 < k < n for k in seen), seen[:5]
+
+
+async def test_a_file_that_cannot_be_opened_any_more_is_an_error_not_an_early_end(tmp_path: Any) -> None:
+    w = weights(4, n=8)
+    keys = sorted(w)
+    halves = {"model-00001-of-00002.safetensors": keys[:4], "model-00002-of-00002.safetensors": keys[4:]}
+    for f, ks in halves.items():
+        await save_file({k: w[k] for k in ks}, tmp_path / f)
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    opened: list[str] = []
+
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "open_read" and "model-00002-of" in str(op[1]):
+            opened.append(op[1])
+            if len(opened) > 2:  # opened twice to plan (what kind of file, its header); gone by the read
+                raise FileNotFoundError(2, "gone", op[1])
+
+    got: list[str] = []
+    with pytest.raises(FileNotFoundError):
+        async with stream(tmp_path, scheduler=aiotensor.Scheduler(FaultyEngine(hook=hook))) as s:
+            async for name, _t in s:
+                got.append(name)
+    assert sorted(got) == keys[:4], "the first file's tensors came first"
 
 
 async def test_a_corrupt_tensor_is_named(tmp_path: Any) -> None:
