@@ -263,9 +263,9 @@ class Scheduler:
             return []
         # cutting tens of thousands of units into batches is Python work: not on the loop thread
         if len(units) > _INLINE_UNITS:
-            batches = await self.run_sync(_batches, units, nbytes, limit)
+            batches = await self.run_sync(batched, units, nbytes, limit)
         else:
-            batches = _batches(units, nbytes, limit)
+            batches = batched(units, nbytes, limit)
         results: list[list[T]] = [[] for _ in batches]
         it = iter(enumerate(batches))
 
@@ -313,19 +313,24 @@ class Scheduler:
 _INLINE_UNITS = 256  # Scheduler.map cuts and joins more units than this in a worker thread
 
 
-def _batches(units: list[U], nbytes: Callable[[U], int], limit: int) -> list[tuple[list[U], int]]:
-    """Consecutive units in batches of at most ``limit`` bytes (a bigger unit alone), with their sizes."""
+def batched(
+    units: list[U], nbytes: Callable[[U], int], limit: int, most: int = 0, apart: Callable[[U, U], bool] | None = None
+) -> list[tuple[list[U], int]]:
+    """Consecutive units in batches of at most ``limit`` bytes (a bigger unit alone), with their
+    sizes; with ``most``, of at most that many units; ``apart(previous, unit)``: ``unit`` begins a
+    new batch."""
     batches: list[tuple[list[U], int]] = []
     batch: list[U] = []
     size = 0
     for u in units:
         n = nbytes(u)
-        if batch and size + n > limit:
+        if batch and (size + n > limit or len(batch) == most or (apart is not None and apart(batch[-1], u))):
             batches.append((batch, size))
             batch, size = [], 0
         batch.append(u)
         size += n
-    batches.append((batch, size))
+    if batch:
+        batches.append((batch, size))
     return batches
 
 

@@ -29,7 +29,7 @@ from .errors import ManifestError, MismatchError
 from .files import _checksums
 from .formats import safetensors as st
 from .formats import torchsave as ts
-from .scheduler import MiB, Priority, Scheduler
+from .scheduler import MiB, Priority, Scheduler, batched
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -97,20 +97,12 @@ def _plan(sched: Scheduler, source: str, select: Callable[[str], bool]) -> list[
 
 def _prepared(
     sched: Scheduler, source: str, select: Callable[[str], bool], rows: Mapping[str, tuple[int, int]], batch_bytes: int
-) -> tuple[list[_Item], list[tuple[int, int]]]:
-    """The items to read (row slices applied) and the ``[a, b)`` index ranges read together: runs
-    of items of one file of at most ``batch_bytes`` and :data:`BATCH_TENSORS` items (blocking)."""
+) -> tuple[list[_Item], list[tuple[list[_Item], int]]]:
+    """The items to read (row slices applied), and the same in the batches read together: runs of
+    items of one file of at most ``batch_bytes`` and :data:`BATCH_TENSORS` items, with their bytes
+    (blocking)."""
     items = [_slice(i, rows[i.names[0]]) if i.names[0] in rows else i for i in _plan(sched, source, select)]
-    batches: list[tuple[int, int]] = []
-    a, size = 0, 0
-    for b, item in enumerate(items):
-        if b > a and (item.path != items[a].path or size + item.spec.nbytes > batch_bytes or b - a >= BATCH_TENSORS):
-            batches.append((a, b))
-            a, size = b, 0
-        size += item.spec.nbytes
-    if items:
-        batches.append((a, len(items)))
-    return items, batches
+    return items, batched(items, lambda i: i.spec.nbytes, batch_bytes, BATCH_TENSORS, lambda a, b: a.path != b.path)
 
 
 def _new_targets(items: list[_Item], device: torch.device, verify: bool, stream: Any) -> list[_io.Target]:
@@ -272,7 +264,7 @@ class TensorStream:
         self.bytes_read = 0
         self._batch_bytes = min(window_bytes, BATCH_BYTES)
         self._items: list[_Item] | None = None
-        self._batches: list[tuple[int, int]] = []  # [a, b) index ranges read together
+        self._batches: list[tuple[list[_Item], int]] = []  # the items read together, and their bytes
         self._ready: dict[int, tuple[_Item, Any]] = {}  # read ahead, by index: (item, tensor or error)
         self._next = 0  # the index the consumer gets next
         self._count = 0
@@ -358,16 +350,15 @@ class TensorStream:
         """Read the batches in order, up to ``workers`` at once and ``window_bytes`` ahead of the
         consumer; each file is opened once. Results land in ``_ready`` by index; the first error
         ends it."""
-        assert self._items is not None and self._reader_done is not None
+        assert self._reader_done is not None
         fds: dict[str, int] = {}
         slots = anyio.Semaphore(self.scheduler.workers)
         try:
             with anyio.CancelScope() as scope:
                 self._reader = scope
                 async with anyio.create_task_group() as tg:
-                    for a, b in self._batches:
-                        items = self._items[a:b]
-                        nbytes = sum(i.spec.nbytes for i in items)
+                    start = 0  # the index of the batch's first item
+                    for items, nbytes in self._batches:
                         while self._ahead and self._ahead + nbytes > self.window_bytes:
                             await self._next_change()
                         if self._closed or self._failed:
@@ -381,9 +372,10 @@ class TensorStream:
                             except Exception as e:  # the consumer gets it where that file's tensors begin
                                 slots.release()
                                 self._failed = True
-                                self._ready[a] = (items[0], e)
+                                self._ready[start] = (items[0], e)
                                 break
-                        tg.start_soon(self._read_batch, a, items, nbytes, fds[path], slots)
+                        tg.start_soon(self._read_batch, start, items, nbytes, fds[path], slots)
+                        start += len(items)
         finally:
             with anyio.CancelScope(shield=True):
                 for fd in fds.values():

@@ -43,7 +43,7 @@ def _float(x: float) -> Any:
 
 
 class _Flatten:
-    """flatten's walk (a class, not a nested function: see _MAX_DEPTH)."""
+    """flatten's walk (a class, not a nested function: see the comment under _MAX_DEPTH)."""
 
     def __init__(self) -> None:
         self.tensors: list[tuple[str, torch.Tensor]] = []
@@ -101,7 +101,7 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
 
 
 class _Unflatten:
-    """unflatten's walk (a class, not a nested function: see _MAX_DEPTH)."""
+    """unflatten's walk (a class, not a nested function: see the comment under _MAX_DEPTH)."""
 
     def __init__(self, tensor: Callable[[str], Any], where: object) -> None:
         self.tensor = tensor
