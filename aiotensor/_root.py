@@ -11,6 +11,7 @@ else is ever removed. Everything else is *ignored* and reported, never counted a
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -19,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .engines import Engine
-from .errors import FormatError, ManifestError
+from .errors import FormatError, ManifestError, UnsafePathError
 from .formats import manifest as mf
 
 MANIFEST = "manifest.json"
@@ -57,7 +58,9 @@ class WriterLock:
 
     The kernel drops the lock when its holder dies (even by SIGKILL), so a crash never leaves it held.
     ``flock`` locks belong to an open file, so two stores in one process exclude each other too.
-    The file is never removed (removing a lock file races with its next holder).
+    The file is never removed (removing a lock file races with its next holder), and never written
+    unless it is the library's own: a regular file with one link that holds nothing but a pid (a
+    hard link to another file would have that file written into, a FIFO would block).
     """
 
     def __init__(self, root: str) -> None:
@@ -65,8 +68,12 @@ class WriterLock:
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
-        """Take the lock if it is free; False if another writer holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        """Take the lock if it is free; False if another writer holds it.
+
+        Raises:
+            UnsafePathError: something other than aiotensor's lock file has its name (left alone).
+        """
+        fd = _open_lock(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -75,9 +82,10 @@ class WriterLock:
         except BaseException:
             os.close(fd)
             raise
+        pid = f"{os.getpid()}\n".encode()
         try:  # the holder's pid, for the message a second writer gets (informative only)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
         except OSError:
             pass
         self._fd = fd
@@ -86,15 +94,65 @@ class WriterLock:
     def holder(self) -> str:
         """The pid the current holder wrote, for messages ("" if unknown)."""
         try:
-            with open(self.path, "rb") as f:
-                return f.read(32).decode("ascii", "replace").strip()
-        except OSError:
+            fd = _open_lock(self.path, create=False)
+        except (OSError, FormatError):
             return ""
+        try:
+            return os.pread(fd, _LOCK_MAX, 0).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)  # closing the file drops the flock
+
+
+_LOCK_MAX = 32
+_PID = re.compile(rb"[0-9]*\n?")
+
+
+def _open_lock(path: str, create: bool = True) -> int:
+    """Open the lock file (creating it if missing), never truncating it, following a link or
+    blocking; refuse anything but aiotensor's own lock file."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC
+    if create:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR):
+            raise _foreign_lock("a symbolic link" if e.errno == errno.ELOOP else "a folder", path) from None
+        raise
+    try:
+        why = _not_ours(fd, os.fstat(fd), _LOCK_MAX, _PID)
+        if why:
+            raise _foreign_lock(why, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _foreign_lock(what: str, path: str) -> UnsafePathError:
+    return UnsafePathError(f"is {what}, not the lock file aiotensor makes: left alone (move it away to write here)", path)
+
+
+def _not_ours(fd: int, st: os.stat_result, most: int, text: re.Pattern[bytes]) -> str:
+    """Why the open file ``fd`` is not a small file the library wrote ("" if it may be): a file the
+    library replaces or writes into must be a regular file of one link holding what it writes."""
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    if not stat.S_ISREG(st.st_mode):
+        return "a special file (FIFO, device or socket)"
+    if st.st_nlink != 1:
+        return f"a file with {st.st_nlink} hard links"
+    if st.st_size > most or not text.fullmatch(os.pread(fd, most + 1, 0)):
+        return "a file with other contents"
+    return ""
 
 
 # --- listing -----------------------------------------------------------------------------------
@@ -108,7 +166,7 @@ class Listing:
     leftovers: list[str] = field(default_factory=list)
     ignored: dict[str, str] = field(default_factory=dict)  # name -> why it is not a step
     errors: dict[str, Exception] = field(default_factory=dict)  # name -> the error its manifest raised
-    latest: str | None = None  # what `latest` names ("" when it is unreadable)
+    latest: str | None = None  # the step folder `latest` names (None: no such file, or not the library's)
 
 
 def _manifest_key(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -126,7 +184,9 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
         if name == LOCK:
             continue
         if name == LATEST:
-            out.latest = read_latest(root)
+            out.latest, foreign = read_latest(root)
+            if foreign:
+                out.ignored[name] = foreign
             continue
         if is_leftover(name):
             out.leftovers.append(name)
@@ -231,18 +291,70 @@ def read_small(engine: Engine, path: str, limit: int, error: type[FormatError], 
         engine.close(fd)
 
 
-def read_latest(root: str) -> str:
-    """What ``root/latest`` names ("" if it is not a small regular file)."""
+_LATEST_TEXT = re.compile(rb"step-[0-9]{12}\n")
+
+
+def read_latest(root: str) -> tuple[str | None, str]:
+    """``(name, "")``: the step folder ``root/latest`` names, or None when there is no such file;
+    ``(None, why)`` when something else has that name (a folder, a link, a file of other contents):
+    it is the user's, and the library never replaces or removes it."""
+    path = os.path.join(root, LATEST)
     try:
-        fd = os.open(os.path.join(root, LATEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC)
-    except OSError:
-        return ""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as e:
+        why = "a symbolic link" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+        return None, _foreign_latest(why)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        return os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        why = _not_ours(fd, os.fstat(fd), len("step-000000000000\n"), _LATEST_TEXT)
+        name = "" if why else os.pread(fd, 64, 0).decode("ascii").strip()
     finally:
         os.close(fd)
+    return (None, _foreign_latest(why)) if why else (name, "")
+
+
+def _foreign_latest(what: str) -> str:
+    return f"{what}, not the file aiotensor writes there: left alone"
+
+
+def point_latest(engine: Engine, root: str, name: str | None) -> str:
+    """Make ``root/latest`` name the step folder ``name`` (None: remove it), durably, unless
+    something other than the library's own file has that name: then nothing is touched and the
+    reason is returned ("" when done). Blocking: a worker thread."""
+    path = os.path.join(root, LATEST)
+    found, why = read_latest(root)
+    if why:
+        return why
+    if found == name:
+        return ""
+    if name is None:
+        engine.remove_file(path)
+    else:
+        tmp = os.path.join(root, temp_name(LATEST))
+        try:
+            write_small(engine, tmp, f"{name}\n".encode())
+            engine.rename(tmp, path)
+        except BaseException:
+            engine.remove_file(tmp)
+            raise
+    engine.sync_dir(root)
+    return ""
+
+
+def write_small(engine: Engine, path: str, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, durably (blocking)."""
+    fd = engine.create(path)
+    try:
+        view, off = memoryview(data), 0
+        while off < len(view):
+            n = engine.pwrite(fd, view[off:], off)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, f"no progress writing {path} (disk full?)")
+            off += n
+        engine.sync(fd)
+    finally:
+        engine.close(fd)
 
 
 def _short(text: str, n: int = 300) -> str:
@@ -257,10 +369,12 @@ __all__ = [
     "WriterLock",
     "is_leftover",
     "parse_step",
+    "point_latest",
     "read_latest",
     "read_manifest",
     "read_small",
     "scan",
     "step_dir_name",
     "temp_name",
+    "write_small",
 ]

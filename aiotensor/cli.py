@@ -20,6 +20,7 @@ import anyio
 import torch
 
 from . import _root, errors, serving
+from .engines import PosixEngine
 from .files import read_header, save_file, tensor_info
 from .formats import torchsave as ts
 from .scheduler import Scheduler
@@ -292,7 +293,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
                 os.rename(f, os.path.join(work, final))
                 weight_map |= dict.fromkeys(names, final)
             index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
-            await anyio.to_thread.run_sync(_write_durably, os.path.join(work, serving.INDEX), index)
+            await anyio.to_thread.run_sync(_root.write_small, PosixEngine(), os.path.join(work, serving.INDEX), index)
             os.rename(work, a.dst)  # the folder appears whole, or not at all
 
     try:
@@ -323,13 +324,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     print(text)
     print(f"report: {a.out}" + (f", plot: {png}" if png else ""))
     return 0
-
-
-def _write_durably(path: str, data: bytes) -> None:
-    with open(path, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
 
 
 def parser() -> argparse.ArgumentParser:

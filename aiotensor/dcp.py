@@ -63,17 +63,6 @@ def _done(value: Any) -> Future[Any]:
     return fut
 
 
-def _write_durably(eng: PosixEngine, path: str, data: bytes) -> None:
-    fd = eng.create(path)
-    try:
-        view, off = memoryview(data), 0
-        while off < len(view):
-            off += eng.pwrite(fd, view[off:], off)
-        eng.sync(fd)
-    finally:
-        eng.close(fd)
-
-
 # --- Metadata <-> JSON -----------------------------------------------------------------------------
 
 
@@ -219,15 +208,12 @@ class AiotensorWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         tmp, root = self.tmp, os.path.dirname(os.path.abspath(self.path))
         eng = PosixEngine()
-        _write_durably(eng, os.path.join(tmp, METADATA), dumps_metadata(metadata))
+        _root.write_small(eng, os.path.join(tmp, METADATA), dumps_metadata(metadata))
         eng.sync_dir(tmp)
         eng.rename(tmp, self.path)
         eng.sync_dir(root)  # the commit point
         if self.latest and _root.parse_step(os.path.basename(self.path)) is not None:  # a TensorStore root
-            latest = os.path.join(root, _root.temp_name(_root.LATEST))
-            _write_durably(eng, latest, (os.path.basename(self.path) + "\n").encode())
-            eng.rename(latest, os.path.join(root, _root.LATEST))
-            eng.sync_dir(root)
+            _root.point_latest(eng, root, os.path.basename(self.path))
 
     def storage_meta(self) -> md.StorageMeta | None:
         return md.StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)

@@ -628,7 +628,7 @@ class TensorStore:
                 self._committed.difference_update(self.steps()[: -self.keep_last])
             return
         log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
-        await self._try(self._sync_latest, h, "updating `latest`")
+        await self._try(functools.partial(self._sync_latest, h), h, "updating `latest`")
         await self._try(self._retain, h, "retiring old steps")
 
     async def _try(self, fn: Callable[[], Awaitable[Any]], h: SaveHandle | None, what: str) -> None:
@@ -642,27 +642,25 @@ class TensorStore:
                 h.warnings.append(msg)
             log.warning("%s", msg)
 
-    async def _sync_latest(self) -> None:
-        """Make ``latest`` name the newest committed step (or remove it when none is left)."""
+    async def _sync_latest(self, h: SaveHandle | None = None) -> None:
+        """Make ``latest`` name the newest committed step (or remove it when none is left). Something
+        else of that name (a folder, a link, a file of other contents) is the user's: it is left
+        alone, and reported in ``h.warnings`` and :attr:`ignored`."""
         newest = self.latest()
         want = None if newest is None else step_dir_name(newest)
         if want == self._latest_on_disk:
             return
-        eng = self.engine
         path = os.path.join(self.root, LATEST)
-        if want is None:
-            await self._call(eng.remove_tree, path, what=f"removing {path}")
-        else:
-            tmp = os.path.join(self.root, _root.temp_name(LATEST))
-            try:
-                await _io.write_file(self.scheduler, tmp, [(0, memoryview((want + "\n").encode()))])
-                await self._call(eng.rename, tmp, path, what=f"replacing {path}")
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await self._call(eng.remove_tree, tmp, what=f"removing {tmp}")
-                raise
-        await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
-        self._latest_on_disk = want
+        why = await self._call(_root.point_latest, self.engine, self.root, want, what=f"updating {path}")
+        if not why:
+            self._latest_on_disk = want
+            return
+        msg = f"{path} is {why} (the newest step is {want})"
+        if h is not None:
+            h.warnings.append(msg)
+        if self.ignored.get(LATEST) != why:
+            log.warning("%s", msg)
+            self.ignored[LATEST] = why
 
     async def _retain(self) -> None:
         """Retire steps beyond ``keep_last`` (never one being loaded by this store)."""

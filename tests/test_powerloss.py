@@ -91,7 +91,7 @@ class Disk:
             sp, sn = self._parent(op[1])
             dp, dn = self._parent(op[2])
             dp.children[dn] = sp.children.pop(sn)
-        elif kind == "remove_tree":
+        elif kind in ("remove_tree", "remove_file"):
             parent, name = self._parent(op[1])
             parent.children.pop(name, None)
         # open_read, pread and close change nothing on disk

@@ -310,6 +310,90 @@ async def test_the_real_error_is_raised_and_the_clean_up_failure_is_a_note(tmp_p
     assert tmp_leftovers(str(tmp_path)) == []
 
 
+# --- the user's own files: never removed, replaced or written into ------------------------------
+
+
+async def test_a_folder_named_latest_is_the_users_and_is_never_removed(tmp_path: Any, caplog: Any) -> None:
+    notes = tmp_path / "latest" / "eval"
+    notes.mkdir(parents=True)
+    (notes / "results.json").write_text('{"acc": 0.9}')
+    async with TensorStore(tmp_path) as store:  # no committed step: `latest` used to be removed here
+        assert "folder" in store.ignored["latest"]
+        h = store.save(1, w(1))
+        await h
+        assert any("latest" in m and "left alone" in m for m in h.warnings), h.warnings
+        await store.delete(1)  # no step left: and here
+        await store.save(2, w(2))
+        await store.save(3, w(3))
+        assert await store.rollback(1) == [3, 2]  # and here
+    assert (notes / "results.json").read_text() == '{"acc": 0.9}'
+    assert "left alone" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hard link", "other contents"])
+async def test_a_latest_file_aiotensor_did_not_write_is_left_alone(tmp_path: Any, kind: str) -> None:
+    root, mine = tmp_path / "root", tmp_path / "mine.txt"
+    root.mkdir()
+    mine.write_text("step-000000000009\n")  # even a step name: only the library's own file is replaced
+    latest = root / "latest"
+    if kind == "symlink":
+        latest.symlink_to(mine)
+    elif kind == "hard link":
+        os.link(mine, latest)
+    else:
+        latest.write_text("my notes\n")
+    before = os.lstat(latest)
+    async with TensorStore(root) as store:
+        assert "latest" in store.ignored
+        await store.save(1, w(1))
+        await store.save(2, w(2))
+        await store.delete(2)
+        await store.delete(1)
+    after = os.lstat(latest)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)  # the same entry, never replaced
+    assert mine.read_text() == "step-000000000009\n"
+    if kind == "other contents":
+        assert latest.read_text() == "my notes\n"
+
+
+@pytest.mark.parametrize("kind", ["hard link", "symlink", "fifo", "folder", "other contents"])
+async def test_a_lock_file_aiotensor_did_not_make_is_refused_and_never_written(tmp_path: Any, kind: str) -> None:
+    root, mine = tmp_path / "root", tmp_path / "mine.txt"
+    root.mkdir()
+    mine.write_text("precious\n")
+    lock = root / ".aiotensor.lock"
+    if kind == "hard link":
+        os.link(mine, lock)  # the old code truncated mine.txt and wrote its pid there
+    elif kind == "symlink":
+        lock.symlink_to(mine)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "folder":
+        lock.mkdir()
+    else:
+        lock.write_text("precious\n")
+    with pytest.raises(UnsafePathError, match=r"\.aiotensor\.lock: is .*not the lock file aiotensor makes"):
+        async with TensorStore(root):
+            pass
+    assert mine.read_text() == "precious\n"
+    if kind == "other contents":
+        assert lock.read_text() == "precious\n"
+    async with TensorStore(root, readonly=True) as reader:  # readers never touch the lock
+        assert reader.steps() == []
+
+
+async def test_the_lock_file_is_never_truncated_before_it_is_held(tmp_path: Any) -> None:
+    with child("hold", tmp_path, stdin=subprocess.PIPE) as holder:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreLockedError, match=rf"process {holder.pid}"):
+            async with TensorStore(tmp_path):
+                pass
+        assert (tmp_path / ".aiotensor.lock").read_text() == f"{holder.pid}\n"  # the holder's pid, intact
+        holder.stdin.close()
+        holder.wait()
+
+
 # --- hostile and damaged folders ---------------------------------------------------------------
 
 

@@ -71,6 +71,13 @@ class Engine(abc.ABC):
     def remove_tree(self, path: str) -> None:
         """Remove a file or a folder and everything in it; a missing path is not an error."""
 
+    def remove_file(self, path: str) -> None:
+        """Remove a file (never a folder: that is an error); a missing path is not an error."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
     # --- device memory (engines that move bytes between files and GPU memory themselves) ---
 
     def handles_device(self, t: torch.Tensor) -> bool:

@@ -24,7 +24,8 @@ class FaultyEngine(Engine):
     Args:
         inner: the engine doing the real work.
         fail: operation name -> (n, errno): the n-th call (1-based) of that operation fails.
-            Names: open_read, create, pread, pwrite, truncate, sync, close, mkdir, rename, sync_dir, remove_tree.
+            Names: open_read, create, pread, pwrite, truncate, sync, close, mkdir, rename, sync_dir, remove_tree,
+            remove_file.
         hook: called as ``hook(op_tuple)`` before each operation runs (e.g. to kill the process).
         record_data: pwrite ops also carry the bytes written, ``("pwrite", path, offset, n, data)``
             (for replaying a save, as the power-loss tests do).
@@ -129,6 +130,10 @@ class FaultyEngine(Engine):
     def remove_tree(self, path: str) -> None:
         self._op("remove_tree", path)
         self.inner.remove_tree(path)
+
+    def remove_file(self, path: str) -> None:
+        self._op("remove_file", path)
+        self.inner.remove_file(path)
 
     def open_fds(self) -> list[str]:
         """Paths of files this engine opened and has not closed (a leak check for tests)."""
