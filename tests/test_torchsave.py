@@ -9,6 +9,7 @@ import zipfile
 from collections import OrderedDict
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -83,3 +84,21 @@ async def test_hostile_torch_save_files_run_nothing(tmp_path: Any, monkeypatch: 
     (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04" + b"\0" * 100)
     with pytest.raises(UnsafeFileError, match="not a torch.save zip"):
         await load_torch(tmp_path / "junk.pt")
+
+
+async def test_tensors_whose_dotted_names_collide_stay_distinct(tmp_path: Any) -> None:
+    from safetensors.torch import load_file as st_load
+
+    from aiotensor.cli import main
+
+    state = {"a.b": torch.zeros(3), "a": {"b": torch.ones(3)}, 1: torch.full((2,), 7.0), "1": torch.full((2,), 8.0)}
+    torch.save(state, tmp_path / "c.pt")
+    got = await load_torch(tmp_path / "c.pt")
+    assert_state_equal(got, torch.load(tmp_path / "c.pt", weights_only=True))  # each tensor its own values
+    streamed = {n: t async for n, t in stream(tmp_path / "c.pt")}
+    assert sorted(streamed) == ["1", "1#2", "a.b", "a.b#2"]  # named as TensorStore.save names them
+    assert sorted(float(t[0]) for t in streamed.values()) == [0.0, 1.0, 7.0, 8.0]
+    assert await anyio.to_thread.run_sync(main, ["convert", str(tmp_path / "c.pt"), str(tmp_path / "c.safetensors")]) == 0
+    assert {k: float(t[0]) for k, t in st_load(tmp_path / "c.safetensors").items()} == {
+        n: float(t[0]) for n, t in streamed.items()
+    }

@@ -25,6 +25,7 @@ import torch
 
 from .._dtypes import TORCH_TO_SAFETENSORS
 from ..errors import UnsafeFileError
+from .tree import key_path, unique_key
 
 MAX_PICKLE_BYTES = 64 << 20
 ZIP_MAGIC = b"PK\x03\x04"
@@ -240,19 +241,30 @@ def parse_path(path: str) -> Any:
         return parse(f, os.fstat(f.fileno()).st_size, path)
 
 
-def map_tensors(tree: Any, fn: Any, prefix: str = "") -> Any:
-    """``tree`` with every :class:`TensorRef` leaf replaced by ``fn(name, ref)`` (names dotted as in
-    a state_dict); containers (``OrderedDict`` and its ``_metadata`` too) and other leaves kept."""
-    if isinstance(tree, TensorRef):
-        return fn(prefix, tree)
-    if isinstance(tree, dict):
-        out = type(tree)() if type(tree) in (dict, OrderedDict) else {}
-        for k, v in tree.items():
-            out[k] = map_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k))
-        if hasattr(tree, "_metadata"):
-            out._metadata = tree._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(tree, (list, tuple)):
-        items = [map_tensors(v, fn, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(tree)]
-        return items if isinstance(tree, list) else tuple(items)
-    return tree
+def map_tensors(tree: Any, fn: Any) -> Any:
+    """``tree`` with every :class:`TensorRef` leaf replaced by ``fn(name, ref)``; containers
+    (``OrderedDict`` and its ``_metadata`` too) and other leaves kept. Names are dotted as in a
+    state_dict, and unique: where two paths make one name (``{"a.b": x, "a": {"b": y}}``), the
+    later tensor is ``a.b#2``, as :func:`~aiotensor.formats.tree.flatten` names it."""
+    return _Mapper(fn).walk(tree, ())
+
+
+class _Mapper:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.used: set[str] = set()
+
+    def walk(self, tree: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(tree, TensorRef):
+            return self.fn(unique_key(key_path(path) if path else "", self.used), tree)
+        if isinstance(tree, dict):
+            out = type(tree)() if type(tree) in (dict, OrderedDict) else {}
+            for k, v in tree.items():
+                out[k] = self.walk(v, (*path, k))
+            if hasattr(tree, "_metadata"):
+                out._metadata = tree._metadata  # type: ignore[attr-defined]
+            return out
+        if isinstance(tree, (list, tuple)):
+            items = [self.walk(v, (*path, i)) for i, v in enumerate(tree)]
+            return items if isinstance(tree, list) else tuple(items)
+        return tree

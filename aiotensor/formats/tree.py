@@ -36,6 +36,18 @@ def key_path(path: Path) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
+def unique_key(key: str, used: set[str]) -> str:
+    """``key``, or the first of ``key#2``, ``key#3``... not in ``used`` (then added to it): two
+    paths can make one dotted name (``{"a.b": x, "a": {"b": y}}``, ``{1: x, "1": y}``), and each
+    tensor keeps a name of its own."""
+    name, n = key, 1
+    while name in used:
+        n += 1
+        name = f"{key}#{n}"
+    used.add(name)
+    return name
+
+
 def _float(x: float) -> Any:
     if math.isfinite(x):
         return x
@@ -53,12 +65,7 @@ class _Flatten:
         if len(path) > _MAX_DEPTH:
             raise StateError(f"state nests deeper than {_MAX_DEPTH} levels at {key_path(path)!r}")
         if isinstance(obj, torch.Tensor):
-            key = key_path(path)
-            n = 1
-            while key in self.used:
-                n += 1
-                key = f"{key_path(path)}#{n}"
-            self.used.add(key)
+            key = unique_key(key_path(path), self.used)
             self.tensors.append((key, obj))
             return {"tensor": key}
         if isinstance(obj, _SCALARS):
