@@ -108,7 +108,18 @@ def load(into: Any, path: str, group: Any, what: str) -> None:
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk."""
     from .dcp import AiotensorReader
 
-    collective(lambda: dcp_load(into, storage_reader=AiotensorReader(path), process_group=group), what)
+    reader = AiotensorReader(path)
+    try:  # first, and agreed on: DCP would fold a bad checkpoint's error into an AssertionError of its own
+        reader.read_metadata()
+        problem: Exception | None = None
+    except Exception as e:
+        problem = e
+    failed = agree(problem is not None, group)
+    if problem is not None:
+        raise problem
+    if failed:
+        raise DistributedError(f"{what} failed: ranks {failed} could not read the checkpoint's metadata")
+    collective(lambda: dcp_load(into, storage_reader=reader, process_group=group), what)
 
 
 def collective(fn: Callable[[], Any], what: str) -> None:
@@ -120,26 +131,11 @@ def collective(fn: Callable[[], Any], what: str) -> None:
             warnings.simplefilter("ignore")  # DCP's notices, once per call
             fn()
     except CheckpointException as e:
+        from .dcp import unwrap
+
         raise unwrap(e, what) from None
     except RuntimeError as e:  # the backend's (DistBackendError, gloo's "Connection reset by peer")
         raise DistributedError(f"{what} failed: another rank stopped answering ({str(e)[:300]})") from e
 
 
-def unwrap(exc: CheckpointException, what: str) -> BaseException:
-    """DCP's ``CheckpointException`` (a BaseException, which ``except Exception`` misses) as an
-    ordinary error: this rank's own failure as itself (noting the other ranks that failed), or a
-    :class:`DistributedError` naming the ranks that did and what they raised."""
-    failures: dict[int, Any] = dict(exc.failures)
-    me = dist.get_rank() if dist.is_initialized() else 0
-    lines = {r: f"rank {r}: {type(e).__name__}: {e}"[:600] for r, (e, _tb) in sorted(failures.items())}
-    own = failures.get(me, (None, None))[0]
-    if isinstance(own, Exception):
-        if len(failures) > 1:
-            own.add_note(f"{what} also failed on " + "; ".join(ln for r, ln in lines.items() if r != me))
-        return own
-    err = DistributedError(f"{what} failed: " + "; ".join(lines.values()))
-    err.failures = {r: e for r, (e, _tb) in failures.items()}
-    return err
-
-
-__all__ = ["Saver", "agree", "group_of", "load", "share_outcome", "unwrap"]
+__all__ = ["Saver", "agree", "group_of", "load", "share_outcome"]

@@ -279,16 +279,21 @@ def read_small(engine: Engine, path: str, limit: int, error: type[FormatError], 
         size = engine.size(fd)
         if size > limit:
             raise error(f"{what} is {size} bytes, over the {limit} byte cap", path)
-        buf = bytearray(size)
-        view, off = memoryview(buf), 0
-        while off < size:
-            n = engine.pread(fd, view[off:], off)
-            if n <= 0:
-                raise error(f"{what} ended at byte {off} while being read (it shrank)", path)
-            off += n
-        return bytes(buf)
+        return read_range(engine, fd, 0, size, path, error, what)
     finally:
         engine.close(fd)
+
+
+def read_range(engine: Engine, fd: int, offset: int, nbytes: int, path: str, error: type[FormatError], what: str) -> bytes:
+    """``nbytes`` bytes at ``offset`` of an open file; a file that ends first is ``error`` (blocking)."""
+    buf = bytearray(nbytes)
+    view, off = memoryview(buf), 0
+    while off < nbytes:
+        n = engine.pread(fd, view[off:], offset + off)
+        if n <= 0:
+            raise error(f"{what} ends at byte {offset + off} of the file (it is shorter than recorded, or shrank)", path)
+        off += n
+    return bytes(buf)
 
 
 _LATEST_TEXT = re.compile(rb"step-[0-9]{12}\n")
@@ -372,6 +377,7 @@ __all__ = [
     "point_latest",
     "read_latest",
     "read_manifest",
+    "read_range",
     "read_small",
     "scan",
     "step_dir_name",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import uuid
@@ -35,6 +36,7 @@ import anyio
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import metadata as md
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -42,8 +44,10 @@ from torch.futures import Future
 
 from . import _root, errors
 from .engines.posix import PosixEngine
-from .files import load_file, own_scheduler, save_file
+from .files import own_scheduler, read_file, save_file
 from .formats import manifest as mf
+from .formats import torchsave as ts
+from .formats.safetensors import is_count
 from .serving import stream
 
 METADATA = ".metadata.json"
@@ -250,7 +254,27 @@ class _SafeBytes:
 # --- the reader ------------------------------------------------------------------------------------
 
 
-class AiotensorReader(StorageReader):
+class _MetadataOnce:
+    """Read and validate a checkpoint's metadata once per reader (until ``reset`` names another
+    checkpoint), so a caller may read it first and get the error as itself: DCP's loader folds a
+    failure of ``read_metadata`` into an ``AssertionError`` of its own."""
+
+    _metadata: md.Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
+
+    def _read_metadata(self) -> md.Metadata:
+        raise NotImplementedError
+
+    def _forget(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id is not None:
+            self._metadata = None
+
+
+class AiotensorReader(_MetadataOnce, StorageReader):
     """A DCP ``StorageReader`` for checkpoints :class:`AiotensorWriter` wrote, and for TensorStore
     steps (their tensors: ``dcp.load({"model": model.state_dict()},
     storage_reader=AiotensorReader(store.path(step)))``); any world size loads them (DCP reshards by
@@ -262,15 +286,18 @@ class AiotensorReader(StorageReader):
         self.storage_data: dict[md.MetadataIndex, dict[str, str]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._forget(checkpoint_id)
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
-        if not os.path.lexists(os.path.join(self.path, METADATA)) and os.path.isfile(os.path.join(self.path, _root.MANIFEST)):
+    def _read_metadata(self) -> md.Metadata:
+        if not os.path.lexists(os.path.join(self.path, METADATA)) and os.path.lexists(os.path.join(self.path, _root.MANIFEST)):
             return _store_metadata(_root.read_manifest(PosixEngine(), self.path))
         path = os.path.join(self.path, METADATA)
         raw = _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata")
-        return loads_metadata(raw, path)
+        m = loads_metadata(raw, path)
+        _check_storage(m, self.path, path, {k: (v["file"], None) for k, v in (m.storage_data or {}).items()})
+        return m
 
     def set_up_storage_reader(self, metadata: md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -290,22 +317,6 @@ class AiotensorReader(StorageReader):
         offset = req.storage_index.offset
         chunks = getattr(meta, "chunks", [])
         return target.is_contiguous() and any(c.offsets == offset and tuple(c.sizes) == tuple(target.shape) for c in chunks)
-
-    @staticmethod
-    def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
-        """Hand ``req``'s part of the stored item ``t`` to the planner."""
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
-            return
-        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-            t = t.narrow(dim, start, length)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != t.size():
-            raise errors.MismatchError(
-                f"{req.storage_index.fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}"
-            )
-        target.copy_(t)
-        planner.commit_tensor(req, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         planner = _SafeBytes(planner, self.path)  # type: ignore[assignment]
@@ -327,16 +338,18 @@ class AiotensorReader(StorageReader):
             async with own_scheduler(None) as sched:
                 for file, wanted in direct.items():
                     into = {k: t for k, (_, t) in wanted.items()}
-                    await load_file(os.path.join(self.path, file), into=into, strict=False, scheduler=sched)
+                    await read_file(sched, os.path.join(self.path, file), into, strict=False)
                     for req, target in wanted.values():
                         planner.commit_tensor(req, target)
                 for file, reqs in per_file.items():
                     keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
-                    source = os.path.join(self.path, file) if file else self.path  # "": a TensorStore step
-                    async with stream(source, keys=keys, scheduler=sched) as st:
-                        got = {name: t async for name, t in st}
+                    if file:  # a file of the folder: opened without following a link, as a store's shards are
+                        got = await read_file(sched, os.path.join(self.path, file), keys=keys)
+                    else:  # "": a TensorStore step, its manifest's shards
+                        async with stream(self.path, keys=keys, scheduler=sched) as st:
+                            got = {name: t async for name, t in st}
                     for req in reqs:
-                        self._fill(planner, req, got[self.storage_data[req.storage_index]["key"]])
+                        _fill(planner, req, got[self.storage_data[req.storage_index]["key"]])
 
         _run(read)
         return _done(None)
@@ -344,7 +357,79 @@ class AiotensorReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         folder = os.fspath(checkpoint_id)
-        return any(os.path.isfile(os.path.join(folder, n)) for n in (METADATA, _root.MANIFEST))
+        return any(os.path.lexists(os.path.join(folder, n)) for n in (METADATA, _root.MANIFEST))
+
+
+def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
+    """Hand ``req``'s part of the stored item ``t`` to the planner."""
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
+        return
+    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+        t = t.narrow(dim, start, length)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != t.size():
+        fqn = req.storage_index.fqn
+        raise errors.MismatchError(f"{fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}")
+    target.copy_(t)
+    planner.commit_tensor(req, target)
+
+
+_Items = dict[md.MetadataIndex, tuple[Any, tuple[Any, Any] | None]]  # item -> (data file, (offset, length) or None)
+_MAX_PATH = 64  # components of an item's place in the state (as formats.tree's nesting cap)
+
+
+def _check_storage(m: md.Metadata, folder: str, path: str, items: _Items) -> None:
+    """Before DCP allocates anything from metadata it read: every item lies in a plain file of the
+    folder (a regular file, not a link) and, where ``items`` gives its ``(offset, length)``, inside
+    it; the tensors declared hold no more bytes than those files (DCP's planner allocates every
+    tensor it declares); every place in the state is a short path of names.
+
+    Raises:
+        ManifestError: naming the metadata file and the item.
+    """
+    try:
+        _check_items(m, folder, path, items)
+    except errors.FormatError:
+        raise
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
+
+
+def _check_items(m: md.Metadata, folder: str, path: str, items: _Items) -> None:
+    sizes: dict[str, int] = {}
+    for index, (name, span) in items.items():
+        where = f"item {str(getattr(index, 'fqn', index))[:100]!r}"
+        if not mf.safe_shard_name(name):
+            raise errors.ManifestError(f"{where}: data file {str(name)[:100]!r} is not a plain file name in the folder", path)
+        if name not in sizes:
+            sizes[name] = _regular_size(os.path.join(folder, name))
+        if span is not None:
+            offset, length = span
+            if not (is_count(offset) and is_count(length)) or offset + length > sizes[name]:
+                raise errors.ManifestError(
+                    f"{where}: bytes at {offset!r}, {length!r} long, are not inside {name} ({sizes[name]} bytes)", path
+                )
+    declared = 0
+    for meta in m.state_dict_metadata.values():
+        if isinstance(meta, md.TensorStorageMetadata):
+            if not (all(is_count(d) for d in meta.size) and isinstance(meta.properties.dtype, torch.dtype)):
+                raise TypeError("a tensor's size or dtype is malformed")
+            declared += math.prod(meta.size) * meta.properties.dtype.itemsize
+    if declared > sum(sizes.values()):
+        raise errors.ManifestError(f"declares {declared} bytes of tensors, but its data files hold {sum(sizes.values())}", path)
+    for key, place in (m.planner_data or {}).items():
+        if not (isinstance(place, tuple) and len(place) <= _MAX_PATH and all(isinstance(p, (str, int)) for p in place)):
+            raise errors.ManifestError(f"the place of {str(key)[:100]!r} in the state is not a short path of names", path)
+
+
+def _regular_size(path: str) -> int:
+    """The size of a regular file, refusing a link, a FIFO, a device or a folder."""
+    fd = PosixEngine().open_read(path)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _store_metadata(m: mf.Manifest) -> md.Metadata:
@@ -386,16 +471,25 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise errors.UnsafeFileError(f"refusing the global {module}.{name} in DCP metadata (nothing was run)", self.path)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader``, with ``.metadata`` unpickled by an allow-list of DCP's metadata
-    classes only: a hostile pickle is :class:`~aiotensor.errors.UnsafeFileError` and runs nothing.
-    Byte items (non-tensor values) are admitted only if ``torch.load(weights_only=True)`` loads them:
-    DCP's planner would unpickle them with ``weights_only=False``."""
+class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
+    """DCP's ``FileSystemReader`` without its trust in the files:
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return super().read_data(plan, _SafeBytes(planner, os.fspath(self.path)))  # type: ignore[arg-type]
+    - ``.metadata`` is unpickled by an allow-list of DCP's metadata classes only (a hostile pickle is
+      :class:`~aiotensor.errors.UnsafeFileError` and runs nothing), then validated before DCP
+      allocates anything from it: every item a plain file of the folder, its bytes inside that file,
+      no transforms (compression), no more tensor bytes declared than the files hold;
+    - data files are opened as a store's shards are (no link followed, regular files only, never
+      blocking), and each tensor item, a ``torch.save`` of one tensor, is read by aiotensor's
+      torch.save reader (no pickle beyond a state_dict's, every storage bounds-checked);
+    - byte items (non-tensor values) are admitted only if ``torch.load(weights_only=True)`` loads
+      them: DCP's planner would unpickle them with ``weights_only=False``.
+    """
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._forget(checkpoint_id)
+        super().reset(checkpoint_id)
+
+    def _read_metadata(self) -> md.Metadata:
         path = os.path.join(os.fspath(self.path), ".metadata")
         data = _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata")
         try:
@@ -404,31 +498,69 @@ class SafeFileSystemReader(FileSystemReader):
             raise
         except Exception as e:
             raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
-        if not isinstance(m, md.Metadata):
+        if not isinstance(m, md.Metadata) or not isinstance(m.storage_data, dict):
             raise errors.ManifestError("the metadata is not a DCP Metadata", path)
+        items: _Items = {}
+        for index, info in m.storage_data.items():
+            if getattr(info, "transform_descriptors", None):
+                what = f"item {index.fqn!r} is stored with transforms (compression)"
+                raise errors.UnsafeFileError(f"{what}, which aiotensor does not read", path)
+            items[index] = (getattr(info, "relative_path", None), (getattr(info, "offset", None), getattr(info, "length", None)))
+        _check_storage(m, os.fspath(self.path), path, items)
         if m.storage_meta is not None:
             m.storage_meta.load_id = getattr(self, "load_id", None)
         return m
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        folder = os.fspath(self.path)
+        safe = _SafeBytes(planner, folder)
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        eng = PosixEngine()
+        for name, reqs in per_file.items():
+            path = os.path.join(folder, name)
+            fd = eng.open_read(path)  # a link, a FIFO, a device: refused before reading
+            try:
+                size = eng.size(fd)
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    where = f"item {req.storage_index.fqn!r}"
+                    if info.offset + info.length > size:
+                        raise errors.FormatError(f"{where} lies past the end of the file ({size} bytes): it shrank", path)
+                    if req.type == LoadItemType.BYTE_IO:
+                        data = _root.read_range(eng, fd, info.offset, info.length, path, errors.FormatError, where)
+                        safe.load_bytes(req, io.BytesIO(data))
+                    else:
+                        _fill(safe, req, ts.read_tensor_at(fd, info.offset, info.length, path, where))  # type: ignore[arg-type]
+            finally:
+                eng.close(fd)
+        return _done(None)
 
 
 def reader_for(path: str | os.PathLike[str]) -> StorageReader:
     """The reader for a DCP checkpoint folder: aiotensor's, or DCP's own without its pickle."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, METADATA)):
+    if os.path.lexists(os.path.join(path, METADATA)):
         return AiotensorReader(path)
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if os.path.lexists(os.path.join(path, ".metadata")):
         return SafeFileSystemReader(path)
     raise FileNotFoundError(f"{path}: not a DCP checkpoint (no {METADATA} or .metadata)")
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return any(os.path.isfile(os.path.join(os.fspath(path), n)) for n in (METADATA, ".metadata"))
+    return any(os.path.lexists(os.path.join(os.fspath(path), n)) for n in (METADATA, ".metadata"))
 
 
 def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The whole state a DCP checkpoint holds, unsharded, in this process (no process group):
     what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does, through
-    :func:`reader_for` (so no pickle runs). Memory: the whole state. Blocking."""
+    :func:`reader_for` (so no pickle runs). Memory: the whole state. Blocking.
+
+    Raises:
+        FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
+            reading, never DCP's ``CheckpointException`` (a BaseException).
+    """
     import warnings
 
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -438,8 +570,30 @@ def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
-        _load_state_dict(state, storage_reader=reader_for(path), planner=planner, no_dist=True)
+        reader = reader_for(path)
+        reader.read_metadata()  # its errors as themselves
+        try:
+            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            raise unwrap(e, f"loading {os.fspath(path)}") from None
     return state
+
+
+def unwrap(exc: CheckpointException, what: str) -> BaseException:
+    """DCP's ``CheckpointException`` (a BaseException, which ``except Exception`` misses) as an
+    ordinary error: this rank's own failure as itself (noting the other ranks that failed), or a
+    :class:`~aiotensor.errors.DistributedError` naming the ranks that did and what they raised."""
+    failures: dict[int, Any] = dict(exc.failures)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    lines = {r: f"rank {r}: {type(e).__name__}: {e}"[:600] for r, (e, _tb) in sorted(failures.items())}
+    own = failures.get(me, (None, None))[0]
+    if isinstance(own, Exception):
+        if len(failures) > 1:
+            own.add_note(f"{what} also failed on " + "; ".join(ln for r, ln in lines.items() if r != me))
+        return own
+    err = errors.DistributedError(f"{what} failed: " + "; ".join(lines.values()))
+    err.failures = {r: e for r, (e, _tb) in failures.items()}
+    return err
 
 
 __all__ = [
@@ -451,4 +605,5 @@ __all__ = [
     "load_full",
     "loads_metadata",
     "reader_for",
+    "unwrap",
 ]

@@ -62,6 +62,7 @@ class FormatError(AiotensorError, ValueError):
         self.path = None if path is None else str(path)
         if len(message) > _MAX_MESSAGE:  # a hostile file must not make a megabyte-long message
             message = message[: _MAX_MESSAGE - 20] + f"… ({len(message)} chars)"
+        self.reason = message  # what is wrong, without the file's name
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
 

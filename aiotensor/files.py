@@ -20,7 +20,7 @@ import torch
 from . import _io
 from ._dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from ._plan import check_tensor
-from .errors import HeaderError, StateError, annotate_oserror
+from .errors import HeaderError, MismatchError, StateError, annotate_oserror
 from .formats import safetensors as st
 from .scheduler import Priority, ProgressCallback, Scheduler, reporting
 
@@ -157,15 +157,22 @@ async def own_scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
             await anyio.to_thread.run_sync(sched.close)
 
 
-async def _open_layout(sched: Scheduler, path: str) -> tuple[int, st.Layout]:
-    """Open a file the user named (a symbolic link to it is fine: the user chose it) and read its header."""
-    real = await sched.call(os.path.realpath, path, priority=Priority.LOAD)
-    fd = await _io.open_read(sched, real)
+async def _open_layout(sched: Scheduler, path: str, name: str | None = None) -> tuple[int, st.Layout]:
+    """Open ``path`` (never following a link: see :func:`user_path`) and read its header; errors
+    name the file as ``name`` (default: ``path``)."""
+    fd = await _io.open_read(sched, path)
     try:
-        return fd, await _io.read_layout(sched, fd, path)
+        return fd, await _io.read_layout(sched, fd, name or path)
     except BaseException:
         await _io.close(sched, fd)
         raise
+
+
+async def user_path(sched: Scheduler, path: str) -> str:
+    """The file a user named, with links resolved: the user chose it (a Hugging Face cache links its
+    files to blobs). Files inside a checkpoint folder are never resolved: a link there could lead
+    out of it, so opening one is refused (see :func:`aiotensor.engines.posix.open_regular`)."""
+    return await sched.call(os.path.realpath, path, priority=Priority.LOAD)
 
 
 def _checksums(layout: st.Layout, path: str) -> dict[str, int] | None:
@@ -196,7 +203,7 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
     """
     path = os.fspath(path)
     async with own_scheduler(scheduler) as sched:
-        fd, layout = await _open_layout(sched, path)
+        fd, layout = await _open_layout(sched, await user_path(sched, path), path)
         await _io.close(sched, fd)
         crcs = _checksums(layout, path)
     meta = {k: v for k, v in (layout.metadata or {}).items() if k != CRC_KEY}
@@ -237,19 +244,38 @@ async def load_file(
     """
     path = os.fspath(path)
     async with own_scheduler(scheduler) as sched:
-        dev = _io.check_device(sched, device)
-        fd, layout = await _open_layout(sched, path)
-        try:
-            dest, targets, nbytes = await sched.call(
-                _targets, sched, layout, path, into, dev, verify, strict, priority=Priority.LOAD
-            )
-            with reporting(nbytes, progress):
-                await _io.read_tensors(sched, fd, path, targets, Priority.LOAD)
-        finally:
-            await _io.close(sched, fd)
-        big = [layout]
-        del layout
-        await sched.discard(targets, big)  # tens of thousands of objects: freed in a thread
+        real = await user_path(sched, path)
+        return await read_file(sched, real, into, device=device, verify=verify, strict=strict, progress=progress, name=path)
+
+
+async def read_file(
+    sched: Scheduler,
+    path: str,
+    into: Mapping[str, torch.Tensor] | None = None,
+    *,
+    keys: set[str] | None = None,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    strict: bool = True,
+    progress: ProgressCallback | None = None,
+    name: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`load_file` of a file at a path that is never resolved (links refused), on ``sched``;
+    ``keys`` (without ``into``): read only those tensors. Errors name the file as ``name``."""
+    name = name or path
+    dev = _io.check_device(sched, device)
+    fd, layout = await _open_layout(sched, path, name)
+    try:
+        dest, targets, nbytes = await sched.call(
+            _targets, sched, layout, name, into, dev, verify, strict, keys, priority=Priority.LOAD
+        )
+        with reporting(nbytes, progress):
+            await _io.read_tensors(sched, fd, name, targets, Priority.LOAD)
+    finally:
+        await _io.close(sched, fd)
+    big = [layout]
+    del layout
+    await sched.discard(targets, big)  # tens of thousands of objects: freed in a thread
     return dest
 
 
@@ -261,11 +287,14 @@ def _targets(
     dev: torch.device,
     verify: bool,
     strict: bool = True,
+    keys: set[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[_io.Target], int]:
     """The tensors to fill (in ``into``'s order, or the file's), a read target for each, and their bytes."""
     crcs = _checksums(layout, path) if verify else None
+    if keys is not None and not keys <= {s.key for s in layout.tensors}:
+        raise MismatchError(f"{path} holds no tensor {sorted(keys - {s.key for s in layout.tensors})[:5]}")
     if into is None:
-        dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors}
+        dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors if keys is None or s.key in keys}
     else:
         _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", strict)
         dest = dict(into)

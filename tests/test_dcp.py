@@ -269,3 +269,114 @@ def test_a_distributed_store_needs_a_process_group(tmp_path: Any) -> None:
                 pass
 
     anyio.run(main)
+
+
+# --- hostile DCP metadata: nothing is read outside the folder (issue 22, items 4, 5, 15) ---------------
+
+
+def _fs_checkpoint(path: Any) -> None:
+    warnings.simplefilter("ignore")
+    dcp.save({"w": torch.arange(256.0), "step": 3}, checkpoint_id=path)  # DCP's own FileSystemWriter
+
+
+def _rewrite_metadata(folder: Any, change: Any) -> None:
+    """Unpickle DCP's .metadata (a file this test wrote: trusted here), change it, pickle it back."""
+    m = pickle.loads((folder / ".metadata").read_bytes())
+    change(m)
+    (folder / ".metadata").write_bytes(pickle.dumps(m))
+
+
+def _set_storage(**fields: Any) -> Any:
+    def change(m: Any) -> None:
+        for index, info in m.storage_data.items():
+            if index.fqn == "w":
+                for k, v in fields.items():
+                    setattr(info, k, v)
+
+    return change
+
+
+def _data_file(folder: Any) -> Any:
+    return next(p for p in folder.iterdir() if p.name.endswith(".distcp"))
+
+
+HOSTILE_DCP = {
+    "absolute path": lambda t: _set_storage(relative_path=str(_data_file(t / "other"))),
+    "../": lambda t: _set_storage(relative_path=f"../other/{_data_file(t / 'other').name}"),
+    "/dev/zero, 1 GiB": lambda t: _set_storage(relative_path="/dev/zero", offset=0, length=1 << 30),
+    "past the end": lambda t: _set_storage(length=(_data_file(t / "fs").stat().st_size + 1)),
+    "compressed": lambda t: _set_storage(transform_descriptors=["zstd"]),
+    "a 1 TiB tensor": lambda t: lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([1 << 38])),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_DCP))
+def test_hostile_dcp_metadata_is_refused_before_anything_is_read(tmp_path: Any, case: str) -> None:
+    from aiotensor.dcp import load_full
+    from aiotensor.errors import FormatError
+
+    _fs_checkpoint(tmp_path / "fs")
+    _fs_checkpoint(tmp_path / "other")
+    _rewrite_metadata(tmp_path / "fs", HOSTILE_DCP[case](tmp_path))
+    with pytest.raises(FormatError, match=r"\.metadata: item 'w'|\.metadata: declares"):
+        SafeFileSystemReader(tmp_path / "fs").read_metadata()
+    with pytest.raises(FormatError):  # DCP's CheckpointException (a BaseException) never escapes
+        load_full(tmp_path / "fs")
+    cli = subprocess.run([sys.executable, "-m", "aiotensor.cli", "verify", str(tmp_path / "fs")], capture_output=True, text=True)
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_dcp_data_file_that_is_not_a_regular_file_of_the_folder_is_refused(tmp_path: Any, kind: str) -> None:
+    from aiotensor.dcp import load_full
+    from aiotensor.errors import UnsafePathError
+
+    _fs_checkpoint(tmp_path / "fs")
+    _fs_checkpoint(tmp_path / "other")
+    data = _data_file(tmp_path / "fs")
+    data.unlink()
+    if kind == "symlink":
+        data.symlink_to(_data_file(tmp_path / "other"))
+    else:
+        os.mkfifo(data)  # must never block a thread
+    with pytest.raises(UnsafePathError, match=data.name):
+        load_full(tmp_path / "fs")
+
+
+def test_a_dcp_step_of_a_store_refuses_a_symlinked_data_file_as_a_manifest_step_does(tmp_path: Any) -> None:
+    import anyio
+
+    from aiotensor.errors import UnsafePathError
+
+    root = tmp_path / "root"
+    dcp.save({"w": torch.full((8,), 1.0)}, storage_writer=AiotensorWriter(root / "step-000000000001"))
+    dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=AiotensorWriter(root / "step-000000000002"))
+    shard = root / "step-000000000002" / "__0_data.safetensors"
+    shard.unlink()
+    shard.symlink_to(root / "step-000000000001" / "__0_data.safetensors")  # another checkpoint's bytes
+
+    async def load() -> None:
+        async with TensorStore(root, readonly=True) as store:
+            with pytest.raises(UnsafePathError, match="symbolic link"):
+                await store.load(2)
+            with pytest.raises(UnsafePathError, match="symbolic link"):
+                await store.load(2, into={"w": torch.zeros(8)})
+
+    anyio.run(load)
+    with pytest.raises(CheckpointException, match="symbolic link"):
+        dcp.load({"w": torch.zeros(8)}, storage_reader=AiotensorReader(root / "step-000000000002"))
+
+
+def test_hostile_aiotensor_dcp_metadata_is_refused_before_dcp_allocates(tmp_path: Any) -> None:
+    from aiotensor.dcp import load_full
+    from aiotensor.errors import ManifestError
+    from aiotensor.formats import manifest as mf
+
+    path = tmp_path / "step-000000000001"
+    dcp.save({"w": torch.zeros(8)}, storage_writer=AiotensorWriter(path))
+    doc = json.loads((path / ".metadata.json").read_bytes())
+    doc["state_dict_metadata"]["w"]["size"] = [1 << 38]  # a 1 TiB tensor, in a 1 KB checkpoint
+    doc["state_dict_metadata"]["w"]["chunks"][0]["sizes"] = [1 << 38]
+    (path / ".metadata.json").write_bytes(mf.seal(doc))  # a valid checksum: crafted, not corrupted
+    with pytest.raises(ManifestError, match="declares 1099511627776 bytes of tensors"):
+        load_full(path)

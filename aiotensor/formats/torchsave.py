@@ -241,6 +241,62 @@ def parse_path(path: str) -> Any:
         return parse(f, os.fstat(f.fileno()).st_size, path)
 
 
+class _Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a read-only seekable file of its own
+    (``pread``: the file's offset is never moved)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), self.length - self.pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self.fd, [memoryview(buf).cast("B")[:n]], self.start + self.pos)
+        self.pos += got
+        return got
+
+
+def read_tensor_at(fd: int, start: int, length: int, path: str, what: str) -> torch.Tensor:
+    """The tensor a ``torch.save(tensor)`` blob at bytes ``[start, start + length)`` of an open
+    file holds (one item of a DCP ``FileSystemWriter`` file): parsed as :func:`parse` does (no
+    pickle beyond a tensor's, the storage bounds-checked), its storage read straight from the file,
+    and the tensor a view of it, as ``torch.load`` makes it (blocking).
+
+    Raises:
+        UnsafeFileError: the blob is not a torch.save file of one tensor, naming ``what``.
+    """
+    try:
+        ref = parse(io.BufferedReader(_Window(fd, start, length)), length, path)
+    except UnsafeFileError as e:
+        raise UnsafeFileError(f"{what}: {e.reason}", path) from None
+    if not isinstance(ref, TensorRef):
+        raise UnsafeFileError(f"{what} is not one tensor", path)
+    data = torch.empty(ref.storage.nbytes, dtype=torch.uint8)
+    view, off = data.numpy().data.cast("B"), 0
+    while off < len(view):
+        n = os.preadv(fd, [view[off:]], start + ref.storage.offset + off)
+        if n <= 0:
+            raise UnsafeFileError(f"{what}: the file ends inside it (it shrank)", path)
+        off += n
+    return torch.empty(0, dtype=ref.dtype).set_(data.untyped_storage(), ref.storage_offset, ref.size, ref.stride)
+
+
 def map_tensors(tree: Any, fn: Any) -> Any:
     """``tree`` with every :class:`TensorRef` leaf replaced by ``fn(name, ref)``; containers
     (``OrderedDict`` and its ``_metadata`` too) and other leaves kept. Names are dotted as in a
