@@ -19,11 +19,12 @@ from typing import Any
 import anyio
 import torch
 
-from . import _root, errors, serving
+from . import errors, serving, sources
+from . import root as _root
+from ._runtime.scheduler import Scheduler
 from .engines import PosixEngine
 from .files import read_header, save_file, tensor_info
 from .formats import torchsave as ts
-from .scheduler import Scheduler
 from .store import TensorStore
 
 EXAMPLES = """examples:
@@ -119,7 +120,7 @@ def _infos(path: str, kind: str, sched: Scheduler) -> tuple[dict[str, Any], dict
                 tensors[fqn] = {"dtype": str(dtype).removeprefix("torch."), "shape": list(m.size), "bytes": nbytes}
         return tensors, {"chunks": sum(len(getattr(m, "chunks", [])) for m in meta.state_dict_metadata.values())}
     if kind in ("root", "step"):
-        folder = path if kind == "step" else serving._newest_step(sched, path)
+        folder = path if kind == "step" else sources.newest_step(sched, path)
         m = _root.read_manifest(sched.engine, folder)
         specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
         tensors = {k: _row(tensor_info(s)) for k, s in specs.items()}
@@ -132,7 +133,7 @@ def _infos(path: str, kind: str, sched: Scheduler) -> tuple[dict[str, Any], dict
 
         ts.map_tensors(ts.parse_path(os.path.realpath(path)), add)
         return tensors, {}
-    files = serving._hf_files(sched.engine, path) if kind == "hf" else [path]
+    files = sources.hf_files(sched.engine, path) if kind == "hf" else [path]
     tensors, meta = {}, {}
     for f in files:
         info = anyio.run(read_header, f)
@@ -293,7 +294,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
                 os.rename(f, os.path.join(work, final))
                 weight_map |= dict.fromkeys(names, final)
             index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
-            await anyio.to_thread.run_sync(_root.write_small, PosixEngine(), os.path.join(work, serving.INDEX), index)
+            await anyio.to_thread.run_sync(_root.write_small, PosixEngine(), os.path.join(work, sources.INDEX), index)
             os.rename(work, a.dst)  # the folder appears whole, or not at all
 
     try:

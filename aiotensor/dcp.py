@@ -42,9 +42,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _root, errors
+from . import errors
+from . import root as _root
+from ._runtime.scheduler import own_scheduler
 from .engines.posix import PosixEngine
-from .files import own_scheduler, read_file, save_file
+from .files import read_file, save_file
 from .formats import manifest as mf
 from .formats import torchsave as ts
 from .formats.safetensors import is_count
@@ -111,7 +113,7 @@ def dumps_metadata(m: md.Metadata) -> bytes:
 
 
 def loads_metadata(data: bytes, path: str) -> md.Metadata:
-    mf._check_checksum(data, path)
+    mf.check_seal(data, path)
     from .formats.safetensors import loads_json_object
 
     doc = loads_json_object(data, path, "DCP metadata", errors.ManifestError)
@@ -435,7 +437,7 @@ def _regular_size(path: str) -> int:
 def _store_metadata(m: mf.Manifest) -> md.Metadata:
     """DCP's view of a TensorStore step: every tensor (aliases too) as one whole chunk; non-tensor
     leaves of the state are not DCP items (load them with ``TensorStore.load``)."""
-    from ._dtypes import SAFETENSORS_TO_TORCH, torch_shape
+    from .formats.dtypes import SAFETENSORS_TO_TORCH, torch_shape
 
     sdm: dict[str, Any] = {}
     storage: dict[md.MetadataIndex, dict[str, str]] = {}

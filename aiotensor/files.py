@@ -10,21 +10,21 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import anyio
 import torch
 
-from . import _io
-from ._dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
-from ._plan import check_tensor
-from .errors import HeaderError, MismatchError, StateError, annotate_oserror
+from ._io.read import close, open_read, read_layout, read_tensors
+from ._io.tensors import Target, check_device, check_into, check_tensor, io_bytes, materialize, new_tensor, wait_for_streams
+from ._io.write import crcs_of, write_file
+from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
+from .errors import MismatchError, StateError, annotate_oserror
 from .formats import safetensors as st
-from .scheduler import Priority, ProgressCallback, Scheduler, reporting
+from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 
-CRC_KEY = "aiotensor.crc32c"
+CRC_KEY = st.CRC_KEY
 
 
 @dataclass(frozen=True)
@@ -89,15 +89,15 @@ async def save_file(
     async with own_scheduler(scheduler) as sched:
         # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
         entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
-        await _io.wait_for_streams(sched, [t for _, _, t in entries])
+        await wait_for_streams(sched, [t for _, _, t in entries])
         sources = await sched.call(_sources, sched, entries, priority=Priority.SAVE)
-        crcs = await _io.crcs_of(sched, sources)
+        crcs = await crcs_of(sched, sources)
         ranges = await sched.call(_ranges, entries, sources, crcs, dict(metadata or {}), priority=Priority.SAVE)
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
         eng = sched.engine
         try:
-            await _io.write_file(sched, tmp, ranges)
+            await write_file(sched, tmp, ranges)
             try:
                 await sched.call(eng.rename, tmp, path)
                 await sched.call(eng.sync_dir, folder)
@@ -124,7 +124,7 @@ def _entries(tensors: Mapping[str, torch.Tensor], devices: tuple[str, ...]) -> l
 
 def _sources(sched: Scheduler, entries: list[tuple[str, str, torch.Tensor]]) -> list[memoryview | torch.Tensor]:
     """Each tensor's bytes as the engine writes them (a lazy conj/neg or strided view materialized)."""
-    return [_io.io_bytes(sched.engine, _io.materialize(t)) for _, _, t in entries]
+    return [io_bytes(sched.engine, materialize(t)) for _, _, t in entries]
 
 
 def _ranges(
@@ -140,31 +140,14 @@ def _ranges(
     return ranges + [(s.offset, src) for s, src in zip(layout.tensors, sources, strict=True) if s.nbytes]
 
 
-@asynccontextmanager
-async def own_scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
-    """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end;
-    inside its :meth:`~Scheduler.operation` window."""
-    if given is not None:
-        with given.operation():
-            yield given
-        return
-    sched = Scheduler()
-    try:
-        with sched.operation():
-            yield sched
-    finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(sched.close)
-
-
 async def _open_layout(sched: Scheduler, path: str, name: str | None = None) -> tuple[int, st.Layout]:
     """Open ``path`` (never following a link: see :func:`user_path`) and read its header; errors
     name the file as ``name`` (default: ``path``)."""
-    fd = await _io.open_read(sched, path)
+    fd = await open_read(sched, path)
     try:
-        return fd, await _io.read_layout(sched, fd, name or path)
+        return fd, await read_layout(sched, fd, name or path)
     except BaseException:
-        await _io.close(sched, fd)
+        await close(sched, fd)
         raise
 
 
@@ -173,21 +156,6 @@ async def user_path(sched: Scheduler, path: str) -> str:
     files to blobs). Files inside a checkpoint folder are never resolved: a link there could lead
     out of it, so opening one is refused (see :func:`aiotensor.engines.posix.open_regular`)."""
     return await sched.call(os.path.realpath, path, priority=Priority.LOAD)
-
-
-def _checksums(layout: st.Layout, path: str) -> dict[str, int] | None:
-    """The per-tensor crc32c a file written by aiotensor carries (None for other writers' files)."""
-    raw = (layout.metadata or {}).get(CRC_KEY)
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-        crcs = {k: int(v, 16) for k, v in doc.items() if isinstance(v, str) and len(v) == 8}
-    except (ValueError, AttributeError, TypeError):
-        raise HeaderError(f"__metadata__[{CRC_KEY!r}] is not a map of tensor names to crc32c", path) from None
-    if set(crcs) != {s.key for s in layout.tensors} or len(crcs) != len(doc):
-        raise HeaderError(f"__metadata__[{CRC_KEY!r}] does not list exactly the file's tensors", path)
-    return crcs
 
 
 async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | None = None) -> FileInfo:
@@ -204,8 +172,8 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
     path = os.fspath(path)
     async with own_scheduler(scheduler) as sched:
         fd, layout = await _open_layout(sched, await user_path(sched, path), path)
-        await _io.close(sched, fd)
-        crcs = _checksums(layout, path)
+        await close(sched, fd)
+        crcs = st.crc_table(layout, path)
     meta = {k: v for k, v in (layout.metadata or {}).items() if k != CRC_KEY}
     return FileInfo(path, layout.file_size, {s.key: tensor_info(s) for s in layout.tensors}, meta, crcs is not None)
 
@@ -263,16 +231,16 @@ async def read_file(
     """:func:`load_file` of a file at a path that is never resolved (links refused), on ``sched``;
     ``keys`` (without ``into``): read only those tensors. Errors name the file as ``name``."""
     name = name or path
-    dev = _io.check_device(sched, device)
+    dev = check_device(sched, device)
     fd, layout = await _open_layout(sched, path, name)
     try:
         dest, targets, nbytes = await sched.call(
             _targets, sched, layout, name, into, dev, verify, strict, keys, priority=Priority.LOAD
         )
         with reporting(nbytes, progress):
-            await _io.read_tensors(sched, fd, name, targets, Priority.LOAD)
+            await read_tensors(sched, fd, name, targets, Priority.LOAD)
     finally:
-        await _io.close(sched, fd)
+        await close(sched, fd)
     big = [layout]
     del layout
     await sched.discard(targets, big)  # tens of thousands of objects: freed in a thread
@@ -288,15 +256,15 @@ def _targets(
     verify: bool,
     strict: bool = True,
     keys: set[str] | None = None,
-) -> tuple[dict[str, torch.Tensor], list[_io.Target], int]:
+) -> tuple[dict[str, torch.Tensor], list[Target], int]:
     """The tensors to fill (in ``into``'s order, or the file's), a read target for each, and their bytes."""
-    crcs = _checksums(layout, path) if verify else None
+    crcs = st.crc_table(layout, path) if verify else None
     if keys is not None and not keys <= {s.key for s in layout.tensors}:
         raise MismatchError(f"{path} holds no tensor {sorted(keys - {s.key for s in layout.tensors})[:5]}")
     if into is None:
-        dest = {s.key: _io.new_tensor(s, dev) for s in layout.tensors if keys is None or s.key in keys}
+        dest = {s.key: new_tensor(s, dev) for s in layout.tensors if keys is None or s.key in keys}
     else:
-        _io.check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", strict)
+        check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", strict)
         dest = dict(into)
-    targets = [_io.Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
+    targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
     return dest, targets, sum(t.spec.nbytes for t in targets)

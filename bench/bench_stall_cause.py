@@ -1,7 +1,7 @@
 """Where the event loop's stalls during a cold 1.4 GB load come from (issue 11), and what the
 settings aimed at them are worth: the worker threads' priority (``TensorStore(nice=)``), the GIL
 switch interval during the load (``TensorStore(switch_interval=)``) and the largest read into host
-memory (``aiotensor._io.READ_PIECE``).
+memory (``aiotensor._io.read.READ_PIECE``).
 
 A 1 ms ticker runs on the loop while ``store.load(step, into=)`` reads a cold checkpoint (page cache
 dropped before each load). Around every tick it reads the loop thread's ``/proc/self/task/<tid>/
@@ -31,7 +31,7 @@ from bench_cpu import evict, nbytes, parser, write_results
 from bench_http import sized_state
 
 import aiotensor
-from aiotensor import _io
+from aiotensor._io import read as _io
 
 LATE = 0.004  # a tick this late (s) counts as a stall
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import aiotensor
+from aiotensor.testing import FaultyEngine
 
 try:
     import uvloop  # noqa: F401
@@ -32,7 +33,7 @@ def engine(request: pytest.FixtureRequest) -> aiotensor.Engine:
     """Every engine the store runs on here; kvikio joins on GPU machines."""
     if request.param == "posix":
         return aiotensor.PosixEngine()
-    return aiotensor.FaultyEngine()
+    return FaultyEngine()
 
 
 def small_state(seed: int = 0) -> dict[str, Any]:

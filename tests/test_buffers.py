@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from aiotensor.buffers import PAGE, SlotPool, StagingPool
-from aiotensor.cuda import Pinning
+from aiotensor._runtime.buffers import PAGE, SlotPool, StagingPool
+from aiotensor._runtime.cuda import Pinning
 
 pytestmark = pytest.mark.anyio
 

@@ -18,8 +18,9 @@ import anyio
 import pytest
 import torch
 
-from aiotensor import FaultyEngine, TensorStore
-from aiotensor.store import step_dir_name
+from aiotensor import TensorStore
+from aiotensor.root import step_dir_name
+from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, tmp_leftovers
 

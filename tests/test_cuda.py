@@ -17,8 +17,8 @@ import torch
 
 import aiotensor
 from aiotensor import PosixEngine, Scheduler, TensorStore, load_file, save_file
-from aiotensor.buffers import StagingPool
-from aiotensor.cuda import EventBridge, Pinning
+from aiotensor._runtime.buffers import StagingPool
+from aiotensor._runtime.cuda import EventBridge, Pinning
 
 from .conftest import assert_state_equal
 from .test_store import DTYPES, random_tensor
@@ -257,7 +257,7 @@ async def test_cuda_io_is_ordered_after_the_kernels_already_queued(tmp_path: Any
 def test_pinned_mappings_are_not_inherited_by_forked_children() -> None:
     """MADV_DONTFORK (CPU check of the mapping itself): a DataLoader worker forked after the arena
     was pinned must not share its pages copy-on-write; touching it in the child faults."""
-    from aiotensor.buffers import HostBuffer
+    from aiotensor._runtime.buffers import HostBuffer
 
     buf = HostBuffer(1 << 16)
     buf.keep_from_children()

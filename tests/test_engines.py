@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from aiotensor import FaultyEngine, PosixEngine
-from aiotensor._io import write_file
-from aiotensor.buffers import PAGE, HostBuffer
-from aiotensor.scheduler import Scheduler
+from aiotensor import PosixEngine
+from aiotensor._io.write import write_file
+from aiotensor._runtime.buffers import PAGE, HostBuffer
+from aiotensor._runtime.scheduler import Scheduler
+from aiotensor.testing import FaultyEngine
 
 pytestmark = pytest.mark.anyio
 

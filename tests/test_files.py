@@ -12,6 +12,7 @@ from safetensors.torch import save_file as st_save
 
 import aiotensor
 from aiotensor.errors import HeaderError, MismatchError, StateError
+from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal
 from .test_store import DTYPES, random_tensor
@@ -120,7 +121,7 @@ async def test_load_file_to_a_device_this_machine_lacks_is_a_clear_error(tmp_pat
 async def test_big_tensors_are_written_in_page_aligned_blocks_bypassing_the_page_cache(tmp_path: Any) -> None:
     # tensors wherever torch put them (not page-aligned), odd sizes: assembled into aligned slots
     t = {f"w{i}": torch.randn(1000 + i, 777) for i in range(4)} | {"tail": torch.randn(3), "i8": torch.ones(5, dtype=torch.int8)}
-    eng = aiotensor.FaultyEngine()
+    eng = FaultyEngine()
     sched = aiotensor.Scheduler(eng, chunk_bytes=1 << 20)
     path = tmp_path / "big.safetensors"
     try:
@@ -149,7 +150,7 @@ async def test_a_failed_block_write_leaves_the_old_file_and_no_temporary(tmp_pat
     old = {"old": torch.ones(3)}
     await aiotensor.save_file(old, path)
     t = {f"w{i}": torch.randn(1000, 777) for i in range(3)}  # big enough for the O_DIRECT blocks
-    eng = aiotensor.FaultyEngine(fail={"pwrite": (2, errno.ENOSPC)})
+    eng = FaultyEngine(fail={"pwrite": (2, errno.ENOSPC)})
     sched = aiotensor.Scheduler(eng, chunk_bytes=1 << 20)
     try:
         with pytest.raises(OSError) as info:

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from aiotensor import _checksum
-from aiotensor._plan import plan_save
+from aiotensor._io.plan import plan_save
 from aiotensor.errors import HeaderError, ManifestError, StateError
+from aiotensor.formats import checksum as _checksum
 from aiotensor.formats import manifest as mf
 from aiotensor.formats import safetensors as st
 from aiotensor.formats.tree import flatten, unflatten
@@ -304,7 +304,7 @@ def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any, chunk: int) ->
     # a big member after small ones, which the size estimate does not see) is exercised
     from unittest import mock
 
-    from aiotensor import _gil
+    from aiotensor._runtime import gil as _gil
 
     with mock.patch.object(_gil, "_CHUNK", chunk):
         assert _gil.dumps(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -313,7 +313,7 @@ def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any, chunk: int) ->
 def test_quiet_gc_pauses_the_collector_and_restores_it_nested() -> None:
     import gc
 
-    from aiotensor import _gil
+    from aiotensor._runtime import gil as _gil
 
     seen = []
     inner = _gil.quiet_gc(lambda: seen.append(gc.isenabled()))
@@ -371,7 +371,8 @@ def test_a_long_pause_collects_the_young_garbage_in_the_workers(monkeypatch: Any
     import gc
     import weakref
 
-    from aiotensor import Scheduler, _gil
+    from aiotensor import Scheduler
+    from aiotensor._runtime import gil as _gil
 
     class Node:
         pass

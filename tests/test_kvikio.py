@@ -24,11 +24,12 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 import aiotensor
-from aiotensor import FaultyEngine, KvikioEngine, PosixEngine, TensorStore, load_file, save_file
+from aiotensor import KvikioEngine, PosixEngine, TensorStore, load_file, save_file
+from aiotensor._runtime.scheduler import Scheduler
 from aiotensor.engines import default_engine
 from aiotensor.engines.kvikio import io_mode
 from aiotensor.errors import ChecksumError
-from aiotensor.scheduler import Scheduler
+from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, small_state
 from .test_store import DTYPES, random_tensor

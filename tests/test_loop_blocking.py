@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from aiotensor import TensorStore, _gil, load_file, save_file, stream
+from aiotensor import TensorStore, load_file, save_file, stream
+from aiotensor._runtime import gil as _gil
 
 # seconds of the loop thread's CPU in one callback: above a full garbage collection walking a
 # 20,000-tensor state (100-220 ms, when it falls on the loop's thread), below the 0.5-1 s that

@@ -18,8 +18,9 @@ from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file as st_save
 
 import aiotensor
-from aiotensor import FaultyEngine, PosixEngine, Snapshotter, TensorStore, load_file, read_header, save_file
+from aiotensor import PosixEngine, Snapshotter, TensorStore, load_file, read_header, save_file
 from aiotensor.errors import ChecksumError, HeaderError, StateError
+from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, bits
 

@@ -19,8 +19,9 @@ from typing import Any
 import anyio
 import pytest
 
-from aiotensor import FaultyEngine, TensorStore
+from aiotensor import TensorStore
 from aiotensor.errors import AiotensorError
+from aiotensor.testing import FaultyEngine
 
 from .test_crash import check_recovered, commit_step_1, state_for
 

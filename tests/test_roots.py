@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import aiotensor
-from aiotensor import FaultyEngine, TensorStore, load_file
+from aiotensor import TensorStore, load_file
 from aiotensor.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -33,6 +33,8 @@ from aiotensor.errors import (
     UnsafePathError,
 )
 from aiotensor.formats import manifest as mf
+from aiotensor.store.load import load_checkpoint
+from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, small_state, tmp_leftovers
 
@@ -243,7 +245,7 @@ async def test_swapped_step_folders_are_refused(tmp_path: Any) -> None:
         with pytest.raises(ManifestError, match="of step 1, but its folder is step-000000000002"):
             await store.load(2)
     with pytest.raises(ManifestError, match="of step 2, but its folder"):
-        await aiotensor.load_checkpoint(aiotensor.Scheduler(), tmp_path / "step-000000000001", step=1)
+        await load_checkpoint(aiotensor.Scheduler(), tmp_path / "step-000000000001", step=1)
 
 
 async def test_load_checks_the_type_of_step(tmp_path: Any) -> None:
@@ -462,7 +464,7 @@ async def test_hostile_manifests_are_refused_within_bounded_memory(tmp_path: Any
         tracemalloc.start()
         try:
             with pytest.raises(ManifestError) as ei:
-                await aiotensor.load_checkpoint(aiotensor.Scheduler(), folder)
+                await load_checkpoint(aiotensor.Scheduler(), folder)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -478,7 +480,7 @@ async def test_absurd_zero_element_shapes_are_format_errors(tmp_path: Any) -> No
     doc["tensors"][key]["nbytes"] = 0
     (folder / "manifest.json").write_bytes(mf.seal(doc))
     with pytest.raises(ManifestError, match="shape"):
-        await aiotensor.load_checkpoint(aiotensor.Scheduler(), folder)
+        await load_checkpoint(aiotensor.Scheduler(), folder)
 
 
 async def test_a_load_keeps_few_files_open(tmp_path: Any) -> None:

@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from aiotensor.scheduler import Priority, Scheduler
+from aiotensor._runtime.scheduler import Priority, Scheduler
 
 pytestmark = pytest.mark.anyio
 

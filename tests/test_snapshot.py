@@ -12,8 +12,9 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from aiotensor import FaultyEngine, Snapshotter, TensorStore
+from aiotensor import Snapshotter, TensorStore
 from aiotensor.errors import SaveCancelledError
+from aiotensor.testing import FaultyEngine
 
 pytestmark = pytest.mark.anyio
 

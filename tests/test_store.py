@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 import aiotensor
-from aiotensor import FaultyEngine, TensorStore
+from aiotensor import TensorStore
 from aiotensor.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -27,6 +27,7 @@ from aiotensor.errors import (
     StateError,
     StoreClosedError,
 )
+from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, small_state, tmp_leftovers
 
@@ -465,5 +466,5 @@ async def test_a_step_retired_by_another_store_is_not_found_not_an_oserror(tmp_p
 async def test_the_store_reports_its_io_path(tmp_path: Any) -> None:
     async with TensorStore(tmp_path, engine=aiotensor.PosixEngine()) as store:
         assert store.io_mode == "posix"
-    async with TensorStore(tmp_path, engine=aiotensor.FaultyEngine()) as store:
+    async with TensorStore(tmp_path, engine=FaultyEngine()) as store:
         assert store.io_mode == "faulty"

@@ -13,8 +13,8 @@ import time
 import anyio
 import pytest
 
-from aiotensor import _threads
-from aiotensor.scheduler import Scheduler
+from aiotensor._runtime import threads as _threads
+from aiotensor._runtime.scheduler import Scheduler
 
 from .conftest import ALL_BACKENDS
 

@@ -1,11 +1,10 @@
 """I/O engines: the blocking syscalls behind the scheduler, run in worker threads only."""
 
 from .base import Engine
-from .faulty import FaultyEngine
 from .kvikio import KvikioEngine, kvikio_usable
 from .posix import PosixEngine
 
-__all__ = ["Engine", "FaultyEngine", "KvikioEngine", "PosixEngine", "default_engine", "kvikio_usable"]
+__all__ = ["Engine", "KvikioEngine", "PosixEngine", "default_engine", "kvikio_usable"]
 
 
 def default_engine(*, workers: int = 4, chunk_bytes: int = 16 << 20) -> Engine:

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _checksum, _gil
-from .._dtypes import ITEMSIZE, nbytes_of
+from .._runtime import gil
 from ..errors import ManifestError
+from . import checksum
+from .dtypes import ITEMSIZE, nbytes_of
 from .safetensors import TensorSpec, is_count, loads_json_object, shape_problem
 from .tree import unflatten
 
@@ -46,7 +47,7 @@ class Manifest:
     aliases: Mapping[str, str]  # key -> key of the stored tensor it shares memory with
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def dumps(m: Manifest) -> bytes:
     doc = {
         "format": FORMAT,
@@ -70,21 +71,21 @@ def dumps(m: Manifest) -> bytes:
     return seal(doc)
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def seal(doc: dict[str, Any]) -> bytes:
     """Serialize a manifest document and append its checksum."""
     doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
-    raw = _gil.dumps(doc).encode()
+    raw = gil.dumps(doc).encode()
     digits = len(raw) - len(_ZEROS) - 2  # the digits sit right before the closing '"}'
-    return raw[:digits] + b"%08x" % _checksum.crc32c(raw) + raw[digits + len(_ZEROS) :]
+    return raw[:digits] + b"%08x" % checksum.crc32c(raw) + raw[digits + len(_ZEROS) :]
 
 
-def _check_checksum(data: bytes, path: object) -> None:
+def check_seal(data: bytes, path: object) -> None:
     m = _CHECKSUM_TAIL.search(data)
     if m is None:
         raise ManifestError("the manifest does not end with its checksum (truncated, or not written by aiotensor)", path)
     recorded = int(m.group(1), 16)
-    got = _checksum.crc32c(data[: m.start(1)] + _ZEROS + data[m.end(1) :])
+    got = checksum.crc32c(data[: m.start(1)] + _ZEROS + data[m.end(1) :])
     if got != recorded:
         raise ManifestError(f"the manifest is corrupt: its crc32c is {got:#010x}, it records {recorded:#010x}", path)
 
@@ -94,7 +95,7 @@ def safe_shard_name(name: object) -> bool:
     return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None and ".." not in name
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def loads(data: bytes, path: object) -> Manifest:
     """Validate a manifest completely before anything is allocated from it.
 
@@ -105,7 +106,7 @@ def loads(data: bytes, path: object) -> Manifest:
     def bad(msg: str) -> ManifestError:
         return ManifestError(msg, path)
 
-    _check_checksum(data, path)
+    check_seal(data, path)
     doc = loads_json_object(data, path, "manifest", ManifestError)
     doc.pop("checksum", None)
     if doc.get("format") != FORMAT:

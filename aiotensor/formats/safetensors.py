@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _gil
-from .._dtypes import ITEMSIZE, nbytes_of, packing_problem
+from .._runtime import gil
 from ..errors import HeaderError
+from .dtypes import ITEMSIZE, nbytes_of, packing_problem
 
 ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
@@ -56,7 +56,7 @@ def shape_problem(shape: object, dtype: str) -> str | None:
     return packing_problem(dtype, shape)
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
     """Header bytes (length prefix included, padded with spaces to a multiple of 4096) and the layout.
 
@@ -73,7 +73,7 @@ def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[st
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         sizes.append(n)
         pos += n
-    text = _gil.dumps(header).encode()
+    text = gil.dumps(header).encode()
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
     blob = struct.pack("<Q", padded) + text + b" " * (padded - len(text))
@@ -118,7 +118,7 @@ class _Duplicate(Exception):
     pass
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderError] | Any = HeaderError) -> dict[str, Any]:
     """Parse UTF-8 JSON that must be an object with unique keys; any failure is ``error``.
 
@@ -198,3 +198,21 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
     if pos != file_size:
         raise HeaderError(f"{file_size - pos} trailing bytes after the last tensor", path)
     return Layout(data_start, file_size, tuple(specs), metadata)
+
+
+CRC_KEY = "aiotensor.crc32c"  # the __metadata__ entry of aiotensor's per-tensor checksums
+
+
+def crc_table(layout: Layout, path: object) -> dict[str, int] | None:
+    """The per-tensor crc32c a file written by aiotensor carries (None for other writers' files)."""
+    raw = (layout.metadata or {}).get(CRC_KEY)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        crcs = {k: int(v, 16) for k, v in doc.items() if isinstance(v, str) and len(v) == 8}
+    except (ValueError, AttributeError, TypeError):
+        raise HeaderError(f"__metadata__[{CRC_KEY!r}] is not a map of tensor names to crc32c", path) from None
+    if set(crcs) != {s.key for s in layout.tensors} or len(crcs) != len(doc):
+        raise HeaderError(f"__metadata__[{CRC_KEY!r}] does not list exactly the file's tensors", path)
+    return crcs

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .._dtypes import TORCH_TO_SAFETENSORS
 from ..errors import UnsafeFileError
+from .dtypes import TORCH_TO_SAFETENSORS
 from .tree import key_path, unique_key
 
 MAX_PICKLE_BYTES = 64 << 20

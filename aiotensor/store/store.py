@@ -16,7 +16,6 @@ leaves either the old set of checkpoints or the old set plus a complete new one.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
@@ -28,14 +27,15 @@ from typing import Any
 import anyio
 import torch
 
-from . import _gil, _io, _root, _threads, cuda
-from ._handle import SaveHandle
-from ._load import load_checkpoint
-from ._plan import SavePlan, plan_save
-from ._root import LATEST, step_dir_name
-from .buffers import StagingPool, round_up
-from .engines import Engine
-from .errors import (
+from .. import root as _root
+from .._io.plan import SavePlan, manifest_bytes, plan_save
+from .._io.stage import checksums, stage
+from .._io.write import write_file
+from .._runtime import cuda, gil, threads
+from .._runtime.buffers import StagingPool, round_up
+from .._runtime.scheduler import MiB, Priority, ProgressCallback, Scheduler, reporting, run_concurrently
+from ..engines import Engine
+from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     DistributedError,
@@ -47,28 +47,13 @@ from .errors import (
     StoreLockedError,
     annotate_oserror,
 )
-from .files import TensorInfo, tensor_info
-from .formats import manifest as mf
-from .scheduler import MiB, Priority, ProgressCallback, Scheduler, reporting, run_concurrently
+from ..files import TensorInfo, tensor_info
+from ..root import LATEST, step_dir_name
+from .handle import SaveHandle
+from .load import load_checkpoint
 
 log = logging.getLogger("aiotensor")
 _LOCK_POLL = 0.05
-_keep_alive: set[asyncio.Task[None]] = set()
-
-
-def _spawn(fn: Callable[[], Awaitable[None]]) -> None:
-    """Run ``fn()`` as a task of the running loop, owned by no caller's task or task group: a
-    store opened in one task may be used and closed from any other. ``fn`` never raises."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio: trio
-        import trio
-
-        trio.lowlevel.spawn_system_task(fn)
-        return
-    task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
-    _keep_alive.add(task)
-    task.add_done_callback(_keep_alive.discard)
 
 
 class TensorStore:
@@ -158,8 +143,8 @@ class TensorStore:
         verify: bool = True,
         reserve: Any = None,
         distributed: Any = False,
-        nice: int = _threads.NICE,
-        switch_interval: float | None = _gil.SWITCH_INTERVAL,
+        nice: int = threads.NICE,
+        switch_interval: float | None = gil.SWITCH_INTERVAL,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -261,7 +246,7 @@ class TensorStore:
 
     async def _open_distributed(self) -> None:
         """Rank 0 opens as the writer; every rank learns whether it could, then lists the root."""
-        from . import _dist
+        from . import distributed as _dist
 
         group, rank, _ = _dist.group_of(self.distributed)
         if rank != 0:
@@ -496,7 +481,7 @@ class TensorStore:
                 self._busy.discard(done)
                 done.set()
 
-        _spawn(run)
+        threads.spawn(run)
 
     async def _run_save(
         self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
@@ -537,7 +522,7 @@ class TensorStore:
         h.nbytes = plan.nbytes
         arena = await self.staging.acquire(plan.arena_bytes)
         try:
-            pieces, views = await _io.stage(self.scheduler, plan, sources, arena, prio, producers)
+            pieces, views = await stage(self.scheduler, plan, sources, arena, prio, producers)
             h.stage_seconds = anyio.current_time() - t0
             h._staged_event.set()  # the caller's tensors are free to change from here on
             await self.scheduler.discard(sources, *views)  # our references to them: freed in a thread
@@ -576,18 +561,18 @@ class TensorStore:
             crcs: dict[str, int] = {}
 
             async def checksum() -> None:
-                crcs.update(await _io.checksums(self.scheduler, plan, pieces, arena, prio))
+                crcs.update(await checksums(self.scheduler, plan, pieces, arena, prio))
 
             async def write() -> None:
                 for sh in plan.shards:  # each image padded to whole pages: written with O_DIRECT
                     size = sh.layout.file_size
                     image = arena.view[sh.arena_offset : sh.arena_offset + round_up(size)]
-                    await _io.write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio, size=size)
+                    await write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio, size=size)
 
             await run_concurrently(checksum, write)
-            data = await self.scheduler.call(_manifest, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
+            data = await self.scheduler.call(manifest_bytes, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
             await self.scheduler.discard(crcs)
-            await _io.write_file(self.scheduler, os.path.join(tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
+            await write_file(self.scheduler, os.path.join(tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
             await self._call(eng.sync_dir, tmp, what=f"syncing {tmp}")
             # past this point the save completes even if cancelled: a rename that ran in its
             # thread must be followed by the fsync that makes it durable, and by `latest`
@@ -822,7 +807,7 @@ class TensorStore:
             done.set()
 
     async def _load_distributed(self, step: int, into: Any) -> Any:
-        from . import _dist
+        from . import distributed as _dist
 
         what = f"loading step {step} from {self.root}"
         with anyio.CancelScope(shield=True):  # collectives cannot be left half-way
@@ -856,18 +841,6 @@ class TensorStore:
             raise annotate_oserror(e, what) from e
 
 
-def _manifest(step: int, plan: SavePlan, crcs: dict[str, int]) -> bytes:
-    return mf.dumps(
-        mf.Manifest(
-            step=step,
-            tree=plan.tree,
-            shards={sh.file: sh.layout.file_size for sh in plan.shards},
-            entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
-            aliases=plan.aliases,
-        )
-    )
-
-
 def _check_step(step: object) -> None:
     if not isinstance(step, int) or isinstance(step, bool):
         raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
@@ -875,4 +848,4 @@ def _check_step(step: object) -> None:
         raise ValueError(f"step must be in [0, 10**12), got {step}")
 
 
-__all__ = ["SaveHandle", "TensorStore", "load_checkpoint", "step_dir_name"]
+__all__ = ["TensorStore"]

@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 
 import anyio
 
-from . import _gil, _threads
+from ..engines import Engine, default_engine
+from . import gil, threads
 from .buffers import SlotPool
 from .cuda import CopyStreams
 from .cuda import available as cuda_available
-from .engines import Engine, default_engine
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -158,11 +158,11 @@ class Scheduler:
         batch_bytes: the most bytes one thread call moves before returning to the event loop.
         nice: how many nice levels below the process the worker threads run (Linux; 0: the same
             priority). The event loop's thread then gets a core as soon as it is ready, instead of
-            waiting for a time slice behind the copies (see :mod:`aiotensor._threads`).
+            waiting for a time slice behind the copies (see :mod:`aiotensor._runtime.threads`).
         switch_interval: while an operation of this scheduler runs (:meth:`operation`), the
             interpreter's GIL switch interval is at most this many seconds, so that the event loop's
             thread waits at most about that long for the GIL (``None``: left alone; see
-            :func:`aiotensor._gil.switch_interval`).
+            :func:`aiotensor.gil.switch_interval`).
     """
 
     def __init__(
@@ -172,8 +172,8 @@ class Scheduler:
         workers: int = 4,
         chunk_bytes: int = 16 * MiB,
         batch_bytes: int = 64 * MiB,
-        nice: int = _threads.NICE,
-        switch_interval: float | None = _gil.SWITCH_INTERVAL,
+        nice: int = threads.NICE,
+        switch_interval: float | None = gil.SWITCH_INTERVAL,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -214,14 +214,14 @@ class Scheduler:
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in one of the worker threads now, outside the gate (for work that is
         not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
-        return await _threads.run_sync(_gil.call_collecting, fn, *args, nice=self.nice)
+        return await threads.run_sync(gil.call_collecting, fn, *args, nice=self.nice)
 
     @contextmanager
     def operation(self) -> Iterator[None]:
         """The window of one save or load: the cyclic garbage collector paused and the GIL switch
-        interval lowered (see :mod:`aiotensor._gil`), both process-wide, both given back when the
+        interval lowered (see :mod:`aiotensor._runtime.gil`), both process-wide, both given back when the
         last such window ends."""
-        with _gil.paused_gc(), _gil.switch_interval(self.switch_interval):
+        with gil.paused_gc(), gil.switch_interval(self.switch_interval):
             yield
 
     async def discard(self, *containers: list[Any] | dict[Any, Any]) -> None:
@@ -378,3 +378,20 @@ def _leaves(e: BaseException, out: list[BaseException]) -> None:
             _leaves(x, out)
     else:
         out.append(e)
+
+
+@asynccontextmanager
+async def own_scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
+    """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end;
+    inside its :meth:`~Scheduler.operation` window."""
+    if given is not None:
+        with given.operation():
+            yield given
+        return
+    sched = Scheduler()
+    try:
+        with sched.operation():
+            yield sched
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(sched.close)

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .base import Engine
-from .posix import PosixEngine
+from .engines.base import Engine
+from .engines.posix import PosixEngine
 
 
 class FaultyEngine(Engine):

@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import torch
 
-from . import _threads
+from . import threads
 
 PAGE = mmap.PAGESIZE
 _TOUCH = 16 << 20
@@ -69,11 +69,11 @@ class StagingPool:
     while the previous one is still writing; memory stays bounded by ``max_arenas`` × state size.
     """
 
-    def __init__(self, max_arenas: int = 2, *, pinning: Any = None, nice: int = _threads.NICE) -> None:
+    def __init__(self, max_arenas: int = 2, *, pinning: Any = None, nice: int = threads.NICE) -> None:
         if max_arenas < 1:
             raise ValueError(f"max_arenas must be >= 1, got {max_arenas}")
         self.max_arenas = max_arenas
-        self.nice = nice  # of the threads that map (and page-fault) arenas: see aiotensor._threads
+        self.nice = nice  # of the threads that map (and page-fault) arenas: see aiotensor._runtime.threads
         self.pinning = pinning  # a cuda.Pinning: arenas are pinned once when mapped
         self._free: list[HostBuffer] = []
         self._count = 0
@@ -99,12 +99,12 @@ class StagingPool:
                     return fit
                 small = self._free.pop()  # grow the largest idle one: unmap it, map a bigger one
                 self._count -= 1
-                await _threads.run_sync(self._unmap, small, nice=self.nice)
+                await threads.run_sync(self._unmap, small, nice=self.nice)
             if self._count < self.max_arenas:
                 self._count += 1
                 try:
                     with anyio.CancelScope(shield=True):
-                        arena = await _threads.run_sync(self._map, nbytes, nice=self.nice)
+                        arena = await threads.run_sync(self._map, nbytes, nice=self.nice)
                 except BaseException:
                     self._count -= 1
                     raise

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .engines.posix import PosixEngine
-from .errors import DistributedError
+from ..engines.posix import PosixEngine
+from ..errors import DistributedError
 
 
 def group_of(distributed: Any) -> tuple[Any, int, int]:
@@ -78,7 +78,7 @@ class Saver:
     def write(self, staged: Any, path: str, what: str) -> int:
         """Write through :class:`~aiotensor.dcp.AiotensorWriter`; returns this rank's bytes once rank 0
         committed the step (DCP's last collective carries the commit's outcome to every rank)."""
-        from .dcp import AiotensorWriter
+        from ..dcp import AiotensorWriter
 
         writer = AiotensorWriter(path, latest=False)
         try:
@@ -106,7 +106,7 @@ def agree(failed: bool, group: Any) -> list[int]:
 
 def load(into: Any, path: str, group: Any, what: str) -> None:
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk."""
-    from .dcp import AiotensorReader
+    from ..dcp import AiotensorReader
 
     reader = AiotensorReader(path)
     try:  # first, and agreed on: DCP would fold a bad checkpoint's error into an AssertionError of its own
@@ -131,7 +131,7 @@ def collective(fn: Callable[[], Any], what: str) -> None:
             warnings.simplefilter("ignore")  # DCP's notices, once per call
             fn()
     except CheckpointException as e:
-        from .dcp import unwrap
+        from ..dcp import unwrap
 
         raise unwrap(e, what) from None
     except RuntimeError as e:  # the backend's (DistBackendError, gloo's "Connection reset by peer")

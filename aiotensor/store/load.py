@@ -7,11 +7,14 @@ from typing import Any
 
 import torch
 
-from . import _gil, _io, _root
-from .errors import ManifestError
-from .formats import manifest as mf
-from .formats.tree import flatten, unflatten
-from .scheduler import Priority, ProgressCallback, Scheduler, reporting
+from .. import root as _root
+from .._io.read import close, layout_of, open_read, read_tensors, verify_tensors
+from .._io.tensors import Target, check_device, check_into, new_tensor
+from .._runtime import gil
+from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
+from ..errors import ManifestError
+from ..formats import manifest as mf
+from ..formats.tree import flatten, unflatten
 
 
 async def load_checkpoint(
@@ -42,7 +45,7 @@ async def load_checkpoint(
     ``atomic`` was still running: then they are untouched).
     """
     with sched.operation():  # the whole load
-        return await _load(sched, os.fspath(folder), into, verify, _io.check_device(sched, device), atomic, step, progress)
+        return await _load(sched, os.fspath(folder), into, verify, check_device(sched, device), atomic, step, progress)
 
 
 async def _load(
@@ -64,11 +67,11 @@ async def _load(
     # manifest cannot make us allocate what the files do not hold
     for shard, size in m.shards.items():
         path = os.path.join(folder, shard)
-        fd = await _io.open_read(sched, path)
+        fd = await open_read(sched, path)
         try:
             await sched.call(_check_shard, sched, fd, path, size, by_shard[shard], mpath, priority=Priority.LOAD)
         finally:
-            await _io.close(sched, fd)
+            await close(sched, fd)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     dest, targets, nbytes = await sched.call(_targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD)
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
@@ -83,23 +86,23 @@ async def _load(
     return state
 
 
-async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[_io.Target]], passes: tuple[str, ...]) -> None:
+async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...]) -> None:
     for what in passes:
         for shard, shard_targets in targets.items():
             path = os.path.join(folder, shard)
-            fd = await _io.open_read(sched, path)
+            fd = await open_read(sched, path)
             try:
                 if what == "verify":
-                    await _io.verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
+                    await verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
                 else:
-                    await _io.read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
+                    await read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
             finally:
-                await _io.close(sched, fd)
+                await close(sched, fd)
 
 
 def _load_dcp(folder: str, into: Any, device: torch.device) -> Any:
     """A checkpoint written through DCP by aiotensor (any number of ranks), assembled whole."""
-    from . import dcp  # torch.distributed: imported only for such a checkpoint
+    from .. import dcp  # torch.distributed: imported only for such a checkpoint
 
     state = dcp.load_full(folder)
     _, loaded = flatten(state)
@@ -108,7 +111,7 @@ def _load_dcp(folder: str, into: Any, device: torch.device) -> Any:
     _, targets = flatten(into)
     got = dict(loaded)
     specs = {k: _spec_of(k, t) for k, t in got.items()}
-    _io.check_into(dict(targets), specs, (device.type,), "the checkpoint")
+    check_into(dict(targets), specs, (device.type,), "the checkpoint")
     for k, t in targets:
         t.detach().copy_(got[k])
     return into
@@ -123,8 +126,8 @@ def unflatten_to(state: Any, device: torch.device) -> Any:
 
 
 def _spec_of(key: str, t: torch.Tensor) -> Any:
-    from ._dtypes import TORCH_TO_SAFETENSORS, file_shape
-    from .formats.safetensors import TensorSpec
+    from ..formats.dtypes import TORCH_TO_SAFETENSORS, file_shape
+    from ..formats.safetensors import TensorSpec
 
     dtype = TORCH_TO_SAFETENSORS[t.dtype]
     return TensorSpec(key, dtype, file_shape(dtype, t.shape), 0, t.nbytes)
@@ -138,7 +141,7 @@ def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.
     return m, by_shard
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def _targets(
     m: mf.Manifest,
     by_shard: dict[str, list[mf.Entry]],
@@ -146,16 +149,16 @@ def _targets(
     device: torch.device,
     devices: tuple[str, ...],
     verify: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, list[_io.Target]], int]:
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Target]], int]:
     dest = _destinations(m, into, device, devices)
     targets = {
-        shard: [_io.Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
+        shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
         for shard, entries in by_shard.items()
     }
     return dest, targets, sum(e.spec.nbytes for e in m.entries.values())
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str) -> Any:
     """Fill the aliases and rebuild the state tree."""
     for alias, target in m.aliases.items():
@@ -167,7 +170,7 @@ def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str) -> Any:
 
 
 def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
-    layout = _io.layout_of(sched, fd, path)
+    layout = layout_of(sched, fd, path)
     listed = {e.spec.key: e.spec for e in entries}
     if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
         raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)
@@ -180,9 +183,9 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
     if into is None:
-        return {k: _io.new_tensor(e.spec, device) for k, e in m.entries.items()}
+        return {k: new_tensor(e.spec, device) for k, e in m.entries.items()}
     _, tensors = flatten(into)
     given = dict(tensors)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-    _io.check_into(given, specs, devices, "the checkpoint")
+    check_into(given, specs, devices, "the checkpoint")
     return given

@@ -248,7 +248,7 @@ def _check_dcp_step(engine: Engine, folder: str) -> str | Exception | None:
         return "no manifest.json (not a checkpoint)"
     try:
         data = read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the DCP metadata")
-        mf._check_checksum(data, path)
+        mf.check_seal(data, path)
     except (FormatError, OSError) as e:
         return e
     return None

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
-from . import _gil
-from ._dtypes import PACKED, TORCH_TO_SAFETENSORS, file_shape
-from .buffers import round_up
-from .errors import StateError
-from .formats import safetensors as st
-from .formats.tree import flatten
+from .._runtime import gil
+from .._runtime.buffers import round_up
+from ..formats import manifest as mf
+from ..formats import safetensors as st
+from ..formats.dtypes import file_shape
+from ..formats.tree import flatten
+from .tensors import check_tensor
 
 
 @dataclass(frozen=True)
@@ -34,30 +35,6 @@ class SavePlan:
     nbytes: int  # bytes of tensor data (headers excluded)
 
 
-def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",)) -> str:
-    """The safetensors dtype of ``t``, or a StateError naming ``key`` and saying what to do."""
-    if t.is_nested:
-        raise StateError(f"tensor {key!r} is a nested tensor; store its components (t.unbind()) or t.to_padded_tensor(0)")
-    if t.layout != torch.strided:
-        raise StateError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored (use .to_dense())")
-    if t.is_quantized:
-        raise StateError(f"tensor {key!r} is quantized; store t.int_repr(), t.q_scale() and t.q_zero_point() instead")
-    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-        raise StateError(
-            f"tensor {key!r} is a {type(t).__name__}, a tensor subclass that is not plain memory "
-            "(DTensor: open the store with distributed=True on every rank, or save .full_tensor(); "
-            "others: convert to a plain tensor)"
-        )
-    if t.device.type not in devices:
-        raise StateError(f"tensor {key!r} is on {t.device}; this store handles {', '.join(devices)} tensors")
-    dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
-    if dtype is None:
-        raise StateError(f"tensor {key!r} has dtype {t.dtype}, which safetensors cannot store")
-    if dtype in PACKED and t.dim() == 0:
-        raise StateError(f"tensor {key!r}: a 0-d {t.dtype} cannot be stored (safetensors counts its packed values)")
-    return dtype
-
-
 def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     """Tensors with equal identity are the same values over the same bytes (tied weights); a lazily
     conjugated or negated view of a tensor is not (its values differ)."""
@@ -68,7 +45,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
-@_gil.quiet_gc
+@gil.quiet_gc
 def plan_save(
     state: Any, *, shard_bytes: int = 4 << 30, devices: tuple[str, ...] = ("cpu",)
 ) -> tuple[SavePlan, dict[str, torch.Tensor]]:
@@ -109,3 +86,16 @@ def plan_save(
         arena += round_up(layout.file_size)
     nbytes = sum(s.nbytes for sh in shards for s in sh.layout.tensors)
     return SavePlan(tree, tuple(shards), aliases, arena, nbytes), {k: t for k, _, t in stored}
+
+
+def manifest_bytes(step: int, plan: SavePlan, crcs: dict[str, int]) -> bytes:
+    """The manifest of a committed step: the plan's tree and shards, every tensor's crc32c."""
+    return mf.dumps(
+        mf.Manifest(
+            step=step,
+            tree=plan.tree,
+            shards={sh.file: sh.layout.file_size for sh in plan.shards},
+            entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
+            aliases=plan.aliases,
+        )
+    )

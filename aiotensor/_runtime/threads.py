@@ -24,7 +24,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -170,3 +170,21 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE) -> T:
             del value
     await anyio.lowlevel.checkpoint_if_cancelled()
     return value  # type: ignore[no-any-return]
+
+
+_keep_alive: set[asyncio.Task[None]] = set()
+
+
+def spawn(fn: Callable[[], Awaitable[None]]) -> None:
+    """Run ``fn()`` as a task of the running loop, owned by no caller's task or task group: a
+    store opened in one task may be used and closed from any other. ``fn`` never raises."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        trio.lowlevel.spawn_system_task(fn)
+        return
+    task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
+    _keep_alive.add(task)
+    task.add_done_callback(_keep_alive.discard)

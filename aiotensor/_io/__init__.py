@@ -1,0 +1,1 @@
+"""The I/O steps every feature shares, run through a Scheduler: tensors (bytes, checks, targets), staging, writing, reading."""

@@ -1,0 +1,133 @@
+"""Staging: copy a state's tensors into a staging arena (CPU copies in worker threads, CUDA copies
+on the copy stream), and checksum what was staged."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from .._runtime import cuda
+from .._runtime.buffers import HostBuffer
+from .._runtime.scheduler import Scheduler, run_concurrently
+from ..formats import checksum
+from .plan import SavePlan
+from .tensors import byte_view, crc_of_pieces, direct, spans
+
+
+@dataclass(frozen=True)
+class _StageUnit:
+    key: str
+    src: torch.Tensor
+    start: int  # arena byte offset
+    nbytes: int
+    whole: bool  # copy the tensor with its shape (a non-contiguous source)
+
+
+async def stage(
+    sched: Scheduler,
+    plan: SavePlan,
+    sources: dict[str, torch.Tensor],
+    arena: HostBuffer,
+    priority: int,
+    producers: dict[torch.device, Any] | None = None,
+) -> tuple[list[_StageUnit], list[Any]]:
+    """Copy every source tensor and shard header into ``arena``; return the pieces copied, and the
+    containers of views of the sources (tens of thousands of objects for a state of many tensors),
+    for the caller to free in a thread (:meth:`Scheduler.discard`) once it has said ``staged``.
+
+    CPU tensors are copied by worker threads; CUDA tensors by one device → host copy per device on
+    its copy stream, after ``producers[device]`` (an event recorded when ``save`` was called).
+
+    Cancellation: returns only once no copy reads a source tensor or writes the arena.
+    """
+    # one unit per piece of every tensor: tens of thousands for a large state, so built in a thread
+    pieces, cpu, gpu, cpu_bytes = await sched.call(_stage_units, sched, plan, sources, arena, priority=priority)
+
+    def copy(u: _StageUnit) -> None:
+        if u.whole:
+            arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype).view(u.src.shape).copy_(u.src)
+        else:  # plain memcpy, one thread each, GIL released
+            np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
+
+    async def host() -> None:
+        batch = _per_cpu(sched, cpu_bytes)
+        await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=batch, budget=False)
+
+    async def device() -> None:
+        assert sched.cuda is not None and producers is not None
+        for dev, copies in gpu.items():
+            event, resolved = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
+            with anyio.CancelScope(shield=True):  # the copy writes the arena: let it finish
+                await sched.cuda.bridge(dev).wait(event, keep=[*(src for _, src in copies), *resolved])
+
+    await run_concurrently(host, device) if gpu else await host()
+    return pieces, [cpu, gpu]
+
+
+def _stage_units(
+    sched: Scheduler, plan: SavePlan, sources: dict[str, torch.Tensor], arena: HostBuffer
+) -> tuple[list[_StageUnit], list[_StageUnit], dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]], int]:
+    """Copy the headers into ``arena``; return every piece to checksum (in arena order, without
+    sources), the CPU copies to make, the CUDA copies per device, and the CPU copies' bytes."""
+    units: list[_StageUnit] = []
+    cpu: list[_StageUnit] = []
+    gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for sh in plan.shards:
+        arena.view[sh.arena_offset : sh.arena_offset + len(sh.header)] = sh.header
+        for spec in sh.layout.tensors:
+            src = sources[spec.key]
+            start = sh.arena_offset + spec.offset
+            if src.device.type == "cuda":
+                if spec.nbytes:
+                    dst = arena.tensor[start : start + spec.nbytes].view(src.dtype).view(src.shape)
+                    gpu.setdefault(src.device, []).append((dst, src))
+                units.append(_StageUnit(spec.key, _NO_SOURCE, start, spec.nbytes, False))
+            elif not direct(src):
+                cpu.append(_StageUnit(spec.key, src, start, spec.nbytes, True))
+            else:
+                flat = src.detach().reshape(-1)
+                per = max(1, sched.chunk_bytes // src.element_size())
+                for a, b in spans(flat.numel(), per):
+                    size = src.element_size()
+                    cpu.append(_StageUnit(spec.key, flat[a:b], start + a * size, (b - a) * size, False))
+    units += cpu
+    units.sort(key=lambda u: u.start)
+    pieces = [_StageUnit(u.key, _NO_SOURCE, u.start, u.nbytes, False) for u in units]
+    return pieces, cpu, gpu, sum(u.nbytes for u in cpu)
+
+
+async def checksums(
+    sched: Scheduler, plan: SavePlan, units: list[_StageUnit], arena: HostBuffer, priority: int
+) -> dict[str, int]:
+    """crc32c of every tensor staged in ``arena``, from the pieces ``stage`` returned."""
+    crcs = await sched.map(
+        lambda u: checksum.crc32c(arena.view[u.start : u.start + u.nbytes]),
+        units,
+        nbytes=lambda u: u.nbytes,
+        priority=priority,
+        batch_bytes=_per_cpu(sched, plan.nbytes),
+        budget=False,
+    )
+    return await sched.call(_crcs_by_key, plan, units, crcs, priority=priority)
+
+
+def _crcs_by_key(plan: SavePlan, units: list[_StageUnit], crcs: list[int]) -> dict[str, int]:
+    pieces: dict[str, list[tuple[int, int]]] = {spec.key: [] for sh in plan.shards for spec in sh.layout.tensors}
+    for u, c in zip(units, crcs, strict=True):
+        pieces[u.key].append((c, u.nbytes))
+    return {k: crc_of_pieces(v) for k, v in pieces.items()}
+
+
+_NO_SOURCE = torch.empty(0)
+
+
+def _per_cpu(sched: Scheduler, nbytes: int) -> int:
+    """Batch size giving one batch per core but one for work on ``nbytes``: CPU-bound, and the
+    loop keeps a core."""
+    threads = max(1, min(sched.workers, (os.cpu_count() or 2) - 1))
+    return max(1, -(-nbytes // threads))

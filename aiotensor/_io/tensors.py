@@ -1,0 +1,181 @@
+"""Tensors as the I/O steps see them: their bytes, the checks a destination or source passes, read
+targets, and the CUDA stream rules (the consumer's stream, the producers' work).
+
+Nothing here does file I/O; :func:`copy_tensor` and :func:`materialize` block (on CUDA, until the
+copy is done) and run in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._runtime import cuda
+from .._runtime.scheduler import Priority, Scheduler
+from ..errors import MismatchError, StateError
+from ..formats import checksum
+from ..formats import safetensors as st
+from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, torch_shape
+
+
+def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",)) -> str:
+    """The safetensors dtype of ``t``, or a StateError naming ``key`` and saying what to do."""
+    if t.is_nested:
+        raise StateError(f"tensor {key!r} is a nested tensor; store its components (t.unbind()) or t.to_padded_tensor(0)")
+    if t.layout != torch.strided:
+        raise StateError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored (use .to_dense())")
+    if t.is_quantized:
+        raise StateError(f"tensor {key!r} is quantized; store t.int_repr(), t.q_scale() and t.q_zero_point() instead")
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise StateError(
+            f"tensor {key!r} is a {type(t).__name__}, a tensor subclass that is not plain memory "
+            "(DTensor: open the store with distributed=True on every rank, or save .full_tensor(); "
+            "others: convert to a plain tensor)"
+        )
+    if t.device.type not in devices:
+        raise StateError(f"tensor {key!r} is on {t.device}; this store handles {', '.join(devices)} tensors")
+    dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
+    if dtype is None:
+        raise StateError(f"tensor {key!r} has dtype {t.dtype}, which safetensors cannot store")
+    if dtype in PACKED and t.dim() == 0:
+        raise StateError(f"tensor {key!r}: a 0-d {t.dtype} cannot be stored (safetensors counts its packed values)")
+    return dtype
+
+
+def byte_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor on its device (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return byte_tensor(t).numpy().data.cast("B")
+
+
+def plain(t: torch.Tensor) -> bool:
+    """Are ``t``'s values its memory's bytes, in order (contiguous, no lazy conj/neg bit)?"""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def direct(t: torch.Tensor) -> bool:
+    """Can bytes be read straight into (or written straight from) ``t``'s memory?"""
+    return t.device.type == "cpu" and plain(t)
+
+
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """A :func:`plain` tensor with ``t``'s values (``t`` itself when it is one; blocks: on CUDA it
+    returns once the copy is done, so a copy stream or cuFile may read the result)."""
+    if plain(t):
+        return t
+    out = t.resolve_conj().resolve_neg().contiguous()
+    if out.device.type == "cuda":
+        torch.cuda.current_stream(out.device).synchronize()
+    return out
+
+
+def io_bytes(eng: Any, t: torch.Tensor) -> memoryview | torch.Tensor:
+    """A :func:`plain` tensor's bytes as an engine moves them: a flat uint8 tensor where the engine
+    reads and writes that memory itself (or must bounce it: CUDA memory, posix engine), else a
+    memoryview of host memory."""
+    return byte_tensor(t) if eng.handles_device(t) or t.device.type != "cpu" else byte_view(t)
+
+
+def spans(n: int, chunk: int, start: int = 0) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` pieces of ``n`` bytes of at most ``chunk``, cut where ``start + a`` is a multiple of ``chunk``."""
+    a = 0
+    while a < n:
+        b = min(n, a + chunk - (start + a) % chunk)
+        yield a, b
+        a = b
+
+
+def crc_of_pieces(crcs: Sequence[tuple[int, int]]) -> int:
+    """Combine ``(crc, length)`` of consecutive pieces into the crc of the whole."""
+    if not crcs:
+        return 0
+    total = crcs[0][0]  # the crc of the first piece is its own: no combining (the common case)
+    for c, n in crcs[1:]:
+        total = checksum.combine(total, c, n)
+    return total
+
+
+def copy_tensor(sched: Scheduler, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` in a worker thread; between a bounce slot and CUDA memory on the copy
+    stream, returning once the copy is done (the slot is then free again)."""
+    if dst.device.type == "cuda" or src.device.type == "cuda":
+        assert sched.cuda is not None
+        sched.slots.pin(sched.cuda.pinning)
+        cuda.copy(sched.cuda, dst, src)
+    else:
+        dst.copy_(src)
+
+
+def new_tensor(spec: st.TensorSpec, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``spec``'s dtype and shape on ``device``, to read it into."""
+    return torch.empty(torch_shape(spec.dtype, spec.shape), dtype=SAFETENSORS_TO_TORCH[spec.dtype], device=device)
+
+
+def check_into(
+    given: Mapping[str, torch.Tensor],
+    specs: Mapping[str, st.TensorSpec],
+    devices: tuple[str, ...],
+    where: str,
+    strict: bool = True,
+) -> None:
+    """``given`` (``into``'s tensors) has exactly ``specs``' keys (``strict=False``: some of them),
+    each a tensor of its spec's dtype and shape on a device this machine handles; else
+    MismatchError (StateError for the device)."""
+    missing, extra = sorted(set(specs) - set(given)) if strict else [], sorted(set(given) - set(specs))
+    if missing or extra:
+        raise MismatchError(f"`into` does not match {where}: missing {_few(missing)}, unexpected {_few(extra)}")
+    for k, t in given.items():
+        spec = specs[k]
+        check_tensor(k, t, devices)
+        want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
+        if tuple(t.shape) != shape or t.dtype != want:
+            raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
+
+
+def _few(keys: list[str]) -> str:
+    return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Inside: ``stream`` (a CUDA stream, or None: nothing changes) is this thread's current one."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device, or ValueError where this machine cannot load to it."""
+    dev = torch.device(device)
+    if dev.type not in sched.devices:
+        raise ValueError(f"cannot load to {device}: this machine handles {', '.join(sched.devices)} tensors")
+    if dev.type == "cuda" and dev.index is None:  # worker threads make the tensors: the caller's current device
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) -> None:
+    """Before writing into CUDA tensors: wait (in a worker thread) for the work already queued on
+    their devices' current streams, which may still read them. Copies on the copy stream and
+    cuFile reads are not ordered after that work otherwise."""
+    if sched.cuda is None:
+        return
+    events = list(cuda.record_producers(tensors).values())
+    if events:
+        await sched.call(lambda: [e.synchronize() for e in events], priority=Priority.LOAD)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given."""
+
+    spec: st.TensorSpec
+    tensor: torch.Tensor
+    crc: int | None

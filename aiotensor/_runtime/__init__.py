@@ -1,0 +1,1 @@
+"""The runtime: worker threads, the GIL and collector windows, the scheduler, host buffers, CUDA streams."""
