@@ -19,12 +19,13 @@ from typing import Any
 import anyio
 import torch
 
-from . import errors, serving, sources
+from . import commit, errors, serving, sources
 from . import root as _root
-from ._runtime.scheduler import Scheduler
-from .engines import PosixEngine
-from .files import read_header, save_file, tensor_info
+from ._runtime.scheduler import Scheduler, own_scheduler
+from .commit import Publication
+from .files import read_header, save_file, tensor_info, write_safetensors
 from .formats import torchsave as ts
+from .serving import save_torch
 from .store import TensorStore
 
 EXAMPLES = """examples:
@@ -244,71 +245,85 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
-    """Safetensors output streams: memory holds one shard (``--shard-size``) plus the read window.
-    Checkpoint and torch.save output hold the whole state (their writers take it at once)."""
-    kind = _kind(a.src)
-    to = a.to or ("torch" if a.dst.endswith((".pt", ".bin")) else "checkpoint" if a.step is not None else "safetensors")
-    tensors, _ = _infos(a.src, kind, Scheduler())
-    total = sum(t["bytes"] for t in tensors.values())
-    progress = Progress(f"converting {a.src}", total)
-    sharded = to == "safetensors" and total > a.shard_size
-    if sharded and os.path.exists(a.dst):
-        raise FileExistsError(f"{a.dst} exists: the sharded output is a new folder")
-    work = f"{a.dst.rstrip('/')}.tmp-{os.getpid()}"
-
-    async def run() -> None:
-        state: dict[str, torch.Tensor] = {}
-        written: list[tuple[str, list[str]]] = []  # (temporary file, its tensors)
-        size = 0
-
-        async def flush() -> None:
-            nonlocal state, size
-            if state:
-                f = os.path.join(work, f"part-{len(written):05d}.safetensors")
-                await save_file(state, f, metadata={"format": "pt"})
-                written.append((f, list(state)))
-                state, size = {}, 0
-
-        if sharded:
-            os.makedirs(work)
-        async for name, t in _tensors(a.src, kind):
-            progress.add(t.nbytes)
-            if sharded and state and size + t.nbytes > a.shard_size:
-                await flush()
-            state[name] = t
-            size += t.nbytes
-        if to == "checkpoint":
-            async with TensorStore(a.dst) as store:
-                await store.save(a.step or 0, state)
-        elif to == "torch":
-            tmp = f"{a.dst}.tmp-{os.getpid()}"
-            await anyio.to_thread.run_sync(torch.save, state, tmp)
-            os.replace(tmp, a.dst)
-        elif not sharded:
-            await save_file(state, a.dst)
-        else:
-            await flush()
-            weight_map: dict[str, str] = {}
-            for i, (f, names) in enumerate(written, 1):
-                final = f"model-{i:05d}-of-{len(written):05d}.safetensors"
-                os.rename(f, os.path.join(work, final))
-                weight_map |= dict.fromkeys(names, final)
-            index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
-            await anyio.to_thread.run_sync(_root.write_small, PosixEngine(), os.path.join(work, sources.INDEX), index)
-            os.rename(work, a.dst)  # the folder appears whole, or not at all
-
+    progress = Progress(f"converting {a.src}", 0)
     try:
-        anyio.run(run)
-    except BaseException:
-        if os.path.isdir(work):
-            import shutil
-
-            shutil.rmtree(work, ignore_errors=True)
-        raise
+        what = anyio.run(lambda: convert(a.src, a.dst, to=a.to, shard_size=a.shard_size, step=a.step, progress=progress))
     finally:
         progress.close()
-    print(f"wrote {a.dst} ({to}{', sharded' if sharded else ''}, {len(tensors)} tensors)")
+    print(f"wrote {a.dst} ({what})")
     return 0
+
+
+async def convert(
+    src: str,
+    dst: str,
+    *,
+    to: str | None = None,
+    shard_size: int = 4 << 30,
+    step: int | None = None,
+    scheduler: Scheduler | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Convert ``src`` (any readable path) to ``dst``: ``to`` is ``"safetensors"`` (one file, or a
+    folder of shards of at most ``shard_size`` with an index), ``"checkpoint"`` (a store root) or
+    ``"torch"`` (default: from ``dst``'s name). Safetensors output streams (memory: one shard and
+    the read window); checkpoint and torch.save output hold the whole state. Every output is
+    published whole (:mod:`aiotensor.commit`), through ``scheduler``'s engine. Returns what it wrote."""
+    kind = await anyio.to_thread.run_sync(_kind, src)
+    to = to or ("torch" if dst.endswith((".pt", ".bin")) else "checkpoint" if step is not None else "safetensors")
+    tensors, _ = await anyio.to_thread.run_sync(_infos, src, kind, Scheduler())
+    total = sum(t["bytes"] for t in tensors.values())
+    progress = progress or Progress("", total)
+    progress.total = total
+    sharded = to == "safetensors" and total > shard_size
+    if sharded and await anyio.to_thread.run_sync(os.path.lexists, dst):
+        raise FileExistsError(f"{dst} exists: the sharded output is a new folder")
+    dst = os.path.abspath(dst)  # noqa: ASYNC240 - getcwd, no disk access
+    async with own_scheduler(scheduler) as sched:
+        if not sharded:
+            state = {name: t async for name, t in _counted(_tensors(src, kind), progress)}
+            if to == "checkpoint":
+                async with TensorStore(dst, engine=sched.engine) as store:
+                    await store.save(step or 0, state)
+            elif to == "torch":
+                await save_torch(state, dst, scheduler=sched)
+            else:
+                await save_file(state, dst, scheduler=sched)
+            return f"{to}, {len(tensors)} tensors"
+        async with Publication(sched, dst, folder=True, tmp=commit.hidden_temp(dst)) as pub:  # whole, or not at all
+            parts: list[list[str]] = []
+            part: dict[str, torch.Tensor] = {}
+            size = 0
+            async for name, t in _counted(_tensors(src, kind), progress):
+                if part and size + t.nbytes > shard_size:
+                    parts.append(await _write_part(sched, pub.tmp, len(parts), part))
+                    part, size = {}, 0
+                part[name] = t
+                size += t.nbytes
+            parts.append(await _write_part(sched, pub.tmp, len(parts), part))
+            weight_map: dict[str, str] = {}
+            for i, names in enumerate(parts, 1):
+                final = os.path.join(pub.tmp, f"model-{i:05d}-of-{len(parts):05d}.safetensors")
+                await sched.call(sched.engine.rename, os.path.join(pub.tmp, f"part-{i - 1:05d}"), final)
+                weight_map |= dict.fromkeys(names, os.path.basename(final))
+            index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
+            await sched.call(commit.write_small, sched.engine, os.path.join(pub.tmp, sources.INDEX), index)
+            await pub.publish()
+    return f"{to}, sharded, {len(tensors)} tensors"
+
+
+async def _counted(
+    tensors: AsyncIterator[tuple[str, torch.Tensor]], progress: Progress
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async for name, t in tensors:
+        progress.add(t.nbytes)
+        yield name, t
+
+
+async def _write_part(sched: Scheduler, folder: str, i: int, part: dict[str, torch.Tensor]) -> list[str]:
+    """One shard of a sharded output, durably, under a temporary name inside the folder being published."""
+    await write_safetensors(sched, os.path.join(folder, f"part-{i:05d}"), part, {"format": "pt"})
+    return list(part)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

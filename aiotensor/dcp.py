@@ -28,9 +28,9 @@ import math
 import os
 import pickle
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -42,25 +42,47 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import errors
+from . import commit, errors
 from . import root as _root
-from ._runtime.scheduler import own_scheduler
+from ._runtime.scheduler import Scheduler, own_scheduler
+from .engines import Engine
 from .engines.posix import PosixEngine
-from .files import read_file, save_file
+from .files import read_file, write_safetensors
 from .formats import manifest as mf
 from .formats import torchsave as ts
 from .formats.safetensors import is_count
 from .serving import stream
 
 METADATA = ".metadata.json"
+T = TypeVar("T")
 FORMAT = "aiotensor.dcp"
 
 
-def _run(fn: Callable[[], Any]) -> Any:
-    """Run an async function to completion from DCP's synchronous calls, in a thread of its own
-    (the caller may be inside a running event loop: ``dcp.save`` from an async trainer)."""
-    with ThreadPoolExecutor(1) as ex:
-        return ex.submit(anyio.run, fn).result()
+class _Runner:
+    """Where a DCP storage layer runs its I/O: DCP calls it synchronously, from its own threads.
+
+    With a ``scheduler`` and the ``token`` of the event loop it belongs to (a distributed
+    :class:`~aiotensor.TensorStore`, which calls DCP from a worker thread), the I/O runs on that
+    loop and scheduler. Otherwise on a scheduler of its own over ``engine``, in an event loop of its
+    own, in a thread of its own (``dcp.save`` may be called from inside a running event loop).
+    """
+
+    def __init__(self, engine: Engine | None, scheduler: Scheduler | None, token: Any) -> None:
+        if (scheduler is None) != (token is None):
+            raise ValueError("scheduler= and token= go together (the event loop the scheduler runs on)")
+        self.scheduler, self.token = scheduler, token
+        self.engine = scheduler.engine if scheduler is not None else engine or PosixEngine()
+
+    def run(self, fn: Callable[[Scheduler], Coroutine[Any, Any, T]]) -> T:
+        if self.scheduler is not None:
+            return anyio.from_thread.run(fn, self.scheduler, token=self.token)
+
+        async def own() -> T:
+            async with own_scheduler(None, engine=self.engine) as sched:
+                return await fn(sched)
+
+        with ThreadPoolExecutor(1) as ex:
+            return ex.submit(anyio.run, own).result()
 
 
 def _done(value: Any) -> Future[Any]:
@@ -151,14 +173,27 @@ class AiotensorWriter(StorageWriter):
     rank wrote.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, latest: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        latest: bool = True,
+        engine: Engine | None = None,
+        scheduler: Scheduler | None = None,
+        token: Any = None,
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.latest = latest
+        self.runner = _Runner(engine, scheduler, token)
         self.is_coordinator = False
         self.rank = 0
         self.nbytes = 0
         self.tmp = ""  # the coordinator's temporary folder, once made
+
+    @property
+    def engine(self) -> Engine:
+        return self.runner.engine
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -172,13 +207,15 @@ class AiotensorWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """On the coordinator: create the temporary folder every rank writes into."""
-        if os.path.exists(self.path):
-            raise errors.CheckpointExistsError(f"{self.path} exists already")
+        """On the coordinator: create the temporary folder every rank writes into (the checkpoint's
+        folder may exist if it is empty, as DCP's FileSystemWriter allows)."""
+        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isdir(self.path) or os.listdir(self.path)):
+            raise errors.CheckpointExistsError(f"{self.path} exists already (a checkpoint goes to a new or empty folder)")
         root = os.path.dirname(os.path.abspath(self.path)) or "."
         os.makedirs(root, exist_ok=True)
-        tmp = self.tmp = os.path.join(root, _root.temp_name(os.path.basename(self.path)))
-        os.mkdir(tmp)
+        tmp = os.path.join(root, commit.temp_name(os.path.basename(self.path)))
+        self.engine.mkdir(tmp)
+        self.tmp = tmp
         return [dataclasses.replace(p, storage_data={"tmp": tmp, "prefix": f"__{i}_"}) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -199,12 +236,11 @@ class AiotensorWriter(StorageWriter):
             tensors[key] = t
             results.append(WriteResult(index=item.index, size_in_bytes=t.nbytes, storage_data={"file": file, "key": key}))
 
-        async def write() -> None:
-            await save_file(tensors, os.path.join(tmp, file))
+        async def write(sched: Scheduler) -> int:  # in a folder that is published whole: no rename of its own
+            return await write_safetensors(sched, os.path.join(tmp, file), tensors)
 
-        self.nbytes = sum(t.nbytes for t in tensors.values())
         try:
-            _run(write)
+            self.nbytes = self.runner.run(write)
         except OSError as e:
             raise OSError(e.errno, f"rank {self.rank}: {e}") from e
         return _done(results)
@@ -212,14 +248,20 @@ class AiotensorWriter(StorageWriter):
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's file is durable: metadata, then the commit."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        tmp, root = self.tmp, os.path.dirname(os.path.abspath(self.path))
-        eng = PosixEngine()
-        _root.write_small(eng, os.path.join(tmp, METADATA), dumps_metadata(metadata))
-        eng.sync_dir(tmp)
-        eng.rename(tmp, self.path)
-        eng.sync_dir(root)  # the commit point
+        eng = self.engine
+        commit.write_small(eng, os.path.join(self.tmp, METADATA), dumps_metadata(metadata))
+        commit.publish(eng, self.tmp, self.path, folder=True)  # the commit point
         if self.latest and _root.parse_step(os.path.basename(self.path)) is not None:  # a TensorStore root
-            _root.point_latest(eng, root, os.path.basename(self.path))
+            _root.point_latest(eng, os.path.dirname(os.path.abspath(self.path)), os.path.basename(self.path))
+
+    def abort(self) -> None:
+        """On the coordinator, once no rank writes any more: remove the temporary folder (blocking).
+
+        Raises:
+            OSError: it could not be removed (a store's next writer removes it).
+        """
+        if self.tmp:
+            self.engine.remove_tree(self.tmp)
 
     def storage_meta(self) -> md.StorageMeta | None:
         return md.StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
@@ -282,9 +324,10 @@ class AiotensorReader(_MetadataOnce, StorageReader):
     storage_reader=AiotensorReader(store.path(step)))``); any world size loads them (DCP reshards by
     chunk). Every item's crc32c is verified as it is read."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None, token: Any = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.runner = _Runner(None, scheduler, token)
         self.storage_data: dict[md.MetadataIndex, dict[str, str]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -333,11 +376,10 @@ class AiotensorReader(_MetadataOnce, StorageReader):
                     continue
             per_file.setdefault(info["file"], []).append(req)
 
-        async def read() -> None:
-            """All of this rank's reads, on one scheduler, a file at a time: whole items straight
-            into their targets (no copy), the others streamed, then cut and copied; crc32c verified
-            either way."""
-            async with own_scheduler(None) as sched:
+        async def read(sched: Scheduler) -> None:
+            """All of this rank's reads, a file at a time: whole items straight into their targets
+            (no copy), the others read, then cut and copied; crc32c verified either way."""
+            with sched.operation():
                 for file, wanted in direct.items():
                     into = {k: t for k, (_, t) in wanted.items()}
                     await read_file(sched, os.path.join(self.path, file), into, strict=False)
@@ -353,7 +395,7 @@ class AiotensorReader(_MetadataOnce, StorageReader):
                     for req in reqs:
                         _fill(planner, req, got[self.storage_data[req.storage_index]["key"]])
 
-        _run(read)
+        self.runner.run(read)
         return _done(None)
 
     @classmethod

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import anyio
 import torch
 
 from ._io.read import close, open_read, read_layout, read_tensors
 from ._io.tensors import Target, check_device, check_into, check_tensor, io_bytes, materialize, new_tensor, wait_for_streams
 from ._io.write import crcs_of, write_file
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
-from .errors import MismatchError, StateError, annotate_oserror
+from .commit import Publication
+from .errors import MismatchError, StateError
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 
@@ -82,32 +81,35 @@ async def save_file(
     writing threads stopped.
     """
     path = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - getcwd, no disk access
+    async with own_scheduler(scheduler) as sched, Publication(sched, path, folder=False) as pub:
+        await write_safetensors(sched, pub.tmp, tensors, metadata)
+        await pub.publish()
+
+
+async def write_safetensors(
+    sched: Scheduler, path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
+    """Create ``path`` (it must not exist) as a safetensors file of ``tensors`` with aiotensor's
+    per-tensor crc32c, durably (fsync'ed), and return its tensor bytes: :func:`save_file` without
+    the publication (a file inside a folder being published needs none of its own).
+
+    Raises: as :func:`save_file`. Cancellation: returns after the writing threads stopped; the
+    file is the caller's to remove.
+    """
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise StateError("metadata must map str to str")
     if metadata is not None and CRC_KEY in metadata:
         raise StateError(f"metadata key {CRC_KEY!r} is aiotensor's own (the per-tensor checksums)")
-    async with own_scheduler(scheduler) as sched:
-        # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
-        entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
-        await wait_for_streams(sched, [t for _, _, t in entries])
-        sources = await sched.call(_sources, sched, entries, priority=Priority.SAVE)
-        crcs = await crcs_of(sched, sources)
-        ranges = await sched.call(_ranges, entries, sources, crcs, dict(metadata or {}), priority=Priority.SAVE)
-        folder = os.path.dirname(path)
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-        eng = sched.engine
-        try:
-            await write_file(sched, tmp, ranges)
-            try:
-                await sched.call(eng.rename, tmp, path)
-                await sched.call(eng.sync_dir, folder)
-            except OSError as e:
-                raise annotate_oserror(e, f"replacing {path}") from e
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await sched.call(eng.remove_tree, tmp)
-            raise
-        await sched.discard(entries, sources, crcs, ranges)  # tens of thousands of objects: freed in a thread
+    # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
+    entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
+    await wait_for_streams(sched, [t for _, _, t in entries])
+    sources = await sched.call(_sources, sched, entries, priority=Priority.SAVE)
+    crcs = await crcs_of(sched, sources)
+    ranges = await sched.call(_ranges, entries, sources, crcs, dict(metadata or {}), priority=Priority.SAVE)
+    await write_file(sched, path, ranges)
+    nbytes = sum(len(src) for src in sources)
+    await sched.discard(entries, sources, crcs, ranges)  # tens of thousands of objects: freed in a thread
+    return nbytes
 
 
 def _entries(tensors: Mapping[str, torch.Tensor], devices: tuple[str, ...]) -> list[tuple[str, str, torch.Tensor]]:

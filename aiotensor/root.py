@@ -16,9 +16,10 @@ import fcntl
 import os
 import re
 import stat
-import uuid
 from dataclasses import dataclass, field
 
+from . import commit
+from .commit import is_leftover
 from .engines import Engine
 from .errors import FormatError, ManifestError, UnsafePathError
 from .formats import manifest as mf
@@ -27,7 +28,6 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 LOCK = ".aiotensor.lock"
 _STEP = re.compile(r"step-([0-9]{12})")
-_LEFTOVER = re.compile(r"(step-[0-9]{12}\.tmp-(del)?|latest\.tmp-)[0-9a-f]{8}")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -39,15 +39,6 @@ def parse_step(name: str) -> int | None:
     """The step a folder name stands for, or None (``[0-9]``: full-width digits are not digits here)."""
     m = _STEP.fullmatch(name)
     return int(m.group(1)) if m else None
-
-
-def temp_name(name: str, kind: str = "") -> str:
-    """A name for work in progress on ``name``: one :func:`is_leftover` recognises."""
-    return f"{name}.tmp-{kind}{uuid.uuid4().hex[:8]}"
-
-
-def is_leftover(name: str) -> bool:
-    return _LEFTOVER.fullmatch(name) is not None
 
 
 # --- the writer lock ---------------------------------------------------------------------------
@@ -327,39 +318,11 @@ def point_latest(engine: Engine, root: str, name: str | None) -> str:
     """Make ``root/latest`` name the step folder ``name`` (None: remove it), durably, unless
     something other than the library's own file has that name: then nothing is touched and the
     reason is returned ("" when done). Blocking: a worker thread."""
-    path = os.path.join(root, LATEST)
     found, why = read_latest(root)
-    if why:
+    if why or found == name:
         return why
-    if found == name:
-        return ""
-    if name is None:
-        engine.remove_file(path)
-    else:
-        tmp = os.path.join(root, temp_name(LATEST))
-        try:
-            write_small(engine, tmp, f"{name}\n".encode())
-            engine.rename(tmp, path)
-        except BaseException:
-            engine.remove_file(tmp)
-            raise
-    engine.sync_dir(root)
-    return ""
-
-
-def write_small(engine: Engine, path: str, data: bytes) -> None:
-    """Create ``path`` (it must not exist) holding ``data``, durably (blocking)."""
-    fd = engine.create(path)
-    try:
-        view, off = memoryview(data), 0
-        while off < len(view):
-            n = engine.pwrite(fd, view[off:], off)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, f"no progress writing {path} (disk full?)")
-            off += n
-        engine.sync(fd)
-    finally:
-        engine.close(fd)
+    data = None if name is None else f"{name}\n".encode()
+    return commit.replace_small(engine, os.path.join(root, LATEST), data, lambda: read_latest(root)[1])
 
 
 def _short(text: str, n: int = 300) -> str:
@@ -372,7 +335,6 @@ __all__ = [
     "MANIFEST",
     "Listing",
     "WriterLock",
-    "is_leftover",
     "parse_step",
     "point_latest",
     "read_latest",
@@ -381,6 +343,4 @@ __all__ = [
     "read_small",
     "scan",
     "step_dir_name",
-    "temp_name",
-    "write_small",
 ]

@@ -381,14 +381,14 @@ def _leaves(e: BaseException, out: list[BaseException]) -> None:
 
 
 @asynccontextmanager
-async def own_scheduler(given: Scheduler | None) -> AsyncIterator[Scheduler]:
+async def own_scheduler(given: Scheduler | None, engine: Engine | None = None) -> AsyncIterator[Scheduler]:
     """``given``, or a scheduler of our own, closed (its slots unpinned and unmapped) at the end;
     inside its :meth:`~Scheduler.operation` window."""
     if given is not None:
         with given.operation():
             yield given
         return
-    sched = Scheduler()
+    sched = Scheduler(engine)
     try:
         with sched.operation():
             yield sched

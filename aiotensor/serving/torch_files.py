@@ -3,16 +3,18 @@ writes one whose storages lie at 4096-byte offsets, atomically."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import threading
-import uuid
-from typing import Any
+from typing import IO, Any, cast
 
-import anyio
 import torch
 
-from .._runtime.scheduler import Priority, Scheduler
-from ..engines.posix import PosixEngine
+from .._runtime.scheduler import Priority, Scheduler, own_scheduler
+from ..commit import Publication
+from ..engines import Engine
+from ..errors import annotate_oserror
 from ..formats import torchsave as ts
 from .tensor_stream import stream
 
@@ -42,40 +44,65 @@ async def load_torch(
 _ALIGN_LOCK = threading.Lock()
 
 
-def _torch_save_aligned(state: Any, path: str) -> None:
+class _EngineFile(io.RawIOBase):
+    """A new file as torch.save writes it: each ``write`` one engine ``pwrite`` (so a test engine
+    sees every byte), in order."""
+
+    def __init__(self, engine: Engine, fd: int) -> None:
+        super().__init__()
+        self.engine, self.fd, self.pos = engine, fd, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        off = 0
+        while off < len(view):
+            n = self.engine.pwrite(self.fd, view[off:], self.pos + off)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, "no progress writing (disk full?)")
+            off += n
+        self.pos += len(view)
+        return len(view)
+
+
+def _write_torch(engine: Engine, path: str, state: Any) -> None:
+    """Create ``path`` as a torch.save file of ``state``, storages 4096-aligned, durably (blocking)."""
     import torch.utils.serialization as ser
 
-    with _ALIGN_LOCK:  # torch's setting is process-wide: restored before anyone else saves through us
-        old = ser.config.save.storage_alignment
-        ser.config.save.storage_alignment = 4096
-        try:
-            torch.save(state, path)
-        finally:
-            ser.config.save.storage_alignment = old
-    fd = os.open(path, os.O_RDONLY)
+    fd = engine.create(path)
     try:
-        os.fsync(fd)
+        with _ALIGN_LOCK:  # torch's setting is process-wide: restored before anyone else saves through us
+            old = ser.config.save.storage_alignment
+            ser.config.save.storage_alignment = 4096
+            try:
+                torch.save(state, cast(IO[bytes], _EngineFile(engine, fd)))
+            finally:
+                ser.config.save.storage_alignment = old
+        engine.sync(fd)
     finally:
-        os.close(fd)
+        engine.close(fd)
 
 
-async def save_torch(state: Any, path: str | os.PathLike[str]) -> None:
+async def save_torch(state: Any, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None) -> None:
     """Write a torch.save file that ``torch.load`` opens, with every storage at a 4096-byte file
     offset (so a reader can move them with O_DIRECT or cuFile, as :func:`load_torch` does),
-    atomically (a temporary name, fsync'ed, renamed over ``path``, the folder fsync'ed).
+    atomically (see :mod:`aiotensor.commit`: a temporary name, fsync'ed, renamed over ``path``,
+    the folder fsync'ed), through the scheduler's engine.
 
     Raises:
         OSError: naming the file; ``path`` is then untouched.
 
     Cancellation: the write finishes in its thread, then the temporary file is removed.
     """
-    path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")  # noqa: ASYNC240
-    try:
-        await anyio.to_thread.run_sync(_torch_save_aligned, state, tmp)
-        await anyio.to_thread.run_sync(os.replace, tmp, path)
-        await anyio.to_thread.run_sync(PosixEngine().sync_dir, os.path.dirname(os.path.abspath(path)))  # noqa: ASYNC240
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(PosixEngine().remove_tree, tmp)
-        raise
+    path = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - getcwd, no disk access
+    async with own_scheduler(scheduler) as sched, Publication(sched, path, folder=False) as pub:
+        try:
+            await sched.call(_write_torch, sched.engine, pub.tmp, state, priority=Priority.SAVE)
+        except OSError as e:
+            raise annotate_oserror(e, f"writing {pub.tmp}") from e
+        await pub.publish()

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ..engines.posix import PosixEngine
+from .._runtime.scheduler import Scheduler
 from ..errors import DistributedError
 
 
@@ -75,20 +75,20 @@ class Saver:
             raise DistributedError(f"{what} was abandoned: ranks {failed} could not stage their state")
         return staged
 
-    def write(self, staged: Any, path: str, what: str) -> int:
-        """Write through :class:`~aiotensor.dcp.AiotensorWriter`; returns this rank's bytes once rank 0
-        committed the step (DCP's last collective carries the commit's outcome to every rank)."""
+    def write(self, staged: Any, path: str, what: str, sched: Scheduler, token: Any) -> int:
+        """Write through :class:`~aiotensor.dcp.AiotensorWriter` on ``sched`` (the store's, on the
+        event loop of ``token``); returns this rank's bytes once rank 0 committed the step (DCP's
+        last collective carries the commit's outcome to every rank)."""
         from ..dcp import AiotensorWriter
 
-        writer = AiotensorWriter(path, latest=False)
+        writer = AiotensorWriter(path, latest=False, scheduler=sched, token=token)
         try:
             collective(lambda: dcp_save(staged, storage_writer=writer, process_group=self.group), what)
         except BaseException as e:
-            if writer.tmp:  # rank 0, after every rank left write_data (or died): nothing writes there now
-                try:
-                    PosixEngine().remove_tree(writer.tmp)
-                except OSError as cleanup:
-                    e.add_note(f"clean-up could not remove the unfinished {writer.tmp} ({cleanup}); the next writer removes it")
+            try:  # rank 0, after every rank left write_data (or died): nothing writes there now
+                writer.abort()
+            except OSError as cleanup:
+                e.add_note(f"clean-up could not remove the unfinished {writer.tmp} ({cleanup}); the next writer removes it")
             raise
         return writer.nbytes
 
@@ -104,11 +104,12 @@ def agree(failed: bool, group: Any) -> list[int]:
     return [r for r, f in enumerate(flags) if f.item()]
 
 
-def load(into: Any, path: str, group: Any, what: str) -> None:
-    """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk."""
+def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: Any) -> None:
+    """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk. The
+    reads run on ``sched`` (the store's, on the event loop of ``token``)."""
     from ..dcp import AiotensorReader
 
-    reader = AiotensorReader(path)
+    reader = AiotensorReader(path, scheduler=sched, token=token)
     try:  # first, and agreed on: DCP would fold a bad checkpoint's error into an AssertionError of its own
         reader.read_metadata()
         problem: Exception | None = None

@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 import torch
 
+from .. import commit
 from .. import root as _root
 from .._io.plan import SavePlan, manifest_bytes, plan_save
 from .._io.stage import checksums, stage
@@ -34,6 +35,7 @@ from .._io.write import write_file
 from .._runtime import cuda, gil, threads
 from .._runtime.buffers import StagingPool, round_up
 from .._runtime.scheduler import MiB, Priority, ProgressCallback, Scheduler, reporting, run_concurrently
+from ..commit import Publication
 from ..engines import Engine
 from ..errors import (
     CheckpointExistsError,
@@ -546,61 +548,40 @@ class TensorStore:
                 del state
                 h.stage_seconds = anyio.current_time() - t0
                 h._staged_event.set()
-                h.nbytes = await self.scheduler.run_sync(self._saver.write, staged, self.path(h.step), what)
+                token = anyio.lowlevel.current_token()
+                write = self._saver.write
+                h.nbytes = await self.scheduler.run_sync(write, staged, self.path(h.step), what, self.scheduler, token)
             h.commit_seconds = anyio.current_time() - t0
             assert self._commit_lock is not None
             async with self._commit_lock:
                 await self._committed_now(h)
 
     async def _write(self, h: SaveHandle, plan: SavePlan, arena: Any, pieces: Any, prio: int) -> None:
-        final = self.path(h.step)
-        tmp = os.path.join(self.root, _root.temp_name(step_dir_name(h.step)))
-        eng = self.engine
-        await self._call(eng.mkdir, tmp, what=f"creating {tmp}")
-        try:
+        """Write the shards and the manifest under a temporary name, then commit (one at a time, so
+        that ``latest`` only moves forward). Past the commit point the save completes even if
+        cancelled: a rename that ran must be followed by the fsync that makes it durable."""
+        sched = self.scheduler
+        async with Publication(sched, self.path(h.step), folder=True, priority=prio) as pub:
             crcs: dict[str, int] = {}
 
             async def checksum() -> None:
-                crcs.update(await checksums(self.scheduler, plan, pieces, arena, prio))
+                crcs.update(await checksums(sched, plan, pieces, arena, prio))
 
             async def write() -> None:
                 for sh in plan.shards:  # each image padded to whole pages: written with O_DIRECT
                     size = sh.layout.file_size
                     image = arena.view[sh.arena_offset : sh.arena_offset + round_up(size)]
-                    await write_file(self.scheduler, os.path.join(tmp, sh.file), [(0, image)], prio, size=size)
+                    await write_file(sched, os.path.join(pub.tmp, sh.file), [(0, image)], prio, size=size)
 
             await run_concurrently(checksum, write)
-            data = await self.scheduler.call(manifest_bytes, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
-            await self.scheduler.discard(crcs)
-            await write_file(self.scheduler, os.path.join(tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
-            await self._call(eng.sync_dir, tmp, what=f"syncing {tmp}")
-            # past this point the save completes even if cancelled: a rename that ran in its
-            # thread must be followed by the fsync that makes it durable, and by `latest`
+            data = await sched.call(manifest_bytes, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
+            await sched.discard(crcs)
+            await write_file(sched, os.path.join(pub.tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
+            assert self._commit_lock is not None
             with anyio.CancelScope(shield=True):
-                await self._commit(h, tmp, final)
-        except BaseException as e:
-            if not h.committed:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self._call(eng.remove_tree, tmp, what=f"removing {tmp}")
-                    except OSError as cleanup:  # the first cause is what the caller needs; say what is left
-                        note = f"clean-up could not remove the unfinished {tmp} ({cleanup}); the next writer removes it"
-                        e.add_note(note)
-                        log.warning("%s", note)
-            raise
-
-    async def _commit(self, h: SaveHandle, tmp: str, final: str) -> None:
-        eng = self.engine
-        assert self._commit_lock is not None
-        async with self._commit_lock:  # one commit at a time, so `latest` only moves forward
-            await self._call(eng.rename, tmp, final, what=f"renaming {tmp} to {final}")
-            try:
-                await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
-            except BaseException:
-                await self._call(eng.rename, final, tmp, what=f"renaming {final} back to {tmp}")  # not durable: not committed
-                raise
-            # the commit point: from here on the save has succeeded, whatever happens next
-            await self._committed_now(h)
+                async with self._commit_lock:
+                    await pub.publish()
+                    await self._committed_now(h)  # the commit point: the save has succeeded
 
     async def _committed_now(self, h: SaveHandle) -> None:
         """Past the commit point (under the commit lock): the save has succeeded; then ``latest``
@@ -656,13 +637,16 @@ class TensorStore:
                 await self._retire(step)
 
     async def _retire(self, step: int) -> None:
-        """Rename a step away durably (a half-deleted folder must never look like a checkpoint), then
-        delete its files in the background (a crash first leaves a leftover the next writer removes)."""
+        """Retire a step durably (:func:`aiotensor.commit.retire`), then delete its files in the
+        background (a crash first leaves a leftover the next writer removes)."""
         eng = self.engine
-        doomed = os.path.join(self.root, _root.temp_name(step_dir_name(step), "del"))
-        await self._call(eng.rename, self.path(step), doomed, what=f"retiring step {step}")
-        self._committed.discard(step)
-        await self._call(eng.sync_dir, self.root, what=f"syncing {self.root}")
+        self._committed.discard(step)  # gone from this store's view once renamed, even if its fsync fails
+        try:
+            doomed = await self._call(commit.retire, eng, self.path(step), what=f"retiring step {step}")
+        except BaseException:
+            if await self._call(os.path.lexists, self.path(step), what=f"checking {self.path(step)}"):
+                self._committed.add(step)  # the rename did not run: still committed
+            raise
         log.info("%s: retired step %d", self.root, step)
 
         async def remove() -> None:
@@ -812,7 +796,8 @@ class TensorStore:
         what = f"loading step {step} from {self.root}"
         with anyio.CancelScope(shield=True):  # collectives cannot be left half-way
             async with self._collective:
-                await self.scheduler.run_sync(_dist.load, into, self.path(step), self._group, what)
+                token = anyio.lowlevel.current_token()
+                await self.scheduler.run_sync(_dist.load, into, self.path(step), self._group, what, self.scheduler, token)
         return into
 
     async def info(self, step: int | None = None) -> dict[str, TensorInfo]:

@@ -1,0 +1,200 @@
+"""The commit protocol: how everything aiotensor writes appears whole, or not at all.
+
+Every step goes through an :class:`~aiotensor.engines.Engine`, so a test engine records and fails
+any of them (the kill sweep and the power-cut replay run over the store, ``save_file``,
+``save_torch``, the DCP writer and ``convert`` alike):
+
+1. **Temporary name.** A new file or folder is written under a name of :func:`temp_name` beside
+   its final name, never under the final name itself.
+2. **Durable write.** Every file in it is written and fsync'ed (``_io.write.write_file``,
+   :func:`write_small`).
+3. **Publish** (:func:`publish`): the folder's entries fsync'ed, the rename to the final name, the
+   parent fsync'ed. The last fsync is the commit point; if it fails, the rename is undone.
+4. **Replace a small file** (:func:`replace_small`: ``latest``): the same steps, and only where what
+   has that name is the library's own file.
+5. **Retire** (:func:`retire`): a committed folder is renamed to a leftover name, durably (it stops
+   being a checkpoint at once: a half-deleted folder never looks like one), then deleted at leisure.
+
+A storage without rename (an object store: put, ranged get, list, delete; each object atomic) keeps
+the same five steps with other means: objects are put under their final keys, a manifest object
+written last is the commit record (a conditional create, so one writer wins), ``latest`` is one
+put, and retiring deletes the manifest first. :class:`Publication` is the interface the writers
+hold; it is the seam where such a storage would plug in.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+
+import anyio
+
+from ._runtime.scheduler import Priority, Scheduler
+from .engines import Engine
+from .errors import annotate_oserror
+
+log = logging.getLogger("aiotensor")
+_LEFTOVER = re.compile(r"(step-[0-9]{12}\.tmp-(del)?|latest\.tmp-)[0-9a-f]{8}")
+
+
+def temp_name(name: str, kind: str = "") -> str:
+    """A name for work in progress on ``name`` (``kind="del"``: a folder being retired), in the same
+    folder: for a store's names, one that :func:`is_leftover` recognises."""
+    return f"{name}.tmp-{kind}{uuid.uuid4().hex[:8]}"
+
+
+def is_leftover(name: str) -> bool:
+    """Is ``name`` work in progress a store's writer left (only such names are ever cleaned up)?"""
+    return _LEFTOVER.fullmatch(name) is not None
+
+
+def hidden_temp(path: str) -> str:
+    """The temporary path of a single file the user named (``save_file``, ``save_torch``): hidden,
+    so that a glob for the final name's pattern does not pick it up."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{temp_name(name)}")
+
+
+# --- blocking steps (worker threads) ------------------------------------------------------------
+
+
+def write_small(engine: Engine, path: str, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, durably."""
+    fd = engine.create(path)
+    try:
+        view, off = memoryview(data), 0
+        while off < len(view):
+            n = engine.pwrite(fd, view[off:], off)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, f"no progress writing {path} (disk full?)")
+            off += n
+        engine.sync(fd)
+    finally:
+        engine.close(fd)
+
+
+def publish(engine: Engine, tmp: str, final: str, *, folder: bool) -> None:
+    """The commit point of a file or folder written, and made durable, at ``tmp``: the folder's
+    entries fsync'ed, ``tmp`` renamed to ``final``, ``final``'s parent fsync'ed. If that fsync
+    fails the rename is undone (it may not be durable: nothing is committed) and the error raised."""
+    parent = os.path.dirname(final) or "."
+    if folder:
+        engine.sync_dir(tmp)
+    engine.rename(tmp, final)
+    try:
+        engine.sync_dir(parent)
+    except BaseException:
+        engine.rename(final, tmp)
+        raise
+
+
+def replace_small(engine: Engine, path: str, data: bytes | None, foreign: Callable[[], str]) -> str:
+    """Replace the small file ``path`` with ``data`` (None: remove it), durably, unless
+    ``foreign()`` says why what has that name is not the library's own: then nothing is touched
+    and that reason is returned ("" when done)."""
+    why = foreign()
+    if why:
+        return why
+    folder = os.path.dirname(path) or "."
+    if data is None:
+        engine.remove_file(path)
+    else:
+        tmp = os.path.join(folder, temp_name(os.path.basename(path)))
+        try:
+            write_small(engine, tmp, data)
+            engine.rename(tmp, path)
+        except BaseException:
+            engine.remove_file(tmp)
+            raise
+    engine.sync_dir(folder)
+    return ""
+
+
+def retire(engine: Engine, path: str) -> str:
+    """Rename the committed folder ``path`` to a leftover name and fsync its parent: from then on it
+    is no checkpoint, and a crash leaves a leftover the next writer removes. Returns the new path,
+    to delete (``engine.remove_tree``) whenever convenient."""
+    doomed = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), "del"))
+    engine.rename(path, doomed)
+    engine.sync_dir(os.path.dirname(path) or ".")
+    return doomed
+
+
+# --- a publication, on a scheduler --------------------------------------------------------------
+
+
+class Publication:
+    """A file or folder that appears at ``final`` whole and durable, or not at all::
+
+        async with Publication(sched, final, folder=True) as pub:
+            await write_file(sched, os.path.join(pub.tmp, "a"), ...)  # durable writes under pub.tmp
+            await pub.publish()  # the commit point
+
+    Leaving the block without :meth:`publish` (an error, a cancellation) removes ``tmp``; a failure
+    to remove it is added to the error as a note (the leftover is a store writer's to clean).
+
+    A file replaces what is at ``final`` (atomically); a folder must not exist there.
+
+    Args:
+        tmp: the temporary path (default: :func:`temp_name` beside ``final`` for a folder,
+            :func:`hidden_temp` for a file).
+
+    Cancellation: :meth:`publish` runs to its end once started (its steps are shielded); the
+    clean-up on leaving is shielded too.
+    """
+
+    def __init__(
+        self, sched: Scheduler, final: str, *, folder: bool, tmp: str | None = None, priority: int = Priority.SAVE
+    ) -> None:
+        self.sched, self.final, self.folder, self.priority = sched, final, folder, priority
+        if tmp is None:
+            tmp = os.path.join(os.path.dirname(final), temp_name(os.path.basename(final))) if folder else hidden_temp(final)
+        self.tmp = tmp
+        self.published = False
+
+    @property
+    def engine(self) -> Engine:
+        return self.sched.engine
+
+    async def __aenter__(self) -> Publication:
+        if self.folder:
+            await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
+        return self
+
+    async def publish(self) -> None:
+        """Make what was written under ``tmp`` appear at ``final`` (see :func:`publish`).
+
+        Raises:
+            OSError: naming the step that failed; nothing is published (``tmp`` is then removed
+                on leaving the block).
+        """
+        with anyio.CancelScope(shield=True):  # a rename that ran must be followed by its fsync
+            await self._call(publish, self.engine, self.tmp, self.final, what=f"publishing {self.final}", folder=self.folder)
+        self.published = True
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if self.published:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._call(self.engine.remove_tree, self.tmp, what=f"removing {self.tmp}")
+            except OSError as cleanup:
+                if e is None:
+                    raise
+                note = f"clean-up could not remove the unfinished {self.tmp} ({cleanup}); a store's next writer removes it"
+                e.add_note(note)
+                log.warning("%s", note)
+
+    async def _call(self, fn: Callable[..., object], *args: object, what: str, **kwargs: object) -> object:
+        try:
+            return await self.sched.call(lambda: fn(*args, **kwargs), priority=self.priority)
+        except OSError as err:
+            raise annotate_oserror(err, what) from err
+
+
+__all__ = ["Publication", "hidden_temp", "is_leftover", "publish", "replace_small", "retire", "temp_name", "write_small"]
