@@ -23,10 +23,14 @@ from . import commit, errors, serving, sources
 from . import root as _root
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .commit import Publication
-from .files import read_header, save_file, tensor_info, write_safetensors
-from .formats import torchsave as ts
+from .engines import default_engine
+from .errors import CheckpointNotFoundError
+from .files import save_file, write_safetensors
+from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
 from .serving import save_torch
 from .store import TensorStore
+
+DCP_NAMES = (JSON_NAME, PICKLE_NAME)
 
 EXAMPLES = """examples:
   aiotensor ls ckpts/                        committed steps, and what else is in the folder
@@ -83,107 +87,75 @@ class Progress:
             sys.stderr.write("\n")
 
 
-# --- what a path is --------------------------------------------------------------------------------
+# --- what a path is: the library's one resolver ------------------------------------------------
 
 
-def _kind(path: str) -> str:
-    """``root``, ``step``, ``hf`` (a folder of weight files), ``safetensors`` or ``torch``."""
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, _root.MANIFEST)):
-            return "step"
-        if _dcp().is_checkpoint(path):
-            return "dcp"
-        names = os.listdir(path)
-        if any(_root.parse_step(n) is not None for n in names) or _root.LATEST in names or _root.LOCK in names:
-            return "root"
-        return "hf"
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file or folder")
-    with open(path, "rb") as f:
-        return "torch" if ts.is_torch_zip(f.read(4)) else "safetensors"
+def _resolve(path: str) -> sources.Source:
+    """What ``path`` is and holds (blocking: the command runs no event loop while it asks)."""
+    return sources.resolve(default_engine(), path)
 
 
-def _dcp() -> Any:
-    from . import dcp  # imports torch.distributed: only when a DCP checkpoint is involved
-
-    return dcp
+def _row(e: sources.Entry) -> dict[str, Any]:
+    return {"dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape), "bytes": e.nbytes}
 
 
-def _infos(path: str, kind: str, sched: Scheduler) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tensor name -> info dict, extra facts) from headers and manifests only."""
-    if kind == "dcp":
-        meta = _dcp().reader_for(path).read_metadata()
-        tensors = {}
-        for fqn, m in meta.state_dict_metadata.items():
-            if hasattr(m, "size"):
-                dtype = m.properties.dtype
-                nbytes = torch.Size(m.size).numel() * dtype.itemsize
-                tensors[fqn] = {"dtype": str(dtype).removeprefix("torch."), "shape": list(m.size), "bytes": nbytes}
-        return tensors, {"chunks": sum(len(getattr(m, "chunks", [])) for m in meta.state_dict_metadata.values())}
-    if kind in ("root", "step"):
-        folder = path if kind == "step" else sources.newest_step(sched, path)
-        m = _root.read_manifest(sched.engine, folder)
-        specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-        tensors = {k: _row(tensor_info(s)) for k, s in specs.items()}
-        return tensors, {"step": m.step, "folder": folder, "aliases": dict(m.aliases), "shards": len(m.shards)}
-    if kind == "torch":
-        tensors = {}
+def _tensors(src: str, window: int = 64 << 20) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``src`` under each of its names, as the library streams it (a DCP
+    checkpoint's whole tensors, assembled from their chunks)."""
 
-        def add(name: str, ref: ts.TensorRef) -> None:
-            tensors[name] = {"dtype": str(ref.dtype).removeprefix("torch."), "shape": list(ref.size), "bytes": ref.nbytes}
+    async def gen() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        async with serving.stream(src, window_bytes=window) as s:
+            async for name, t in s:
+                yield name, t
 
-        ts.map_tensors(ts.parse_path(os.path.realpath(path)), add)
-        return tensors, {}
-    files = sources.hf_files(sched.engine, path) if kind == "hf" else [path]
-    tensors, meta = {}, {}
-    for f in files:
-        info = anyio.run(read_header, f)
-        tensors |= {k: _row(t) for k, t in info.tensors.items()}
-        meta[os.path.basename(f)] = {"metadata": info.metadata, "checksummed": info.checksummed}
-    return tensors, {"files": meta}
+    return gen()
 
 
-def _row(t: Any) -> dict[str, Any]:
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": t.nbytes}
+_TENSOR = object()
+
+
+def _values(src: sources.Source) -> list[str]:
+    """The places of the non-tensor values of ``src``'s state (what a flat tensor file drops); each
+    shared container counted once."""
+    if src.state is None:
+        return []
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str) -> None:
+        if obj is _TENSOR:
+            return
+        if isinstance(obj, (dict, list, tuple)):
+            if id(obj) in seen:
+                return
+            seen.add(id(obj))
+            for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
+                walk(v, f"{path}.{k}" if path else str(k))
+        else:
+            found.append(path or "<root>")
+
+    walk(src.state(lambda name: _TENSOR), "")
+    return found
 
 
 # --- commands --------------------------------------------------------------------------------------
 
 
-async def _tensors(src: str, kind: str) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    """Every tensor of ``src`` with its dotted name: streamed, or for a DCP checkpoint (sharded:
-    it must be assembled) loaded whole in a worker thread."""
-    if kind == "dcp":
-        state = await anyio.to_thread.run_sync(_dcp().load_full, src)
-        for name, t in _flat(state, ""):
-            yield name, t
-        return
-    async with serving.stream(src, window_bytes=64 << 20) as s:
-        async for name, t in s:
-            yield name, t
-
-
-def _flat(tree: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(tree, torch.Tensor):
-        return [(prefix, tree)]
-    if isinstance(tree, dict):
-        return [x for k, v in tree.items() for x in _flat(v, f"{prefix}.{k}" if prefix else str(k))]
-    if isinstance(tree, (list, tuple)):
-        return [x for i, v in enumerate(tree) for x in _flat(v, f"{prefix}.{i}" if prefix else str(i))]
-    return []
-
-
 def cmd_ls(a: argparse.Namespace) -> int:
-    sched = Scheduler()
-    listing = _root.scan(sched.engine, a.root, {})
+    engine = default_engine()
+    names = engine.listdir(a.root)
+    if not _root.is_store(names):
+        raise CheckpointNotFoundError(
+            f"{a.root}: not a store root (no committed step, latest or lock; `aiotensor inspect` reads other folders)"
+        )
+    listing = _root.scan(engine, a.root, {})
     rows: list[dict[str, Any]] = []
     for step, name in sorted(listing.committed.items()):
-        folder = os.path.join(a.root, name)
-        m = _root.read_manifest(sched.engine, folder, step)
-        mtime = os.stat(os.path.join(folder, _root.MANIFEST)).st_mtime
+        src = sources.step(engine, os.path.join(a.root, name), step)
+        mtime = os.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
-        count = len(m.entries) + len(m.aliases)
-        rows.append({"step": step, "time": when, "bytes": sum(m.shards.values()), "tensors": count, "state": "committed"})
+        count = sum(len(e.names) for e in src.entries)
+        rows.append({"step": step, "time": when, "bytes": src.stored_bytes, "tensors": count, "state": "committed"})
     rows += [{"name": n, "state": "in progress or left by a crash"} for n in sorted(listing.leftovers)]
     rows += [{"name": n, "state": f"ignored: {why}"} for n, why in sorted(listing.ignored.items())]
     if a.json:
@@ -201,53 +173,91 @@ def cmd_ls(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    kind = _kind(a.path)
-    tensors, extra = _infos(a.path, kind, Scheduler())
-    total = sum(t["bytes"] for t in tensors.values())
+    src = _resolve(a.path)
+    tensors: dict[str, dict[str, Any]] = {}
+    for e in src.entries:
+        row = _row(e)
+        tensors[e.names[0]] = row
+        for alias in e.names[1:]:
+            tensors[alias] = {**row, "tied_to": e.names[0]}
+    total = src.stored_bytes  # a storage several tensors share counted once
+    extra: dict[str, Any] = {"files": len(src.files), "checksummed": src.checksummed}
+    if src.step is not None:
+        extra |= {"step": src.step, "folder": src.path}
+    if src.metadata:
+        extra["metadata"] = {os.path.basename(f): m for f, m in src.metadata.items()}
+    values = _values(src)
+    if values:
+        extra["values"] = values[:1000]
     if a.json:
-        print(json.dumps({"path": a.path, "kind": kind, "tensors": tensors, "total_bytes": total, **extra}, indent=1))
+        print(json.dumps({"path": a.path, "kind": src.kind, "tensors": tensors, "total_bytes": total, **extra}, indent=1))
         return 0
-    print(f"{a.path}: {kind}, {len(tensors)} tensors, {_human(total)}" + (f", step {extra['step']}" if "step" in extra else ""))
+    head = f"{a.path}: {src.kind}, {len(tensors)} tensors, {_human(total)}" + (
+        f", step {src.step}" if src.step is not None else ""
+    )
+    print(head + (f", {len(values)} other values" if values else ""))
     width = max((len(k) for k in tensors), default=0)
     for name, t in tensors.items():
-        print(f"  {name:<{width}}  {t['dtype']:<16} {t['shape']!s:<20} {_human(t['bytes']):>10}")
+        tied = f"  (= {t['tied_to']})" if "tied_to" in t else ""
+        print(f"  {name:<{width}}  {t['dtype']:<16} {t['shape']!s:<20} {_human(t['bytes']):>10}{tied}")
     return 0
 
 
+VERIFIED, BAD, UNVERIFIABLE = 0, 1, 3
+
+
 def cmd_verify(a: argparse.Namespace) -> int:
-    kind = _kind(a.path)
-    sched = Scheduler()
-    if kind == "root":
-        listing = _root.scan(sched.engine, a.path, {})
-        sources = [os.path.join(a.path, n) for _, n in sorted(listing.committed.items())]
-        bad = [f"{n}: {why}" for n, why in listing.ignored.items() if "not a valid checkpoint" in why]
+    """Read every tensor of every file; exit 0 if every byte was checked against a checksum its
+    writer recorded, 3 if everything read whole but some files carry no checksums (structure only:
+    a changed value cannot be seen), 1 if anything is bad."""
+    bad: list[str] = []
+    checked: list[sources.Source] = []
+    engine = default_engine()
+    names = engine.listdir(a.path) if os.path.isdir(a.path) else []
+    if names and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names):
+        listing = _root.scan(engine, a.path, {})
+        paths = [os.path.join(a.path, n) for _, n in sorted(listing.committed.items())]
+        bad += [f"{n}: {why}" for n, why in listing.ignored.items() if "not a valid checkpoint" in why]
     else:
-        sources, bad = [a.path], []
-    for src in sources:
-        total = sum(t["bytes"] for t in _infos(src, _kind(src), sched)[0].values())
-        progress = Progress(f"verifying {src}", total)
+        paths = [a.path]
+    for path in paths:
         try:
+            src = _resolve(path)
+            progress = Progress(f"verifying {path}", src.stored_bytes)
 
-            async def run(source: str = src, bar: Progress = progress) -> None:
-                async for _name, t in _tensors(source, _kind(source)):
-                    bar.add(t.nbytes)
+            async def run(source: str = src.path, bar: Progress = progress) -> None:
+                async for _name, t in _tensors(source):
+                    bar.add(t.untyped_storage().nbytes() if not t.is_contiguous() else t.nbytes)
 
-            anyio.run(run)
-        except (errors.FormatError, OSError) as e:
+            try:
+                anyio.run(run)
+            finally:
+                progress.close()
+            checked.append(src)
+        except (errors.AiotensorError, OSError) as e:
             bad.append(f"{type(e).__name__}: {e}")
-        finally:
-            progress.close()
     for line in bad:
         print(f"BAD  {line}")
-    if not bad:
-        print(f"OK   {a.path}: {len(sources)} checked, every tensor intact" + (" (crc32c)" if kind in ("root", "step") else ""))
-    return 1 if bad else 0
+    if bad:
+        return BAD
+    files = sum(len(s.files) for s in checked)
+    count = sum(len(e.names) for s in checked for e in s.entries)
+    what = f"{a.path}: {len(checked)} {'steps' if len(checked) > 1 else 'source'}, {files} files, {count} tensors read whole"
+    plain = [f for s in checked if not s.checksummed for f in s.files]
+    if plain:
+        shown = ", ".join(os.path.basename(f) for f in plain[:5]) + (" ..." if len(plain) > 5 else "")
+        print(f"READ {what}; NOT VERIFIED: {shown} carry no checksums (structure only: a changed value cannot be seen)")
+        return UNVERIFIABLE
+    print(f"OK   {what}, every byte checked against the checksum its writer recorded")
+    return VERIFIED
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
     progress = Progress(f"converting {a.src}", 0)
     try:
-        what = anyio.run(lambda: convert(a.src, a.dst, to=a.to, shard_size=a.shard_size, step=a.step, progress=progress))
+        what = anyio.run(
+            lambda: convert(a.src, a.dst, to=a.to, shard_size=a.shard_size, step=a.step, overwrite=a.overwrite, progress=progress)
+        )
     finally:
         progress.close()
     print(f"wrote {a.dst} ({what})")
@@ -261,46 +271,93 @@ async def convert(
     to: str | None = None,
     shard_size: int = 4 << 30,
     step: int | None = None,
+    overwrite: bool = False,
     scheduler: Scheduler | None = None,
     progress: Progress | None = None,
 ) -> str:
-    """Convert ``src`` (any readable path) to ``dst``: ``to`` is ``"safetensors"`` (one file, or a
-    folder of shards of at most ``shard_size`` with an index), ``"checkpoint"`` (a store root) or
-    ``"torch"`` (default: from ``dst``'s name). Safetensors output streams (memory: one shard and
-    the read window); checkpoint and torch.save output hold the whole state. Every output is
-    published whole (:mod:`aiotensor.commit`), through ``scheduler``'s engine. Returns what it wrote."""
-    kind = await anyio.to_thread.run_sync(_kind, src)
+    """Convert ``src`` (any path :func:`aiotensor.sources.resolve` reads) to ``dst``; returns what
+    it wrote.
+
+    ``to``: ``"checkpoint"`` (a store root: the whole state, values and nesting kept), ``"torch"``
+    (a torch.save file: the same) or ``"safetensors"`` (tensors only, by their dotted names; what
+    it cannot hold is named in the result). Default: from ``dst`` (``.pt``/``.bin``: torch; with
+    ``step``: checkpoint; else safetensors). Safetensors go to one file, or, where ``dst`` is a
+    folder (ends with ``/``, exists as one, or has no ``.safetensors`` name and the tensors exceed
+    ``shard_size``), to a Hugging Face folder: ``model.safetensors``, or shards of at most
+    ``shard_size`` with their index. Every output is published whole (:mod:`aiotensor.commit`),
+    through ``scheduler``'s engine; an existing output is refused unless ``overwrite`` (a file).
+
+    Raises:
+        FileExistsError: ``dst`` exists (a folder output must be new or empty).
+        ValueError: a file name for an output that needs shards.
+        What reading ``src`` raises.
+    """
+    info = await anyio.to_thread.run_sync(_resolve, src)
     to = to or ("torch" if dst.endswith((".pt", ".bin")) else "checkpoint" if step is not None else "safetensors")
-    tensors, _ = await anyio.to_thread.run_sync(_infos, src, kind, Scheduler())
-    total = sum(t["bytes"] for t in tensors.values())
+    total = info.stored_bytes
     progress = progress or Progress("", total)
     progress.total = total
-    sharded = to == "safetensors" and total > shard_size
-    if sharded and await anyio.to_thread.run_sync(os.path.lexists, dst):
-        raise FileExistsError(f"{dst} exists: the sharded output is a new folder")
+    is_dir = await anyio.to_thread.run_sync(os.path.isdir, dst)
+    folder = to == "safetensors" and (dst.endswith(os.sep) or is_dir or (total > shard_size and not dst.endswith(".safetensors")))
+    if to == "safetensors" and total > shard_size and not folder:
+        raise ValueError(
+            f"{src} holds {_human(total)}, over the shard size {_human(shard_size)}: name a folder (DST/) for shards"
+        )
     dst = os.path.abspath(dst)  # noqa: ASYNC240 - getcwd, no disk access
+    if to != "checkpoint" and await anyio.to_thread.run_sync(_taken, dst, folder, overwrite):
+        raise FileExistsError(f"{dst} exists" + ("" if folder else ": pass --overwrite to replace it"))
+    dropped = _values(info) if to == "safetensors" else []
     async with own_scheduler(scheduler) as sched:
-        if not sharded:
-            state = {name: t async for name, t in _counted(_tensors(src, kind), progress)}
-            if to == "checkpoint":
-                async with TensorStore(dst, engine=sched.engine) as store:
-                    await store.save(step or 0, state)
-            elif to == "torch":
-                await save_torch(state, dst, scheduler=sched)
+        if folder:
+            n = await _write_folder(sched, src, dst, total, shard_size, progress)
+            what = f"safetensors, {n} {'shards' if n > 1 else 'file'}"
+        else:
+            got = {name: t async for name, t in _counted(_tensors(src), progress)}
+            if to == "safetensors":
+                await save_file(got, dst, {"format": "pt"}, scheduler=sched)  # the metadata transformers 4 asks for
             else:
-                await save_file(state, dst, scheduler=sched)
-            return f"{to}, {len(tensors)} tensors"
-        async with Publication(sched, dst, folder=True, tmp=commit.hidden_temp(dst)) as pub:  # whole, or not at all
-            parts: list[list[str]] = []
-            part: dict[str, torch.Tensor] = {}
-            size = 0
-            async for name, t in _counted(_tensors(src, kind), progress):
-                if part and size + t.nbytes > shard_size:
-                    parts.append(await _write_part(sched, pub.tmp, len(parts), part))
-                    part, size = {}, 0
-                part[name] = t
-                size += t.nbytes
-            parts.append(await _write_part(sched, pub.tmp, len(parts), part))
+                state = info.state(got.__getitem__) if info.state is not None else got
+                if to == "torch":
+                    await save_torch(state, dst, scheduler=sched)
+                else:
+                    async with TensorStore(dst, engine=sched.engine) as store:
+                        await store.save(step or 0, state)
+            what = to
+    count = sum(len(e.names) for e in info.entries)
+    values = _values(info)
+    kept = f"{what}, {count} tensors" + (f" and {len(values)} other values" if to != "safetensors" and values else "")
+    if dropped:
+        more = " ..." if len(dropped) > 8 else ""
+        kept += f"; dropped {len(dropped)} values safetensors cannot hold: {', '.join(dropped[:8])}{more}"
+    return kept
+
+
+def _taken(dst: str, folder: bool, overwrite: bool) -> bool:
+    if not os.path.lexists(dst):
+        return False
+    if folder:
+        return not os.path.isdir(dst) or os.path.islink(dst) or bool(os.listdir(dst))
+    return not overwrite or os.path.isdir(dst)
+
+
+async def _write_folder(sched: Scheduler, src: str, dst: str, total: int, shard_size: int, progress: Progress) -> int:
+    """A Hugging Face folder of safetensors (see :func:`convert`), published whole; memory: one
+    shard and the read window. Returns the number of files."""
+    # an empty folder there is replaced (a rename onto an empty folder), as DCP's writer allows
+    async with Publication(sched, dst, folder=True, tmp=commit.hidden_temp(dst)) as pub:
+        parts: list[list[str]] = []
+        part: dict[str, torch.Tensor] = {}
+        size = 0
+        async for name, t in _counted(_tensors(src), progress):
+            if part and size + t.nbytes > shard_size:
+                parts.append(await _write_part(sched, pub.tmp, len(parts), part))
+                part, size = {}, 0
+            part[name] = t
+            size += t.nbytes
+        parts.append(await _write_part(sched, pub.tmp, len(parts), part))
+        if len(parts) == 1:
+            await sched.call(sched.engine.rename, os.path.join(pub.tmp, "part-00000"), os.path.join(pub.tmp, sources.SINGLE))
+        else:
             weight_map: dict[str, str] = {}
             for i, names in enumerate(parts, 1):
                 final = os.path.join(pub.tmp, f"model-{i:05d}-of-{len(parts):05d}.safetensors")
@@ -308,8 +365,8 @@ async def convert(
                 weight_map |= dict.fromkeys(names, os.path.basename(final))
             index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
             await sched.call(commit.write_small, sched.engine, os.path.join(pub.tmp, sources.INDEX), index)
-            await pub.publish()
-    return f"{to}, sharded, {len(tensors)} tensors"
+        await pub.publish()
+    return len(parts)
 
 
 async def _counted(
@@ -321,7 +378,7 @@ async def _counted(
 
 
 async def _write_part(sched: Scheduler, folder: str, i: int, part: dict[str, torch.Tensor]) -> list[str]:
-    """One shard of a sharded output, durably, under a temporary name inside the folder being published."""
+    """One shard of a folder output, durably, under a temporary name inside the folder being published."""
     await write_safetensors(sched, os.path.join(folder, f"part-{i:05d}"), part, {"format": "pt"})
     return list(part)
 
@@ -374,6 +431,7 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
     conv.add_argument("--step", type=int, help="the step, for --to checkpoint (default 0)")
+    conv.add_argument("--overwrite", action="store_true", help="replace DST if it is an existing file")
     conv.set_defaults(fn=cmd_convert)
     bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
                            epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md")  # fmt: skip
@@ -391,7 +449,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         return int(a.fn(a))
-    except (errors.AiotensorError, OSError) as e:
+    except BrokenPipeError:  # `aiotensor inspect ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
+    except (errors.AiotensorError, OSError, ValueError) as e:
         print(f"aiotensor {a.command}: {e}", file=sys.stderr)
         return 1
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
-import pickle
 import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -42,20 +40,20 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import commit, errors
+from . import commit, errors, sources
 from . import root as _root
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .engines import Engine
 from .engines.posix import PosixEngine
 from .files import read_file, write_safetensors
+from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 from .formats import torchsave as ts
-from .formats.safetensors import is_count
 from .serving import stream
 
-METADATA = ".metadata.json"
+METADATA = dm.JSON_NAME
+FORMAT = dm.FORMAT
 T = TypeVar("T")
-FORMAT = "aiotensor.dcp"
 
 
 class _Runner:
@@ -98,17 +96,6 @@ def _index(i: md.MetadataIndex) -> dict[str, Any]:
     return {"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset), "index": i.index}
 
 
-def _unindex(d: dict[str, Any]) -> md.MetadataIndex:
-    return md.MetadataIndex(d["fqn"], None if d["offset"] is None else torch.Size(d["offset"]), d["index"])
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise errors.ManifestError(f"unknown dtype {name!r}")
-    return dt
-
-
 def dumps_metadata(m: md.Metadata) -> bytes:
     entries: dict[str, Any] = {}
     for fqn, s in m.state_dict_metadata.items():
@@ -135,29 +122,23 @@ def dumps_metadata(m: md.Metadata) -> bytes:
 
 
 def loads_metadata(data: bytes, path: str) -> md.Metadata:
-    mf.check_seal(data, path)
-    from .formats.safetensors import loads_json_object
+    """aiotensor's ``.metadata.json`` as DCP's ``Metadata`` (see :func:`aiotensor.formats.dcp_metadata.loads_json`)."""
+    return _to_dcp(dm.loads_json(data, path))
 
-    doc = loads_json_object(data, path, "DCP metadata", errors.ManifestError)
-    if doc.get("format") != FORMAT:
-        raise errors.ManifestError(f"not aiotensor DCP metadata (format {doc.get('format')!r})", path)
-    try:
-        sdm: dict[str, Any] = {}
-        for fqn, e in doc["state_dict_metadata"].items():
-            if e["type"] == "bytes":
-                sdm[fqn] = md.BytesStorageMetadata()
-            else:
-                props = md.TensorProperties(dtype=_dtype(e["dtype"]), requires_grad=bool(e["requires_grad"]))
-                chunks = [md.ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in e["chunks"]]
-                sdm[fqn] = md.TensorStorageMetadata(props, torch.Size(e["size"]), chunks)
-        storage = {_unindex(s["index"]): {"file": s["file"], "key": s["key"]} for s in doc["storage_data"]}
-        planner = {k: tuple(v) for k, v in doc["planner_data"].items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {e})", path) from None
-    for info in storage.values():
-        if not mf.safe_shard_name(info["file"]):
-            raise errors.ManifestError(f"data file {info['file']!r} is not a plain file name in the folder", path)
-    return md.Metadata(sdm, planner_data=planner, storage_data=storage, version=doc.get("version"))
+
+def _to_dcp(d: dm.Description) -> md.Metadata:
+    sdm: dict[str, Any] = {}
+    storage: dict[md.MetadataIndex, dict[str, Any]] = {}
+    for fqn, t in d.tensors.items():
+        props = md.TensorProperties(dtype=t.dtype, requires_grad=t.requires_grad)
+        chunks = [md.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks]
+        sdm[fqn] = md.TensorStorageMetadata(props, torch.Size(t.size), chunks)
+        for c in t.chunks:
+            storage[md.MetadataIndex(fqn, torch.Size(c.offsets))] = {"file": c.stored.file, "key": c.stored.key}
+    for fqn, v in d.values.items():
+        sdm[fqn] = md.BytesStorageMetadata()
+        storage[md.MetadataIndex(fqn)] = {"file": v.file, "key": v.key}
+    return md.Metadata(sdm, planner_data=dict(d.places), storage_data=storage)
 
 
 # --- the writer --------------------------------------------------------------------------------------
@@ -338,11 +319,10 @@ class AiotensorReader(_MetadataOnce, StorageReader):
     def _read_metadata(self) -> md.Metadata:
         if not os.path.lexists(os.path.join(self.path, METADATA)) and os.path.lexists(os.path.join(self.path, _root.MANIFEST)):
             return _store_metadata(_root.read_manifest(PosixEngine(), self.path))
-        path = os.path.join(self.path, METADATA)
-        raw = _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata")
-        m = loads_metadata(raw, path)
-        _check_storage(m, self.path, path, {k: (v["file"], None) for k, v in (m.storage_data or {}).items()})
-        return m
+        path, eng = os.path.join(self.path, METADATA), self.runner.engine
+        d = dm.loads_json(_root.read_small(eng, path, dm.MAX_BYTES, errors.ManifestError, "the metadata"), path)
+        dm.check(d, lambda name: sources.file_size(eng, os.path.join(self.path, name)), path)
+        return _to_dcp(d)
 
     def set_up_storage_reader(self, metadata: md.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -419,63 +399,6 @@ def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
     planner.commit_tensor(req, target)
 
 
-_Items = dict[md.MetadataIndex, tuple[Any, tuple[Any, Any] | None]]  # item -> (data file, (offset, length) or None)
-_MAX_PATH = 64  # components of an item's place in the state (as formats.tree's nesting cap)
-
-
-def _check_storage(m: md.Metadata, folder: str, path: str, items: _Items) -> None:
-    """Before DCP allocates anything from metadata it read: every item lies in a plain file of the
-    folder (a regular file, not a link) and, where ``items`` gives its ``(offset, length)``, inside
-    it; the tensors declared hold no more bytes than those files (DCP's planner allocates every
-    tensor it declares); every place in the state is a short path of names.
-
-    Raises:
-        ManifestError: naming the metadata file and the item.
-    """
-    try:
-        _check_items(m, folder, path, items)
-    except errors.FormatError:
-        raise
-    except (TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
-
-
-def _check_items(m: md.Metadata, folder: str, path: str, items: _Items) -> None:
-    sizes: dict[str, int] = {}
-    for index, (name, span) in items.items():
-        where = f"item {str(getattr(index, 'fqn', index))[:100]!r}"
-        if not mf.safe_shard_name(name):
-            raise errors.ManifestError(f"{where}: data file {str(name)[:100]!r} is not a plain file name in the folder", path)
-        if name not in sizes:
-            sizes[name] = _regular_size(os.path.join(folder, name))
-        if span is not None:
-            offset, length = span
-            if not (is_count(offset) and is_count(length)) or offset + length > sizes[name]:
-                raise errors.ManifestError(
-                    f"{where}: bytes at {offset!r}, {length!r} long, are not inside {name} ({sizes[name]} bytes)", path
-                )
-    declared = 0
-    for meta in m.state_dict_metadata.values():
-        if isinstance(meta, md.TensorStorageMetadata):
-            if not (all(is_count(d) for d in meta.size) and isinstance(meta.properties.dtype, torch.dtype)):
-                raise TypeError("a tensor's size or dtype is malformed")
-            declared += math.prod(meta.size) * meta.properties.dtype.itemsize
-    if declared > sum(sizes.values()):
-        raise errors.ManifestError(f"declares {declared} bytes of tensors, but its data files hold {sum(sizes.values())}", path)
-    for key, place in (m.planner_data or {}).items():
-        if not (isinstance(place, tuple) and len(place) <= _MAX_PATH and all(isinstance(p, (str, int)) for p in place)):
-            raise errors.ManifestError(f"the place of {str(key)[:100]!r} in the state is not a short path of names", path)
-
-
-def _regular_size(path: str) -> int:
-    """The size of a regular file, refusing a link, a FIFO, a device or a folder."""
-    fd = PosixEngine().open_read(path)
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-
-
 def _store_metadata(m: mf.Manifest) -> md.Metadata:
     """DCP's view of a TensorStore step: every tensor (aliases too) as one whole chunk; non-tensor
     leaves of the state are not DCP items (load them with ``TensorStore.load``)."""
@@ -495,24 +418,6 @@ def _store_metadata(m: mf.Manifest) -> md.Metadata:
 
 
 # --- existing FileSystemWriter checkpoints, without their pickle -----------------------------------
-
-_DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-              "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-     ("pathlib", "PosixPath"), ("collections", "OrderedDict")}  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise errors.UnsafeFileError(f"refusing the global {module}.{name} in DCP metadata (nothing was run)", self.path)
 
 
 class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
@@ -534,26 +439,13 @@ class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
         super().reset(checkpoint_id)
 
     def _read_metadata(self) -> md.Metadata:
-        path = os.path.join(os.fspath(self.path), ".metadata")
-        data = _root.read_small(PosixEngine(), path, mf.MAX_MANIFEST_BYTES, errors.ManifestError, "the metadata")
-        try:
-            m = _MetadataUnpickler(data, path).load()
-        except errors.UnsafeFileError:
-            raise
-        except Exception as e:
-            raise errors.ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
-        if not isinstance(m, md.Metadata) or not isinstance(m.storage_data, dict):
-            raise errors.ManifestError("the metadata is not a DCP Metadata", path)
-        items: _Items = {}
-        for index, info in m.storage_data.items():
-            if getattr(info, "transform_descriptors", None):
-                what = f"item {index.fqn!r} is stored with transforms (compression)"
-                raise errors.UnsafeFileError(f"{what}, which aiotensor does not read", path)
-            items[index] = (getattr(info, "relative_path", None), (getattr(info, "offset", None), getattr(info, "length", None)))
-        _check_storage(m, os.fspath(self.path), path, items)
+        folder, eng = os.fspath(self.path), PosixEngine()
+        path = os.path.join(folder, dm.PICKLE_NAME)
+        m, d = dm.loads_pickle(_root.read_small(eng, path, dm.MAX_BYTES, errors.ManifestError, "the metadata"), path)
+        dm.check(d, lambda name: sources.file_size(eng, os.path.join(folder, name)), path)
         if m.storage_meta is not None:
             m.storage_meta.load_id = getattr(self, "load_id", None)
-        return m
+        return m  # type: ignore[no-any-return]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         folder = os.fspath(self.path)
@@ -587,13 +479,13 @@ def reader_for(path: str | os.PathLike[str]) -> StorageReader:
     path = os.fspath(path)
     if os.path.lexists(os.path.join(path, METADATA)):
         return AiotensorReader(path)
-    if os.path.lexists(os.path.join(path, ".metadata")):
+    if os.path.lexists(os.path.join(path, dm.PICKLE_NAME)):
         return SafeFileSystemReader(path)
     raise FileNotFoundError(f"{path}: not a DCP checkpoint (no {METADATA} or .metadata)")
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return any(os.path.lexists(os.path.join(os.fspath(path), n)) for n in (METADATA, ".metadata"))
+    return any(os.path.lexists(os.path.join(os.fspath(path), n)) for n in (METADATA, dm.PICKLE_NAME))
 
 
 def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import fcntl
 import os
 import re
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from . import commit
@@ -29,6 +30,12 @@ LATEST = "latest"
 LOCK = ".aiotensor.lock"
 _STEP = re.compile(r"step-([0-9]{12})")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def is_store(names: Iterable[str]) -> bool:
+    """Do a folder's entry ``names`` make it a store root (a committed or a leftover step, ``latest``
+    or the writer lock)?"""
+    return any(n in (LATEST, LOCK) or parse_step(n) is not None or is_leftover(n) for n in names)
 
 
 def step_dir_name(step: int) -> str:
@@ -330,6 +337,7 @@ def _short(text: str, n: int = 300) -> str:
 
 
 __all__ = [
+    "is_store",
     "LATEST",
     "LOCK",
     "MANIFEST",

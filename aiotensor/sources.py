@@ -1,84 +1,279 @@
-"""What a path is and which tensors it holds: a safetensors file (any writer; aiotensor's are
-checksummed), a torch.save zip (read without unrestricted pickle), a Hugging Face model folder, or
-an aiotensor checkpoint (a step folder, or a store root: its newest step). Blocking: worker threads.
+"""The one source resolver: what a path is, and which tensors it holds, where.
+
+Every reader (``stream``, ``load_into``, ``prepare_swap``, ``load_torch``, a store's load of a DCP
+step, the DCP reader, every CLI command) asks :func:`resolve` and reads what it answers. Kinds:
+
+- ``step``: an aiotensor checkpoint folder (``manifest.json``, shards with a crc32c per tensor);
+- ``dcp``: a torch.distributed.checkpoint folder, aiotensor's (``.metadata.json``: one file per
+  rank, a crc32c per item; a distributed store's steps) or DCP's own ``FileSystemWriter``'s
+  (``.metadata``, read without running its pickle); its tensors are whole, assembled from chunks;
+- ``root``: a store root, read as its newest committed step (of either kind above);
+- ``safetensors``: one file (any writer; aiotensor's carry a crc32c per tensor);
+- ``torch``: a torch.save zip (``.pt``/``.bin``: no pickle beyond a state_dict's; a storage shared by
+  several tensors is read once, and each tensor is a view of it, as ``torch.load`` makes it);
+- ``hf``: a Hugging Face model folder, in every layout ``from_pretrained`` reads.
+
+Links: the path the user names is resolved (the user chose it), and so are the files of a Hugging
+Face folder (its cache links them to blobs). Inside a checkpoint folder nothing is followed: a link
+there is :class:`~aiotensor.errors.UnsafePathError`, as a FIFO or device anywhere is (every file
+is opened by the engine's safe opener, :func:`aiotensor.engines.posix.open_regular`).
+
+Everything here blocks: run it in a worker thread.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
+import math
 import os
+import stat
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from . import root as _root
+from ._io.assemble import Entry, Part, Span, stored_bytes
 from ._io.read import layout_of
-from ._runtime.scheduler import MiB, Scheduler
-from .errors import ManifestError
+from .engines import Engine
+from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError
+from .formats import dcp_metadata as dm
 from .formats import safetensors as st
 from .formats import torchsave as ts
-from .formats.dtypes import TORCH_TO_SAFETENSORS, file_shape
-
-INDEX = "model.safetensors.index.json"
-
+from .formats.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, file_shape, torch_shape
+from .formats.tree import unflatten
 
 SINGLE = "model.safetensors"
-
-
-Keys = Iterable[str] | Callable[[str], bool] | None
+INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
-class Item:
-    """One tensor to read: from ``path``, its spec, its crc32c (if recorded), and the names it goes
-    by; ``view`` for a torch.save tensor that is not one contiguous run of its storage (``spec``
-    then covers the whole storage, and the tensor is cut out of it)."""
+class Source:
+    """What :func:`resolve` found.
 
+    ``entries`` are in file order. ``state`` rebuilds the whole state (non-tensor values and
+    nesting kept) from a lookup of tensors by name, where the source has more than a flat mapping
+    of names (a checkpoint, a torch.save file); otherwise it is None. ``checksummed``: every byte
+    read is covered by a crc32c the writer recorded. ``metadata``: each safetensors file's
+    ``__metadata__``.
+    """
+
+    kind: str
     path: str
-    spec: st.TensorSpec
-    crc: int | None
-    names: tuple[str, ...]
-    view: ts.TensorRef | None = None
+    entries: tuple[Entry, ...]
+    files: tuple[str, ...]
+    checksummed: bool
+    step: int | None = None
+    state: Callable[[Callable[[str], Any]], Any] | None = None
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the tensors take in the files (a storage shared by several tensors counted once)."""
+        return stored_bytes(self.entries)
 
 
-def selector(keys: Keys) -> Callable[[str], bool]:
-    """``keys``: None (all), a predicate, or names and prefixes (a prefix ends with ``.``)."""
-    if keys is None:
-        return lambda name: True
-    if callable(keys):
-        return keys
-    wanted = set(keys)
-    prefixes = tuple(k for k in wanted if k.endswith("."))
-    return lambda name: name in wanted or name.startswith(prefixes)
+def resolve(engine: Engine, path: str) -> Source:
+    """Resolve the path a user named.
+
+    Raises:
+        CheckpointNotFoundError: nothing there, a store root with no committed step, or a folder
+            that holds no checkpoint or model.
+        FormatError: a file, header, manifest, index or metadata that does not follow its format.
+        UnsafePathError: a link inside a checkpoint folder, a FIFO, a device.
+        OSError: a file cannot be read.
+    """
+    real = os.path.realpath(path)  # the user chose it
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
+    if stat.S_ISDIR(mode):
+        return _folder(engine, real)
+    return _file(engine, real)
 
 
-def items_of(sched: Scheduler, source: str, select: Callable[[str], bool]) -> list[Item]:
-    """Every selected tensor of ``source`` in file order (blocking: runs in a worker thread)."""
-    eng = sched.engine
-    if os.path.isdir(source):
-        if os.path.isfile(os.path.join(source, _root.MANIFEST)):
-            return checkpoint_items(sched, source, select)
-        if os.path.isfile(os.path.join(source, _root.LATEST)) or any(_root.parse_step(n) is not None for n in os.listdir(source)):
-            return checkpoint_items(sched, newest_step(sched, source), select)
-        files = hf_files(eng, source)
+def _folder(engine: Engine, folder: str) -> Source:
+    names = set(engine.listdir(folder))
+    if _root.MANIFEST in names or dm.JSON_NAME in names or dm.PICKLE_NAME in names:
+        return step(engine, folder)
+    if names & {_root.LATEST, _root.LOCK} or any(_root.parse_step(n) is not None for n in names):
+        listing = _root.scan(engine, folder, {})
+        if not listing.committed:
+            raise CheckpointNotFoundError(f"{folder}: a store root with no committed step")
+        newest = max(listing.committed)
+        return replace(step(engine, os.path.join(folder, listing.committed[newest]), newest), kind="root")
+    return _hf(engine, folder, names)
+
+
+def step(engine: Engine, folder: str, number: int | None = None) -> Source:
+    """A checkpoint folder, of either kind (an aiotensor manifest step, or a DCP checkpoint); with
+    ``number``, its manifest must name that step."""
+    if os.path.lexists(os.path.join(folder, _root.MANIFEST)):
+        return _manifest_step(engine, folder, number)
+    return _dcp_step(engine, folder)
+
+
+# --- aiotensor checkpoints ----------------------------------------------------------------------
+
+
+def _manifest_step(engine: Engine, folder: str, number: int | None) -> Source:
+    m = _root.read_manifest(engine, folder, number)
+    names: dict[str, list[str]] = {k: [k] for k in m.entries}
+    for alias, target in m.aliases.items():
+        names[target].append(alias)
+    entries = tuple(
+        Entry(
+            tuple(names[k]),
+            SAFETENSORS_TO_TORCH[e.spec.dtype],
+            torch_shape(e.spec.dtype, e.spec.shape),
+            (Part(Span(os.path.join(folder, e.shard), e.spec, e.crc32c)),),
+        )
+        for k, e in sorted(m.entries.items(), key=lambda kv: (kv[1].shard, kv[1].spec.offset))
+    )
+    where = os.path.join(folder, _root.MANIFEST)
+    files = tuple(os.path.join(folder, s) for s in m.shards)
+    return Source("step", folder, entries, files, True, m.step, lambda get: unflatten(m.tree, get, where))
+
+
+def _dcp_step(engine: Engine, folder: str) -> Source:
+    """A DCP checkpoint: whole tensors assembled from each rank's chunks, and the state rebuilt
+    from the places DCP recorded (non-tensor values unpickled as ``torch.load(weights_only=True)``
+    does, or refused)."""
+    aiotensor = os.path.lexists(os.path.join(folder, dm.JSON_NAME))
+    where = os.path.join(folder, dm.JSON_NAME if aiotensor else dm.PICKLE_NAME)
+    data = _root.read_small(engine, where, dm.MAX_BYTES, ManifestError, "the DCP metadata")
+    d = dm.loads_json(data, where) if aiotensor else dm.loads_pickle(data, where)[1]
+    dm.check(d, lambda name: file_size(engine, os.path.join(folder, name)), where)
+    files = {name: os.path.join(folder, name) for name in sorted(d.files())}
+    if aiotensor:  # items are tensors of each rank's safetensors file
+        layouts = {name: _safetensors_layout(engine, path) for name, path in files.items()}
+        spans = {
+            (name, s.key): Span(files[name], s, None if crcs is None else crcs[s.key])
+            for name, (lay, crcs) in layouts.items()
+            for s in lay.tensors
+        }
+
+        def span_of(fqn: str, s: dm.Stored) -> tuple[Span, ts.TensorRef | None]:
+            got = spans.get((s.file, s.key or ""))
+            if got is None:
+                raise ManifestError(f"item {fqn!r}: {s.file} holds no tensor {s.key!r}", where)
+            return got, None
     else:
-        files = [source]
-    items: list[Item] = []
-    for path in map(os.path.realpath, files):  # Hugging Face cache folders link their files to blobs
-        if is_zip(eng, path):
-            items += torch_items(path, ts.parse_path(path), select)
-            continue
-        fd = eng.open_read(path)
-        try:
-            layout = layout_of(sched, fd, path)
-        finally:
-            eng.close(fd)
-        crcs = st.crc_table(layout, path)
-        items += [Item(path, s, None if crcs is None else crcs[s.key], (s.key,)) for s in layout.tensors if select(s.key)]
-    return items
+
+        def span_of(fqn: str, s: dm.Stored) -> tuple[Span, ts.TensorRef | None]:
+            assert s.offset is not None and s.length is not None
+            ref = _blob(engine, files[s.file], s.offset, s.length, f"item {fqn!r}")
+            storage = st.TensorSpec(fqn, "U8", (ref.storage.nbytes,), s.offset + ref.storage.offset, ref.storage.nbytes)
+            return Span(files[s.file], storage, ref.storage.crc32, "crc32"), ref
+
+    entries = []
+    for fqn, t in d.tensors.items():
+        parts = []
+        for c in t.chunks:
+            span, view = span_of(fqn, c.stored)
+            dtype, shape = (
+                (view.dtype, view.size)
+                if view is not None
+                else (SAFETENSORS_TO_TORCH[span.spec.dtype], torch_shape(span.spec.dtype, span.spec.shape))
+            )
+            if (dtype, tuple(shape)) != (t.dtype, c.sizes):
+                raise ManifestError(
+                    f"item {fqn!r}: a chunk holds {dtype} {list(shape)}, the metadata says {t.dtype} {list(c.sizes)}", where
+                )
+            whole = c.sizes == t.size and not any(c.offsets)
+            parts.append(Part(span, view, None if whole else c.offsets))
+        _check_cover(fqn, t, where)
+        entries.append(Entry((fqn,), t.dtype, t.size, tuple(parts), t.requires_grad))
+    entries.sort(key=lambda e: (e.parts[0].span.path, e.parts[0].span.spec.offset) if e.parts else ("", 0))
+    values = {fqn: _value(engine, fqn, s, files[s.file], spans if aiotensor else None, where) for fqn, s in d.values.items()}
+
+    def state(get: Callable[[str], Any]) -> Any:  # as DCP's own loader nests it: an item without a place at the top
+        out: dict[str, Any] = {}
+        for fqn in [*d.tensors, *d.values]:
+            _set_element(out, d.places.get(fqn, (fqn,)), values[fqn] if fqn in values else get(fqn))
+        return out
+
+    # DCP's own files: each tensor blob a zip, its CRC-32s checked; a value's pickled bytes carry none
+    return Source("dcp", folder, tuple(entries), tuple(files.values()), aiotensor or not d.values, None, state)
 
 
-def is_zip(engine: Any, path: str) -> bool:
+def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:
+    """The chunks of a tensor fill it exactly (counted in elements: overlaps or holes are refused)."""
+    if sum(math.prod(c.sizes) for c in t.chunks) != math.prod(t.size):
+        raise ManifestError(f"item {fqn!r}: its chunks do not cover {list(t.size)} exactly", where)
+
+
+def _value(engine: Engine, fqn: str, s: dm.Stored, path: str, spans: dict[Any, Span] | None, where: str) -> Any:
+    """A non-tensor value of a DCP checkpoint: its pickled bytes, loaded only as
+    ``torch.load(weights_only=True)`` admits (DCP's own planner would run any pickle)."""
+    if spans is not None:
+        span = spans.get((s.file, s.key or ""))
+        if span is None:
+            raise ManifestError(f"item {fqn!r}: {s.file} holds no tensor {s.key!r}", where)
+        offset, length, crc = span.spec.offset, span.spec.nbytes, span.crc
+    else:
+        assert s.offset is not None and s.length is not None
+        offset, length, crc = s.offset, s.length, None
     fd = engine.open_read(path)
+    try:
+        data = _root.read_range(engine, fd, offset, length, path, FormatError, f"item {fqn!r}")
+    finally:
+        engine.close(fd)
+    if crc is not None:
+        from .formats.checksum import crc32c
+
+        if crc32c(data) != crc:
+            from .errors import ChecksumError
+
+            raise ChecksumError(f"item {fqn!r} is corrupt: its crc32c differs from the one recorded", path, fqn)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise UnsafeFileError(
+            f"item {fqn!r} is not a value torch.load(weights_only=True) admits ({type(e).__name__}); nothing was run", path
+        ) from None
+
+
+def _set_element(root: dict[str, Any], place: tuple[str | int, ...], value: Any) -> None:
+    """``value`` at ``place`` in ``root``, making dicts for str keys and lists for int keys on the
+    way, as DCP's own loader does (``torch.distributed.checkpoint._traverse.set_element``)."""
+    cur: Any = root
+    for key, nxt in itertools.pairwise(place):
+        fresh: Any = {} if type(nxt) is str else []
+        if isinstance(cur, dict):
+            cur = cur.setdefault(key, fresh)
+        else:
+            assert isinstance(key, int)
+            cur.extend([None] * (key + 1 - len(cur)))
+            if cur[key] is None:
+                cur[key] = fresh
+            cur = cur[key]
+    last = place[-1]
+    if isinstance(cur, list):
+        assert isinstance(last, int)
+        cur.extend([None] * (last + 1 - len(cur)))
+    cur[last] = value
+
+
+# --- single files and model folders --------------------------------------------------------------
+
+
+def _file(engine: Engine, path: str) -> Source:
+    if _is_torch_zip(engine, path):
+        return _torch_file(path)
+    layout, crcs = _safetensors_layout(engine, path)
+    return Source("safetensors", path, _safetensors_entries(path, layout, crcs), (path,), crcs is not None or not layout.tensors,
+                  metadata={path: dict(layout.metadata or {})})  # fmt: skip
+
+
+def _is_torch_zip(engine: Engine, path: str) -> bool:
+    fd = engine.open_read(path)  # a FIFO or a device is refused here, before anything reads it
     try:
         head = bytearray(4)
         return engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head))
@@ -86,75 +281,188 @@ def is_zip(engine: Any, path: str) -> bool:
         engine.close(fd)
 
 
-def torch_items(path: str, tree: Any, select: Callable[[str], bool]) -> list[Item]:
-    """Read plans for the selected tensors of a torch.save file, in file order."""
-    items: list[Item] = []
-
-    def add(name: str, ref: ts.TensorRef) -> None:
-        if not select(name):
-            return
-        dtype = TORCH_TO_SAFETENSORS[ref.dtype]
-        if ref.contiguous:
-            spec = st.TensorSpec(name, dtype, file_shape(dtype, ref.size), ref.file_offset, ref.nbytes)
-            items.append(Item(path, spec, None, (name,)))
-        else:  # read the whole storage, then cut the view out of it
-            n = ref.storage.nbytes // ref.dtype.itemsize
-            spec = st.TensorSpec(name, dtype, file_shape(dtype, (n,)), ref.storage.offset, n * ref.dtype.itemsize)
-            items.append(Item(path, spec, None, (name,), ref))
-
-    ts.map_tensors(tree, add)
-    return sorted(items, key=lambda i: i.spec.offset)
+def _safetensors_layout(engine: Engine, path: str) -> tuple[st.Layout, dict[str, int] | None]:
+    fd = engine.open_read(path)
+    try:
+        layout = layout_of(engine, fd, path)
+    finally:
+        engine.close(fd)
+    return layout, st.crc_table(layout, path)
 
 
-def newest_step(sched: Scheduler, root: str) -> str:
-    listing = _root.scan(sched.engine, root, {})
-    if not listing.committed:
-        raise FileNotFoundError(f"{root}: no committed checkpoint")
-    return os.path.join(root, listing.committed[max(listing.committed)])
+def _safetensors_entries(path: str, layout: st.Layout, crcs: dict[str, int] | None) -> tuple[Entry, ...]:
+    return tuple(
+        Entry(
+            (s.key,),
+            SAFETENSORS_TO_TORCH[s.dtype],
+            torch_shape(s.dtype, s.shape),
+            (Part(Span(path, s, None if crcs is None else crcs[s.key])),),
+        )
+        for s in layout.tensors
+    )
 
 
-def checkpoint_items(sched: Scheduler, folder: str, select: Callable[[str], bool]) -> list[Item]:
-    m = _root.read_manifest(sched.engine, folder)
-    names: dict[str, list[str]] = {k: [k] for k in m.entries}
-    for alias, target in m.aliases.items():
-        names[target].append(alias)
-    items = []
-    for key, e in sorted(m.entries.items(), key=lambda kv: (kv[1].shard, kv[1].spec.offset)):
-        chosen = tuple(n for n in names[key] if select(n))
-        if chosen:
-            items.append(Item(os.path.join(folder, e.shard), e.spec, e.crc32c, chosen))
-    return items
+def _torch_file(path: str) -> Source:
+    """A torch.save zip: one span per storage (read once, whatever shares it), each tensor a view of
+    its storage's span; the tree walked once per object (shared structure stays shared)."""
+    tree = ts.parse_path(path)
+    refs = ts.tensor_refs(tree)  # each distinct tensor, with all its names, in first-seen order
+    spans: dict[str, Span] = {}
+    entries = []
+    for names, ref in refs:
+        s = ref.storage
+        span = spans.get(s.key)
+        if span is None:
+            span = spans[s.key] = Span(path, st.TensorSpec(s.key, "U8", (s.nbytes,), s.offset, s.nbytes), s.crc32, "crc32")
+        entries.append(Entry(names, ref.dtype, ref.size, (Part(span, ref),), ref.requires_grad))
+    entries.sort(key=lambda e: e.parts[0].span.spec.offset)
+    by_ref = {id(ref): names[0] for names, ref in refs}
+    return Source(
+        "torch", path, tuple(entries), (path,), True, None, lambda get: ts.rebuild(tree, lambda ref: get(by_ref[id(ref)]))
+    )
 
 
-def hf_files(engine: Any, folder: str) -> list[str]:
-    """The safetensors files of a Hugging Face model folder, in index order."""
-    index = os.path.join(folder, INDEX)
-    if os.path.isfile(index):
-        raw = _root.read_small(engine, index, 64 * MiB, ManifestError, "the index")
-        doc = st.loads_json_object(raw, index, "index", ManifestError)
-        weight_map = doc.get("weight_map")
-        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-            raise ManifestError("weight_map must map tensor names to file names", index)
-        files = list(dict.fromkeys(weight_map.values()))
-        for f in files:
-            if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith("."):
-                raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)
-        return [os.path.join(folder, f) for f in files]
-    for single in (SINGLE, "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(folder, single)):
-            return [os.path.join(folder, single)]
-    found = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if not found:
-        raise FileNotFoundError(f"{folder}: no {SINGLE}, {INDEX} or other safetensors file")
-    return [os.path.join(folder, n) for n in found]
+def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
+    """A model folder, in the order ``from_pretrained`` prefers: ``model.safetensors``, its sharded
+    index, ``pytorch_model.bin``, its sharded index; else every ``*.safetensors`` file."""
+    if SINGLE in names:
+        files = [SINGLE]
+    elif INDEX in names:
+        files = _index_files(engine, os.path.join(folder, INDEX))
+    elif BIN in names:
+        files = [BIN]
+    elif BIN_INDEX in names:
+        files = _index_files(engine, os.path.join(folder, BIN_INDEX))
+    else:
+        files = sorted(n for n in names if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(
+            f"{folder}: not a checkpoint or model folder (no manifest.json, DCP metadata, committed step, "
+            f"{SINGLE}, {INDEX}, {BIN}, {BIN_INDEX} or other safetensors file)"
+        )
+    entries: list[Entry] = []
+    seen: dict[str, str] = {}
+    checksummed, metadata = True, dict[str, dict[str, str]]()
+    for name in files:
+        src = _file(engine, os.path.realpath(os.path.join(folder, name)))  # a Hugging Face cache links files to blobs
+        for e in src.entries:
+            for n in e.names:
+                if n in seen:
+                    raise ManifestError(f"tensor {n!r} is in both {seen[n]} and {name}", folder)
+                seen[n] = name
+        entries += src.entries
+        checksummed = checksummed and src.checksummed
+        metadata |= src.metadata
+    paths = tuple(os.path.realpath(os.path.join(folder, n)) for n in files)
+    return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata)
 
 
-def slice_rows(item: Item, rows: tuple[int, int]) -> Item:
-    """Only rows ``[a, b)`` of a tensor (dim 0): a shorter read at a later offset, unverified."""
+def _index_files(engine: Engine, index: str) -> list[str]:
+    raw = _root.read_small(engine, index, MAX_INDEX_BYTES, ManifestError, "the index")
+    doc = st.loads_json_object(raw, index, "index", ManifestError)
+    weight_map = doc.get("weight_map")
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise ManifestError("weight_map must map tensor names to file names", index)
+    files = list(dict.fromkeys(weight_map.values()))
+    for f in files:
+        if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith("."):
+            raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)
+    return files
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def file_size(engine: Engine, path: str) -> int:
+    """The size of a regular file, opened as every file is (a link, FIFO, device or folder refused)."""
+    fd = engine.open_read(path)
+    try:
+        return engine.size(fd)
+    finally:
+        engine.close(fd)
+
+
+def _blob(engine: Engine, path: str, offset: int, length: int, what: str) -> ts.TensorRef:
+    """The tensor a ``torch.save`` blob at ``[offset, offset + length)`` of ``path`` describes."""
+    fd = engine.open_read(path)
+    try:
+        ref = ts.parse_at(fd, offset, length, path, what)
+    finally:
+        engine.close(fd)
+    return ref
+
+
+def selector(keys: Iterable[str] | str | Callable[[str], bool] | None) -> Callable[[str], bool]:
+    """``keys``: None (all), a predicate, one name, or names and prefixes (a prefix ends with ``.``)."""
+    if keys is None:
+        return lambda name: True
+    if callable(keys):
+        return keys
+    wanted = {keys} if isinstance(keys, str) else set(keys)
+    prefixes = tuple(k for k in wanted if k.endswith("."))
+    return lambda name: name in wanted or name.startswith(prefixes)
+
+
+def select(src: Source, keys: Iterable[str] | str | Callable[[str], bool] | None) -> list[tuple[Entry, tuple[str, ...]]]:
+    """The entries ``keys`` selects, each with the names it is selected under. A name or prefix of
+    ``keys`` that selects nothing is an error naming it (a predicate may select nothing).
+
+    Raises:
+        MismatchError: naming what selected nothing (and the prefix meant, for a prefix written
+            without its dot).
+    """
+    pick = selector(keys)
+    chosen = [(e, names) for e in src.entries if (names := tuple(n for n in e.names if pick(n)))]
+    if keys is None or callable(keys):
+        return chosen
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    found = {n for _, names in chosen for n in names}
+    missing = [k for k in wanted if not (k in found if not k.endswith(".") else any(n.startswith(k) for n in found))]
+    if missing:
+        every = [n for e in src.entries for n in e.names]
+        hints = [
+            f"{k!r} (did you mean the prefix {k + '.'!r}?)" if any(n.startswith(k + ".") for n in every) else repr(k)
+            for k in missing[:5]
+        ]
+        raise MismatchError(f"{src.path}: keys select nothing for {', '.join(hints)}")
+    return chosen
+
+
+def with_rows(e: Entry, rows: tuple[int, int]) -> Entry:
+    """Only rows ``[a, b)`` (dim 0) of a tensor that is one span of its file: a shorter read at a
+    later offset; its crc32c covers the whole tensor, so the slice is unverified."""
     a, b = rows
-    spec = item.spec
-    if item.view is not None or not spec.shape or not 0 <= a <= b <= spec.shape[0]:
-        raise ValueError(f"rows {rows} of {spec.key!r} (shape {list(spec.shape)}): need 0 <= a <= b <= {spec.shape[:1]}")
-    row = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
-    sliced = st.TensorSpec(spec.key, spec.dtype, (b - a, *spec.shape[1:]), spec.offset + a * row, (b - a) * row)
-    return Item(item.path, sliced, None, item.names[:1])
+    span = e.whole
+    if span is None or not e.shape or not 0 <= a <= b <= e.shape[0]:
+        raise ValueError(
+            f"rows {rows} of {e.names[0]!r} (shape {list(e.shape)}): need one stored tensor and 0 <= a <= b <= {e.shape[:1]}"
+        )
+    s = span.spec
+    row = s.nbytes // e.shape[0] if e.shape[0] else 0
+    spec = st.TensorSpec(s.key, s.dtype, (b - a, *s.shape[1:]), s.offset + a * row, (b - a) * row)
+    return Entry(e.names[:1], e.dtype, (b - a, *e.shape[1:]), (Part(Span(span.path, spec, None)),), e.requires_grad)
+
+
+def spec_for(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> st.TensorSpec:
+    """The safetensors spec a tensor of ``dtype`` and ``shape`` would have (offsets 0)."""
+    kind = TORCH_TO_SAFETENSORS[dtype]
+    return st.TensorSpec(name, kind, file_shape(kind, shape), 0, math.prod(shape) * dtype.itemsize)
+
+
+__all__ = [
+    "BIN",
+    "BIN_INDEX",
+    "INDEX",
+    "SINGLE",
+    "Entry",
+    "Part",
+    "Source",
+    "Span",
+    "file_size",
+    "resolve",
+    "select",
+    "selector",
+    "spec_for",
+    "step",
+    "with_rows",
+]

@@ -87,10 +87,28 @@ def test_a_store_under_a_process_group_saves_sharded_state_and_3_ranks_load_what
         async with TensorStore(root, readonly=True) as store:
             got = await store.load()
             assert torch.equal(got["w"], full(3)) and torch.equal(got["b"], torch.ones(3) * 3) and got["step"] == 3
+            into = {"w": torch.zeros(8, 6), "b": torch.zeros(3), "step": -1}  # issue 23.1: every saved value
+            got = await store.load(into=into)
+            assert got["step"] == 3 and into["step"] == 3 and torch.equal(into["w"], full(3))
+        # issue 23.2: every reader sees whole tensors under their own names
+        streamed = {name: t async for name, t in stream(root)}
+        assert sorted(streamed) == ["b", "w"] and torch.equal(streamed["w"], full(3))
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(torch.zeros(8, 6))
+        module.register_buffer("b", torch.zeros(3))
+        await load_into(module, root)
+        assert torch.equal(module.w.detach(), full(3))
 
     import anyio
 
+    from aiotensor import load_into, stream
+    from aiotensor.cli import main
+
     anyio.run(one_process)
+    assert main(["ls", str(root)]) == 0 and main(["verify", str(root)]) == 0
+    assert main(["convert", str(root), str(tmp_path / "whole.pt")]) == 0  # the whole state, values too
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert torch.equal(whole["w"], full(3)) and whole["step"] == 3
     r = _spawn(root, 3, "load", tmp_path / "three")  # resharded: rows 3, 3, 2
     assert r.returncode == 0, r.stderr[-3000:]
     assert [(rep["rows"], rep["loaded_ok"]) for rep in _reports(tmp_path / "three", 3)] == [(3, True), (3, True), (2, True)]

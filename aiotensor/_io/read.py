@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .._runtime.scheduler import Priority, Scheduler
+from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
 from ..formats import checksum
 from ..formats import safetensors as st
@@ -38,9 +39,9 @@ async def close(sched: Scheduler, fd: int) -> None:
         await sched.call(sched.engine.close, fd, priority=Priority.LOAD)
 
 
-def _read_exact(sched: Scheduler, fd: int, buf: memoryview | torch.Tensor, off: int, path: str, what: str) -> None:
+def _read_exact(engine: Engine, fd: int, buf: memoryview | torch.Tensor, off: int, path: str, what: str) -> None:
     """Fill ``buf`` (host bytes, or a flat uint8 device tensor the engine reads into) from ``off``."""
-    read = sched.engine.pread_device if isinstance(buf, torch.Tensor) else sched.engine.pread
+    read = engine.pread_device if isinstance(buf, torch.Tensor) else engine.pread
     while len(buf):
         try:
             n = read(fd, buf, off)  # type: ignore[arg-type]
@@ -51,20 +52,20 @@ def _read_exact(sched: Scheduler, fd: int, buf: memoryview | torch.Tensor, off: 
         buf, off = buf[n:], off + n
 
 
-def layout_of(sched: Scheduler, fd: int, path: str) -> st.Layout:
+def layout_of(engine: Engine, fd: int, path: str) -> st.Layout:
     """Read and validate the safetensors header of an open file (blocking: in a worker thread)."""
-    size = sched.engine.size(fd)
+    size = engine.size(fd)
     prefix = bytearray(min(size, 8))
-    _read_exact(sched, fd, memoryview(prefix), 0, path, "the header size")
+    _read_exact(engine, fd, memoryview(prefix), 0, path, "the header size")
     n = st.header_length(bytes(prefix), size, path)
     header = bytearray(n)
-    _read_exact(sched, fd, memoryview(header), 8, path, "the header")
+    _read_exact(engine, fd, memoryview(header), 8, path, "the header")
     return st.parse(bytes(header), size, path)
 
 
 async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
     """Read and validate the safetensors header of an open file, in one worker-thread call."""
-    return await sched.call(layout_of, sched, fd, path, priority=Priority.LOAD)
+    return await sched.call(layout_of, sched.engine, fd, path, priority=Priority.LOAD)
 
 
 @dataclass(frozen=True)
@@ -98,23 +99,23 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
         t = targets[u.target]
         what = f"tensor {t.spec.key!r}"
         if u.dest is not None:
-            _read_exact(sched, fd, u.dest, u.offset, path, what)
+            _read_exact(sched.engine, fd, u.dest, u.offset, path, what)
             if t.crc is None:
                 return 0
             if isinstance(u.dest, memoryview):
-                return checksum.crc32c(u.dest)
+                return checksum.of(t.kind, u.dest)
             # device memory: read back through the slot to checksum it
             copy_tensor(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
-            return checksum.crc32c(slot[: u.nbytes])
+            return checksum.of(t.kind, slot[: u.nbytes])
         buf = slot if u.nbytes <= len(slot) else memoryview(bytearray(u.nbytes))
-        _read_exact(sched, fd, buf[: u.nbytes], u.offset, path, what)
+        _read_exact(sched.engine, fd, buf[: u.nbytes], u.offset, path, what)
         dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
         src = torch.from_numpy(np.frombuffer(buf, np.uint8, u.nbytes)).view(dtype)
         target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
         dst = target[u.row0 : u.row1] if target.dim() else target
         src = src.view((u.row1 - u.row0, *t.tensor.shape[1:])) if t.tensor.dim() else src.view(())
         copy_tensor(sched, dst, src)
-        return checksum.crc32c(buf[: u.nbytes]) if t.crc is not None else 0
+        return checksum.of(t.kind, buf[: u.nbytes]) if t.crc is not None else 0
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, io=True)
     await _checked(sched, path, targets, units, nbytes, crcs, priority)
@@ -181,8 +182,9 @@ async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence
     units, nbytes = await sched.call(_verify_units, sched, targets, priority=priority)
 
     def run(slot: memoryview, u: _ReadUnit) -> int:
-        _read_exact(sched, fd, slot[: u.nbytes], u.offset, path, f"tensor {targets[u.target].spec.key!r}")
-        return checksum.crc32c(slot[: u.nbytes])
+        t = targets[u.target]
+        _read_exact(sched.engine, fd, slot[: u.nbytes], u.offset, path, f"tensor {t.spec.key!r}")
+        return checksum.of(t.kind, slot[: u.nbytes])
 
     crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
     await _checked(sched, path, targets, units, nbytes, crcs, priority)
@@ -196,11 +198,11 @@ def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit]
     for i, t in enumerate(targets):
         if t.crc is None:
             continue
-        got = crc_of_pieces(pieces.get(i, []))
+        got = crc_of_pieces(pieces.get(i, []), t.kind)
         if got != t.crc:
             s = t.spec
             raise ChecksumError(
-                f"tensor {s.key!r} is corrupt: crc32c of bytes [{s.offset}, {s.offset + s.nbytes}) is {got:#010x}, "
+                f"tensor {s.key!r} is corrupt: {t.kind} of bytes [{s.offset}, {s.offset + s.nbytes}) is {got:#010x}, "
                 f"{t.crc:#010x} was recorded when it was written",
                 path,
                 s.key,

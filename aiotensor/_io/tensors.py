@@ -95,13 +95,13 @@ def spans(n: int, chunk: int, start: int = 0) -> Iterator[tuple[int, int]]:
         a = b
 
 
-def crc_of_pieces(crcs: Sequence[tuple[int, int]]) -> int:
+def crc_of_pieces(crcs: Sequence[tuple[int, int]], kind: str = "crc32c") -> int:
     """Combine ``(crc, length)`` of consecutive pieces into the crc of the whole."""
     if not crcs:
         return 0
     total = crcs[0][0]  # the crc of the first piece is its own: no combining (the common case)
     for c, n in crcs[1:]:
-        total = checksum.combine(total, c, n)
+        total = checksum.combine(total, c, n, kind)
     return total
 
 
@@ -174,8 +174,10 @@ async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) ->
 
 @dataclass(frozen=True)
 class Target:
-    """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given."""
+    """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given (a
+    crc32c, or zlib's crc32 with ``kind="crc32"``: a zip entry's)."""
 
     spec: st.TensorSpec
     tensor: torch.Tensor
     crc: int | None
+    kind: str = "crc32c"

@@ -1,21 +1,29 @@
 """crc32c of buffers, and combining the crcs of consecutive pieces.
 
 Pieces of one tensor are checksummed in parallel by worker threads; ``combine`` joins them into the
-crc of the whole, so the manifest stores one crc32c per tensor, the plain crc of its bytes.
+crc of the whole, so the manifest stores one crc32c per tensor, the plain crc of its bytes. Two
+kinds are read: ``crc32c`` (what aiotensor records) and ``crc32`` (zlib's, which a zip records for
+each entry: a torch.save file's storages).
 """
 
 from __future__ import annotations
 
+import zlib
 from functools import lru_cache
 
 import crc32c as _crc32c
 
-_POLY = 0x82F63B78  # crc32c (Castagnoli), reflected
+_POLY = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}  # Castagnoli, and zlib's (IEEE), reflected
 
 
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """crc32c of a bytes-like object, continuing from ``value``; releases the GIL on large buffers."""
     return int(_crc32c.crc32c(data, value))
+
+
+def of(kind: str, data: bytes | bytearray | memoryview) -> int:
+    """The ``kind`` crc of a bytes-like object (both release the GIL on large buffers)."""
+    return crc32c(data) if kind == "crc32c" else zlib.crc32(data)
 
 
 def _times(mat: tuple[int, ...], vec: int) -> int:
@@ -33,22 +41,23 @@ def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(_times(mat, mat[n]) for n in range(32))
 
 
-@lru_cache(maxsize=64)
-def _zeros_operator(power: int) -> tuple[int, ...]:
+@lru_cache(maxsize=128)
+def _zeros_operator(poly: int, power: int) -> tuple[int, ...]:
     """Matrix that advances a crc over 2**power zero bytes (zlib's crc32_combine construction)."""
     if power == 0:
         # one zero bit, applied 8 times (3 squarings) = one zero byte
-        odd = (_POLY, *(1 << n for n in range(31)))
+        odd = (poly, *(1 << n for n in range(31)))
         return _square(_square(_square(odd)))
-    return _square(_zeros_operator(power - 1))
+    return _square(_zeros_operator(poly, power - 1))
 
 
-def combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len2 = len(B)``."""
+def combine(crc1: int, crc2: int, len2: int, kind: str = "crc32c") -> int:
+    """The crc of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len2 = len(B)``."""
+    poly = _POLY[kind]
     power = 0
     while len2:
         if len2 & 1:
-            crc1 = _times(_zeros_operator(power), crc1)
+            crc1 = _times(_zeros_operator(poly, power), crc1)
         len2 >>= 1
         power += 1
     return crc1 ^ crc2

@@ -211,7 +211,7 @@ def crc_table(layout: Layout, path: object) -> dict[str, int] | None:
     try:
         doc = json.loads(raw)
         crcs = {k: int(v, 16) for k, v in doc.items() if isinstance(v, str) and len(v) == 8}
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         raise HeaderError(f"__metadata__[{CRC_KEY!r}] is not a map of tensor names to crc32c", path) from None
     if set(crcs) != {s.key for s in layout.tensors} or len(crcs) != len(doc):
         raise HeaderError(f"__metadata__[{CRC_KEY!r}] does not list exactly the file's tensors", path)

@@ -47,12 +47,17 @@ _LEGACY_STORAGES = {
 
 @dataclass(frozen=True)
 class Storage:
-    """A storage's zip entry: ``offset`` (absolute, in the file) and ``nbytes``; ``dtype`` as pickled."""
+    """A storage's zip entry: ``offset`` (absolute, in the file) and ``nbytes``; ``dtype`` as pickled;
+    ``crc32`` the zip's CRC-32 of its bytes (torch.load never checks it; aiotensor does)."""
 
     key: str
     dtype: torch.dtype | None  # None: an UntypedStorage (bytes), typed by the tensor that uses it
     offset: int
     nbytes: int
+    crc32: int = 0
+
+    def __setstate__(self, state: Any) -> None:
+        _no_build(self)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class TensorRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     requires_grad: bool
+
+    def __setstate__(self, state: Any) -> None:
+        _no_build(self)
 
     @property
     def contiguous(self) -> bool:
@@ -84,9 +92,9 @@ class TensorRef:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, storages: dict[str, tuple[int, int]], path: object) -> None:
+    def __init__(self, data: bytes, storages: dict[str, tuple[int, int, int]], path: object) -> None:
         super().__init__(io.BytesIO(data))
-        self.storages = storages  # key -> (file offset, nbytes) of its zip entry
+        self.storages = storages  # key -> (file offset, nbytes, crc32) of its zip entry
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
@@ -110,19 +118,29 @@ class _Unpickler(pickle.Unpickler):
             raise UnsafeFileError("malformed storage reference", self.path)
         if key not in self.storages:
             raise UnsafeFileError(f"storage {key!r} has no entry in the archive", self.path)
-        offset, nbytes = self.storages[key]
+        offset, nbytes, crc = self.storages[key]
         dtype = kind.dtype if isinstance(kind, _LegacyStorage) else None
         if kind is not _UNTYPED and dtype is None:
             raise UnsafeFileError(f"storage {key!r} has an unknown type", self.path)
         want = numel * (dtype.itemsize if dtype is not None else 1)
         if want != nbytes:
             raise UnsafeFileError(f"storage {key!r} declares {want} bytes but its entry holds {nbytes}", self.path)
-        return Storage(key, dtype, offset, nbytes)
+        return Storage(key, dtype, offset, nbytes, crc)
 
 
 class _LegacyStorage:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+
+    def __setstate__(self, state: Any) -> None:
+        _no_build(self)
+
+
+def _no_build(obj: object) -> None:
+    """The pickle's BUILD opcode on what describes a tensor or a storage: refused (torch's own
+    unpickler applies it to tensors only as a legacy ``set_``, which a state_dict never needs), so
+    that nothing changes after its bounds were checked."""
+    raise UnsafeFileError(f"data.pkl rewrites a {type(obj).__name__.lstrip('_')} after it was made (BUILD): refused")
 
 
 _UNTYPED = object()
@@ -171,6 +189,8 @@ def _tensor(storage: Storage, dtype: torch.dtype, offset: Any, size: Any, stride
     if dtype not in TORCH_TO_SAFETENSORS:
         raise UnsafeFileError(f"a tensor of dtype {dtype}, which aiotensor does not read")
     size, stride = tuple(size), tuple(stride)
+    if math.prod(size) * dtype.itemsize >= 2**63:  # torch counts bytes in int64: absurd, not an allocation
+        raise UnsafeFileError(f"a tensor of {list(size)} {dtype}: more than 2**63 bytes")
     if math.prod(size):
         last = offset + sum((d - 1) * s for d, s in zip(size, stride, strict=True))
         if (last + 1) * dtype.itemsize > storage.nbytes:
@@ -191,31 +211,55 @@ def parse(f: io.BufferedIOBase, size: int, path: object) -> Any:
     """
     try:
         z = zipfile.ZipFile(f)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise UnsafeFileError(f"not a torch.save zip ({e})", path) from None
-    with z:
-        infos = z.infolist()
-        pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-        if len(pkl) != 1:
-            raise UnsafeFileError("no single <name>/data.pkl: not a torch.save zip", path)
-        prefix = pkl[0].filename[: -len("data.pkl")]
-        storages: dict[str, tuple[int, int]] = {}
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise UnsafeFileError(f"entry {info.filename!r} is compressed: only stored entries are read", path)
-            if info.filename.startswith(prefix + "data/"):
-                storages[info.filename[len(prefix) + 5 :]] = (_data_offset(f, info, size, path), info.file_size)
-        if pkl[0].file_size > MAX_PICKLE_BYTES:
-            raise UnsafeFileError(f"data.pkl is {pkl[0].file_size} bytes, over the {MAX_PICKLE_BYTES} byte cap", path)
-        data = z.read(pkl[0])
+    except _ZIP_ERRORS as e:
+        raise UnsafeFileError(f"not a torch.save zip ({type(e).__name__}: {str(e)[:200]})", path) from None
+    try:
+        with z:
+            data, storages = _entries(z, f, size, path)
+    except _ZIP_ERRORS as e:
+        raise UnsafeFileError(f"a malformed zip ({type(e).__name__}: {str(e)[:200]})", path) from None
     try:
         return _Unpickler(data, storages, path).load()
     except UnsafeFileError as e:
         if e.path is None:
-            raise UnsafeFileError(str(e), path) from None
+            raise UnsafeFileError(e.reason, path) from None
         raise
     except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
         raise UnsafeFileError(f"data.pkl is malformed ({type(e).__name__}: {str(e)[:200]})", path) from None
+
+
+# every way zipfile says an archive is broken (a bad CRC, a name that is not UTF-8, encryption...)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    EOFError,
+    RuntimeError,
+    NotImplementedError,
+    UnicodeDecodeError,
+    struct.error,
+)
+
+
+def _entries(z: zipfile.ZipFile, f: io.BufferedIOBase, size: int, path: object) -> tuple[bytes, dict[str, tuple[int, int, int]]]:
+    """``data.pkl`` (read, its CRC checked) and each storage's (offset, bytes, CRC-32), every entry
+    stored, not encrypted, its local header naming it."""
+    infos = z.infolist()
+    pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+    if len(pkl) != 1:
+        raise UnsafeFileError("no single <name>/data.pkl: not a torch.save zip", path)
+    prefix = pkl[0].filename[: -len("data.pkl")]
+    storages: dict[str, tuple[int, int, int]] = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise UnsafeFileError(f"entry {info.filename!r} is compressed: only stored entries are read", path)
+        if info.flag_bits & 0x1:
+            raise UnsafeFileError(f"entry {info.filename!r} is encrypted", path)
+        if info.filename.startswith(prefix + "data/"):
+            storages[info.filename[len(prefix) + 5 :]] = (_data_offset(f, info, size, path), info.file_size, info.CRC)
+    if pkl[0].file_size > MAX_PICKLE_BYTES:
+        raise UnsafeFileError(f"data.pkl is {pkl[0].file_size} bytes, over the {MAX_PICKLE_BYTES} byte cap", path)
+    return z.read(pkl[0]), storages
 
 
 def _data_offset(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int, path: object) -> int:
@@ -226,6 +270,8 @@ def _data_offset(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int, path: o
     if len(head) != 30 or head[:4] != ZIP_MAGIC:
         raise UnsafeFileError(f"entry {info.filename!r} has a broken local header", path)
     name_len, extra_len = struct.unpack("<HH", head[26:30])
+    if f.read(name_len) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise UnsafeFileError(f"entry {info.filename!r}: its local header names another file", path)
     start: int = info.header_offset + 30 + int(name_len) + int(extra_len)
     if start + info.file_size > size:
         raise UnsafeFileError(f"entry {info.filename!r} runs past the end of the file", path)
@@ -272,11 +318,10 @@ class _Window(io.RawIOBase):
         return got
 
 
-def read_tensor_at(fd: int, start: int, length: int, path: str, what: str) -> torch.Tensor:
+def parse_at(fd: int, start: int, length: int, path: str, what: str) -> TensorRef:
     """The tensor a ``torch.save(tensor)`` blob at bytes ``[start, start + length)`` of an open
-    file holds (one item of a DCP ``FileSystemWriter`` file): parsed as :func:`parse` does (no
-    pickle beyond a tensor's, the storage bounds-checked), its storage read straight from the file,
-    and the tensor a view of it, as ``torch.load`` makes it (blocking).
+    file describes (one item of a DCP ``FileSystemWriter`` file): parsed as :func:`parse` does, its
+    storage's offset then relative to ``start`` (blocking).
 
     Raises:
         UnsafeFileError: the blob is not a torch.save file of one tensor, naming ``what``.
@@ -287,6 +332,13 @@ def read_tensor_at(fd: int, start: int, length: int, path: str, what: str) -> to
         raise UnsafeFileError(f"{what}: {e.reason}", path) from None
     if not isinstance(ref, TensorRef):
         raise UnsafeFileError(f"{what} is not one tensor", path)
+    return ref
+
+
+def read_tensor_at(fd: int, start: int, length: int, path: str, what: str) -> torch.Tensor:
+    """The tensor of the blob :func:`parse_at` reads, its storage read straight from the file, the
+    tensor a view of it as ``torch.load`` makes it (blocking)."""
+    ref = parse_at(fd, start, length, path, what)
     data = torch.empty(ref.storage.nbytes, dtype=torch.uint8)
     view, off = data.numpy().data.cast("B"), 0
     while off < len(view):
@@ -294,33 +346,102 @@ def read_tensor_at(fd: int, start: int, length: int, path: str, what: str) -> to
         if n <= 0:
             raise UnsafeFileError(f"{what}: the file ends inside it (it shrank)", path)
         off += n
-    return torch.empty(0, dtype=ref.dtype).set_(data.untyped_storage(), ref.storage_offset, ref.size, ref.stride)
+    return view_of(data, ref)
 
 
-def map_tensors(tree: Any, fn: Any) -> Any:
-    """``tree`` with every :class:`TensorRef` leaf replaced by ``fn(name, ref)``; containers
-    (``OrderedDict`` and its ``_metadata`` too) and other leaves kept. Names are dotted as in a
-    state_dict, and unique: where two paths make one name (``{"a.b": x, "a": {"b": y}}``), the
-    later tensor is ``a.b#2``, as :func:`~aiotensor.formats.tree.flatten` names it."""
-    return _Mapper(fn).walk(tree, ())
+def view_of(storage: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """``ref``'s tensor over ``storage`` (its storage's bytes, as a uint8 tensor): a view, as
+    ``torch.load`` makes it, never a copy (an expanded view stays as small as its storage)."""
+    return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(
+        storage.untyped_storage(), ref.storage_offset, ref.size, ref.stride
+    )
 
 
-class _Mapper:
+MAX_DEPTH = 64  # containers nested in a state (formats.tree's cap for what aiotensor saves)
+MAX_NODES = 1 << 20  # containers and tensors reached, counted along every path to them
+
+
+def tensor_refs(tree: Any) -> list[tuple[tuple[str, ...], TensorRef]]:
+    """Each distinct tensor of ``tree`` (by identity), with every name it is reached by, in first
+    seen order. Names are dotted as in a state_dict and unique: where two paths make one name
+    (``{"a.b": x, "a": {"b": y}}``), the later tensor is ``a.b#2``, as
+    :func:`~aiotensor.formats.tree.flatten` names it.
+
+    The pickle memo lets a file of a few KB share structure billions of times over; a container
+    without tensors is walked once whatever shares it, and a walk that meets more than
+    :data:`MAX_NODES` containers and tensors along its paths, or nests deeper than
+    :data:`MAX_DEPTH`, refuses the file.
+
+    Raises:
+        UnsafeFileError: nesting or sharing past those bounds.
+    """
+    walk = _Names()
+    walk.walk(tree, (), 0)
+    return [(tuple(names), ref) for names, ref in walk.found.values()]
+
+
+class _Names:
+    def __init__(self) -> None:
+        self.found: dict[int, tuple[list[str], TensorRef]] = {}
+        self.used: set[str] = set()
+        self.empty: set[int] = set()  # containers known to hold no tensor
+        self.nodes = 0
+
+    def walk(self, obj: Any, path: tuple[Any, ...], depth: int) -> bool:
+        """Name the tensors under ``obj``; True if there are any."""
+        if depth > MAX_DEPTH:
+            raise UnsafeFileError(f"the state nests deeper than {MAX_DEPTH} containers, at {key_path(path[:8])!r}...")
+        is_ref = isinstance(obj, TensorRef)
+        if not is_ref and (not isinstance(obj, (dict, list, tuple)) or id(obj) in self.empty):
+            return False
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise UnsafeFileError(
+                f"the state reaches more than {MAX_NODES} containers and tensors (structure shared over and over)"
+            )
+        if is_ref:
+            name = unique_key(key_path(path) if path else "", self.used)
+            self.found.setdefault(id(obj), ([], obj))[0].append(name)
+            return True
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        found = False
+        for k, v in items:
+            found = self.walk(v, (*path, k), depth + 1) or found
+        if not found:
+            self.empty.add(id(obj))
+        return found
+
+
+def rebuild(tree: Any, fn: Any) -> Any:
+    """``tree`` with every :class:`TensorRef` replaced by ``fn(ref)``: containers rebuilt once each
+    (shared structure stays shared, as ``torch.load`` gives it), ``OrderedDict`` with its
+    ``_metadata``, other leaves kept. Call :func:`tensor_refs` first: it bounds the walk."""
+    return _Rebuilt(fn).walk(tree)
+
+
+class _Rebuilt:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.used: set[str] = set()
+        self.memo: dict[int, Any] = {}
 
-    def walk(self, tree: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(tree, TensorRef):
-            return self.fn(unique_key(key_path(path) if path else "", self.used), tree)
-        if isinstance(tree, dict):
-            out = type(tree)() if type(tree) in (dict, OrderedDict) else {}
-            for k, v in tree.items():
-                out[k] = self.walk(v, (*path, k))
-            if hasattr(tree, "_metadata"):
-                out._metadata = tree._metadata  # type: ignore[attr-defined]
-            return out
-        if isinstance(tree, (list, tuple)):
-            items = [self.walk(v, (*path, i)) for i, v in enumerate(tree)]
-            return items if isinstance(tree, list) else tuple(items)
-        return tree
+    def walk(self, obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return self.fn(obj)
+        if not isinstance(obj, (dict, list, tuple)):
+            return obj
+        done = self.memo.get(id(obj))
+        if done is not None:
+            return done
+        if isinstance(obj, dict):
+            out: Any = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+            self.memo[id(obj)] = out
+            for k, v in obj.items():
+                out[k] = self.walk(v)
+            if hasattr(obj, "_metadata"):
+                out._metadata = obj._metadata
+        elif isinstance(obj, list):
+            out = self.memo[id(obj)] = []
+            out.extend(self.walk(v) for v in obj)
+        else:
+            out = self.memo[id(obj)] = tuple(self.walk(v) for v in obj)
+        return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -166,3 +166,38 @@ def unflatten(tree: Any, tensor: Callable[[str], Any], where: object = None) -> 
         ManifestError: the tree is not one :func:`flatten` writes.
     """
     return _Unflatten(tensor, where).walk(tree, 0)
+
+
+def leaves(tree: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """``(key, leaf)`` for each leaf of ``tree`` (dicts, lists and tuples walked) for which
+    ``is_leaf`` holds; keys dotted as :func:`flatten` makes them."""
+    out: list[tuple[str, Any]] = []
+    used: set[str] = set()
+    todo: list[tuple[Any, Path]] = [(tree, ())]
+    while todo:
+        obj, path = todo.pop()
+        if is_leaf(obj):
+            out.append((unique_key(key_path(path), used), obj))
+        elif isinstance(obj, Mapping):
+            todo += [(v, (*path, k)) for k, v in reversed(list(obj.items()))]
+        elif isinstance(obj, (list, tuple)):
+            todo += [(v, (*path, i)) for i, v in reversed(list(enumerate(obj)))]
+    return out
+
+
+def update(into: Any, saved: Any) -> Any:
+    """Every value of ``saved`` put into ``into``'s own containers (a load's ``into=`` gets every
+    saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
+    values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple)."""
+    if isinstance(into, torch.Tensor):
+        return into
+    if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
+        for k, v in saved.items():
+            into[k] = update(into[k], v) if k in into else v
+        return into
+    if isinstance(into, list) and isinstance(saved, list) and len(into) == len(saved):
+        into[:] = [update(a, b) for a, b in zip(into, saved, strict=True)]
+        return into
+    if isinstance(into, tuple) and isinstance(saved, tuple) and len(into) == len(saved):
+        return type(into)(update(a, b) for a, b in zip(into, saved, strict=True)) if type(into) is tuple else saved
+    return saved

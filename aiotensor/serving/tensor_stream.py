@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -14,11 +14,13 @@ import anyio.lowlevel
 import torch
 
 from .. import sources
+from .._io.assemble import Assembly, DtypeRule, Entry, finish, prepare, stored_bytes
 from .._io.read import close, open_read, read_tensors
-from .._io.tensors import Target, check_device, new_tensor, on_stream
+from .._io.tensors import check_device, on_stream
 from .._runtime import threads
 from .._runtime.scheduler import MiB, Priority, Scheduler, batched
-from ..sources import Item, Keys
+from ..engines import Engine
+from ..errors import MismatchError
 
 WINDOW_BYTES = 256 * MiB
 
@@ -37,35 +39,52 @@ BATCH_TENSORS = 512
 YIELD_S = 0.0005
 
 
-def _prepared(
-    sched: Scheduler, source: str, select: Callable[[str], bool], rows: Mapping[str, tuple[int, int]], batch_bytes: int
-) -> tuple[list[Item], list[tuple[list[Item], int]]]:
-    """The items to read (row slices applied), and the same in the batches read together: runs of
-    items of one file of at most ``batch_bytes`` and :data:`BATCH_TENSORS` items, with their bytes
-    (blocking)."""
-    found = sources.items_of(sched, source, select)
-    items = [sources.slice_rows(i, rows[i.names[0]]) if i.names[0] in rows else i for i in found]
-    return items, batched(items, lambda i: i.spec.nbytes, batch_bytes, BATCH_TENSORS, lambda a, b: a.path != b.path)
+Keys = Iterable[str] | str | Callable[[str], bool] | None
+_Batch = tuple[list[Entry], list[tuple[str, ...]], int, list[str]]  # entries, their names, bytes, files
 
 
-def _new_targets(items: list[Item], device: torch.device, verify: bool, stream: Any) -> list[Target]:
-    """New tensors to read ``items`` into (CUDA ones allocated on the consumer's ``stream``, which
-    the caching allocator ties their memory to, as if the consumer had made them)."""
+def _planned(
+    engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[int, int]], batch_bytes: int
+) -> tuple[int, list[_Batch]]:
+    """What the stream reads (:func:`aiotensor.sources.resolve`, ``keys`` and ``rows`` applied), in
+    the batches read together: runs of entries of one file of at most ``batch_bytes`` and
+    :data:`BATCH_TENSORS` entries, tensors that share a storage never split apart (blocking)."""
+    src = sources.resolve(engine, source)
+    chosen = sources.select(src, keys)
+    if rows:
+        selected = {n for _, names in chosen for n in names}
+        unknown = sorted(set(rows) - selected)
+        if unknown:
+            raise MismatchError(f"{src.path}: rows= names {unknown[:5]}, which this stream does not read")
+        chosen = [(sources.with_rows(e, rows[names[0]]), names[:1]) if names[0] in rows else (e, names) for e, names in chosen]
+    units: list[list[tuple[Entry, tuple[str, ...]]]] = []  # a storage's views go together
+    for e, names in chosen:
+        if units and e.parts[0].span is units[-1][0][0].parts[0].span:
+            units[-1].append((e, names))
+        else:
+            units.append([(e, names)])
+    batches = []
+    cuts = batched(units, lambda u: stored_bytes([e for e, _ in u]), batch_bytes, BATCH_TENSORS,
+                   lambda a, b: a[0][0].parts[0].span.path != b[0][0].parts[0].span.path)  # fmt: skip
+    for group, nbytes in cuts:
+        pairs = [pair for unit in group for pair in unit]
+        files = list(dict.fromkeys(p.span.path for e, _ in pairs for p in e.parts))
+        batches.append(([e for e, _ in pairs], [names for _, names in pairs], nbytes, files))
+    return len(chosen), batches
+
+
+def _prepare(entries: list[Entry], device: torch.device, verify: bool, stream: Any) -> Assembly:
+    """What ``entries`` are read into (CUDA memory allocated on the consumer's ``stream``, which the
+    caching allocator ties it to, as if the consumer had made it)."""
     with on_stream(stream):
-        return [Target(i.spec, new_tensor(i.spec, device), i.crc if verify else None) for i in items]
+        return prepare(entries, device, verify)
 
 
-def _finished(items: list[Item], targets: list[Target], dtype: torch.dtype | None, stream: Any) -> list[torch.Tensor]:
-    """The tensors handed out: a torch.save view cut out of its storage, ``dtype`` applied (on the
-    consumer's CUDA ``stream``, so that its own work is ordered after them)."""
-    out = []
+def _finish(a: Assembly, names: list[str], dtype: DtypeRule, stream: Any) -> list[torch.Tensor]:
+    """The tensors handed out, ``dtype`` applied, on the consumer's CUDA ``stream`` (its own work is
+    then ordered after them)."""
     with on_stream(stream):
-        for item, target in zip(items, targets, strict=True):
-            t, v = target.tensor, item.view
-            if v is not None:
-                t = t.as_strided(v.size, v.stride, v.storage_offset).clone()
-            out.append(t if dtype is None or t.dtype == dtype else t.to(dtype))
-    return out
+        return finish(a, names, dtype)
 
 
 class TensorStream:
@@ -75,16 +94,21 @@ class TensorStream:
     are read together (up to :data:`BATCH_TENSORS` tensors and :data:`BATCH_BYTES`) and handed out
     together, a bigger tensor alone.
 
-    ``keys`` selects what is read (names, prefixes ending in ``.``, or a predicate): the bytes of
-    other tensors are never read. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of
-    that tensor (a tensor-parallel shard; its checksum covers the whole tensor, so a row slice is
-    not verified). ``dtype`` converts each tensor as it arrives. Several streams may
-    share one ``scheduler`` (loads run before saves on it).
+    ``keys`` selects what is read: one name, names and prefixes (a prefix ends with ``.``), or a
+    predicate; the bytes of other tensors are never read, and a name or prefix that selects nothing
+    is an error. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of that tensor (a
+    tensor-parallel shard; its checksum covers the whole tensor, so a row slice is not verified).
+    ``dtype`` converts floating-point tensors as they arrive, as ``nn.Module.to(dtype)`` does
+    (``dtype=lambda name, d: torch.bfloat16`` converts every tensor; return None to keep one).
+    Tensors of a torch.save file that share a storage come as views of it, as ``torch.load`` makes
+    them. Several streams may share one ``scheduler`` (loads run before saves on it).
 
-    Raises (from the iteration): HeaderError / ManifestError (a malformed file or index, naming
-    it), UnsafeFileError (a torch.save file that needs more than a state_dict's pickle),
-    ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError. An error is
-    raised where its batch begins: the tensors read with a corrupt one are not handed out.
+    Raises (from the iteration): CheckpointNotFoundError (nothing there, or a store root with no
+    committed step), MismatchError (``keys`` or ``rows`` name what is not there), HeaderError /
+    ManifestError (a malformed file, index or metadata, naming it), UnsafeFileError (a torch.save
+    file that needs more than a state_dict's pickle), ChecksumError (a corrupt tensor of a
+    checksummed file or checkpoint), OSError. An error is raised where its batch begins: the
+    tensors read with a corrupt one are not handed out.
 
     Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
     window is read alone); a slow consumer holds the reading back. Use it as an async context
@@ -101,7 +125,7 @@ class TensorStream:
         source: str | os.PathLike[str],
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
+        dtype: DtypeRule = None,
         keys: Keys = None,
         rows: Mapping[str, tuple[int, int]] | None = None,
         window_bytes: int = WINDOW_BYTES,
@@ -114,7 +138,7 @@ class TensorStream:
         self.dtype = dtype
         self.window_bytes = window_bytes
         self.verify = verify
-        self._select = sources.selector(keys)
+        self._keys = keys
         self._rows = dict(rows or {})
         self._own = scheduler is None
         self.scheduler = scheduler if scheduler is not None else Scheduler()
@@ -123,9 +147,9 @@ class TensorStream:
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.bytes_read = 0
         self._batch_bytes = min(window_bytes, BATCH_BYTES)
-        self._items: list[Item] | None = None
-        self._batches: list[tuple[list[Item], int]] = []  # the items read together, and their bytes
-        self._ready: dict[int, tuple[Item, Any]] = {}  # read ahead, by index: (item, tensor or error)
+        self._batches: list[_Batch] | None = None
+        self._ready: dict[int, tuple[tuple[str, ...], Any]] = {}  # read ahead, by index: (names, tensor or error)
+        self._cost: dict[int, int] = {}  # bytes the window gets back once the consumer took an index
         self._next = 0  # the index the consumer gets next
         self._count = 0
         self._failed = False
@@ -151,37 +175,40 @@ class TensorStream:
             await self._wait(ready=True)
         if self._closed:
             raise StopAsyncIteration
-        if self._items is None:
+        if self._batches is None:
             sched = self.scheduler
             try:
                 with sched.operation():
-                    prepared = await sched.call(
-                        _prepared, sched, self.source, self._select, self._rows, self._batch_bytes, priority=Priority.LOAD
+                    count, batches = await sched.call(
+                        _planned, sched.engine, self.source, self._keys, self._rows, self._batch_bytes, priority=Priority.LOAD
                     )
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.aclose()
                 raise
-            (self._items, self._batches), self._count = prepared, len(prepared[0])
+            self._count, self._batches = count, batches
+            end = 0
+            for entries, _, nbytes, _ in batches:
+                end += len(entries)
+                self._cost[end - 1] = nbytes
             self._start_reader()
         while self._next not in self._ready:
             if self._next >= self._count or (self._reader_done is not None and self._reader_done.is_set()):
                 await self.aclose()
                 raise StopAsyncIteration
             await self._wait()
-        item, got = self._ready[self._next]
+        names, got = self._ready[self._next]
         if isinstance(got, BaseException):
             await self.aclose()
             raise got
-        name = item.names[0]
-        if len(item.names) > 1:  # a tied weight: the same tensor under its other names next
-            self._ready[self._next] = (Item(item.path, item.spec, item.crc, item.names[1:]), got)
+        if len(names) > 1:  # a tied weight: the same tensor under its other names next
+            self._ready[self._next] = (names[1:], got)
         else:
             del self._ready[self._next]
+            self._ahead -= self._cost.pop(self._next, 0)
             self._next += 1
-            self._ahead -= item.spec.nbytes
             self._notify()
-        return name, got
+        return names[0], got
 
     async def _wait(self, ready: bool = False) -> None:
         """Wait for the reader to land something (``ready``: only let other tasks run); if
@@ -208,32 +235,32 @@ class TensorStream:
         """Read the batches in order, up to ``workers`` at once and ``window_bytes`` ahead of the
         consumer; each file is opened once. Results land in ``_ready`` by index; the first error
         ends it."""
-        assert self._reader_done is not None
+        assert self._reader_done is not None and self._batches is not None
         fds: dict[str, int] = {}
         slots = anyio.Semaphore(self.scheduler.workers)
         try:
             with anyio.CancelScope() as scope:
                 self._reader = scope
                 async with anyio.create_task_group() as tg:
-                    start = 0  # the index of the batch's first item
-                    for items, nbytes in self._batches:
+                    start = 0  # the index of the batch's first entry
+                    for entries, names, nbytes, files in self._batches:
                         while self._ahead and self._ahead + nbytes > self.window_bytes:
                             await self._next_change()
                         if self._closed or self._failed:
                             break
                         await slots.acquire()
                         self._ahead += nbytes
-                        path = items[0].path
-                        if path not in fds:
-                            try:
-                                fds[path] = await open_read(self.scheduler, path)
-                            except Exception as e:  # the consumer gets it where that file's tensors begin
-                                slots.release()
-                                self._failed = True
-                                self._ready[start] = (items[0], e)
-                                break
-                        tg.start_soon(self._read_batch, start, items, nbytes, fds[path], slots)
-                        start += len(items)
+                        try:
+                            for path in files:
+                                if path not in fds:
+                                    fds[path] = await open_read(self.scheduler, path)
+                        except Exception as e:  # the consumer gets it where that file's tensors begin
+                            slots.release()
+                            self._failed = True
+                            self._ready[start] = (names[0], e)
+                            break
+                        tg.start_soon(self._read_batch, start, entries, names, nbytes, fds, slots)
+                        start += len(entries)
         finally:
             with anyio.CancelScope(shield=True):
                 for fd in fds.values():
@@ -241,20 +268,30 @@ class TensorStream:
             self._reader_done.set()
             self._notify()
 
-    async def _read_batch(self, start: int, items: list[Item], nbytes: int, fd: int, slots: anyio.Semaphore) -> None:
-        """Read ``items`` (indices ``start``...) into new tensors; an error lands at ``start``."""
+    async def _read_batch(
+        self,
+        start: int,
+        entries: list[Entry],
+        names: list[tuple[str, ...]],
+        nbytes: int,
+        fds: dict[str, int],
+        slots: anyio.Semaphore,
+    ) -> None:
+        """Read ``entries`` (indices ``start``...) into new tensors; an error lands at ``start``."""
         sched = self.scheduler
         try:
             with sched.operation():
-                targets = await sched.call(_new_targets, items, self.device, self.verify, self._stream, priority=Priority.LOAD)
-                await read_tensors(sched, fd, items[0].path, targets, Priority.LOAD)
+                a = await sched.call(_prepare, entries, self.device, self.verify, self._stream, priority=Priority.LOAD)
+                for path, targets in a.targets.items():
+                    await read_tensors(sched, fds[path], path, targets, Priority.LOAD)
                 self.bytes_read += nbytes
-                got = await sched.call(_finished, items, targets, self.dtype, self._stream, priority=Priority.LOAD)
+                first = [n[0] for n in names]
+                got = await sched.call(_finish, a, first, self.dtype, self._stream, priority=Priority.LOAD)
         except Exception as e:
             self._failed = True
-            self._ready[start] = (items[0], e)
+            self._ready[start] = (names[0], e)
         else:
-            self._ready.update(enumerate(zip(items, got, strict=True), start))
+            self._ready.update(enumerate(zip(names, got, strict=True), start))
         finally:
             slots.release()
         self._notify()
@@ -274,12 +311,14 @@ class TensorStream:
             if self._reader_done is not None:
                 await self._reader_done.wait()
             self._ahead = 0
-            held = (self._ready, self._items or [], self._batches)
-            self._ready, self._items, self._batches = {}, [], []
+            held = (self._ready, self._batches or [], self._cost)
+            self._ready, self._batches, self._cost = {}, [], {}
             await self.scheduler.discard(*held)
             if self._own:
                 self._own = False
                 await anyio.to_thread.run_sync(self.scheduler.close)
 
 
-stream = TensorStream  # ``aiotensor.stream(source, ...)``: the documented way to make one
+def stream(source: str | os.PathLike[str], **kwargs: Any) -> TensorStream:
+    """``aiotensor.stream(source, ...)``: a :class:`TensorStream` of ``source`` (its arguments)."""
+    return TensorStream(source, **kwargs)

@@ -11,34 +11,55 @@ from typing import IO, Any, cast
 
 import torch
 
+from .. import sources
+from .._io.assemble import read
+from .._io.tensors import check_device
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
-from ..errors import annotate_oserror
-from ..formats import torchsave as ts
-from .tensor_stream import stream
+from ..errors import UnsafeFileError, annotate_oserror
 
 
 async def load_torch(
     path: str | os.PathLike[str], *, device: str | torch.device = "cpu", scheduler: Scheduler | None = None
 ) -> Any:
-    """Load a torch.save zip (``.pt``/``.bin``) as the state it holds, without unrestricted pickle:
-    only what state_dicts are made of is admitted (as ``torch.load(weights_only=True)``), storages
-    are bounds-checked against the file and read straight from their offsets.
+    """Load a torch.save zip (``.pt``/``.bin``) as the state it holds, as ``torch.load`` gives it
+    (``weights_only=True``), without its pickle: only what state_dicts are made of is admitted, and
+    each storage is bounds-checked and read once, straight from its offset in the file. Tensors
+    that share a storage (tied weights, views, expanded views) come back as views of it, as
+    ``torch.load`` makes them; structure the pickle shares stays shared.
 
     Raises:
-        UnsafeFileError: a global outside the allow-list (nothing ran), a compressed entry, a
-            storage of the wrong size, a tensor outside its storage; not a torch.save zip.
+        UnsafeFileError: a global outside the allow-list (nothing ran), a compressed or malformed
+            entry, a storage of the wrong size, a tensor outside its storage, structure nested or
+            shared past the bounds of :mod:`aiotensor.formats.torchsave`; not a torch.save zip.
         OSError: the file cannot be read.
 
     Cancellation: every read stops; nothing is returned.
     """
     path = os.fspath(path)
-    async with stream(path, device=device, scheduler=scheduler) as s:
-        with s.scheduler.operation():
-            tree = await s.scheduler.call(ts.parse_path, os.path.realpath(path), priority=Priority.LOAD)  # noqa: ASYNC240
-            got = {name: t async for name, t in s}
-            return await s.scheduler.run_sync(ts.map_tensors, tree, lambda name, ref: got[name].requires_grad_(ref.requires_grad))
+    async with own_scheduler(scheduler) as sched:
+        dev = check_device(sched, device)
+        src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
+        if src.kind != "torch":
+            raise UnsafeFileError(
+                f"not a torch.save zip (a {src.kind} {'folder' if src.kind in ('hf', 'dcp', 'step', 'root') else 'file'})", path
+            )
+        tensors = await read(sched, src.entries, dev, verify=False)
+        state = await sched.call(_state, src, tensors, priority=Priority.LOAD)
+        await sched.discard(tensors)
+        return state
+
+
+def _state(src: sources.Source, tensors: list[torch.Tensor]) -> Any:
+    """The state the file holds: its tree, each tensor under every name it goes by."""
+    by_name = {}
+    for e, t in zip(src.entries, tensors, strict=True):
+        if e.requires_grad:
+            t.requires_grad_(True)
+        by_name.update(dict.fromkeys(e.names, t))
+    assert src.state is not None
+    return src.state(by_name.__getitem__)
 
 
 _ALIGN_LOCK = threading.Lock()

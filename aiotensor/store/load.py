@@ -8,13 +8,15 @@ from typing import Any
 import torch
 
 from .. import root as _root
+from .. import sources
+from .._io.assemble import read
 from .._io.read import close, layout_of, open_read, read_tensors, verify_tensors
 from .._io.tensors import Target, check_device, check_into, new_tensor
 from .._runtime import gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
-from ..formats.tree import flatten, unflatten
+from ..formats.tree import flatten, leaves, unflatten, update
 
 
 async def load_checkpoint(
@@ -59,7 +61,7 @@ async def _load(
     progress: ProgressCallback | None,
 ) -> Any:
     if await sched.call(_root.is_dcp_step, folder, priority=Priority.LOAD):
-        return await sched.call(_load_dcp, folder, into, dev, priority=Priority.LOAD)
+        return await _load_dcp(sched, folder, into, dev, verify)
     m: mf.Manifest
     m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)
     mpath = os.path.join(folder, _root.MANIFEST)
@@ -77,7 +79,7 @@ async def _load(
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
         await _read_passes(sched, folder, targets, passes)
-    state = await sched.call(_finish, m, dest, mpath, priority=Priority.LOAD)
+    state = await sched.call(_finish, m, dest, mpath, into, priority=Priority.LOAD)
     # the manifest's entries, the targets: tens of thousands of objects for a state of many
     # tensors, freed in a thread
     manifest = [m]
@@ -100,37 +102,40 @@ async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Ta
                 await close(sched, fd)
 
 
-def _load_dcp(folder: str, into: Any, device: torch.device) -> Any:
-    """A checkpoint written through DCP by aiotensor (any number of ranks), assembled whole."""
-    from .. import dcp  # torch.distributed: imported only for such a checkpoint
+async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device, verify: bool) -> Any:
+    """A checkpoint written through DCP (any number of ranks): its tensors whole, assembled from
+    their chunks, straight into ``into``'s tensors or new ones (:mod:`aiotensor.sources`)."""
+    src = await sched.call(sources.step, sched.engine, folder, priority=Priority.LOAD)
+    dests = None if into is None else await sched.call(_dests, src, into, sched.devices, priority=Priority.LOAD)
+    tensors = await read(sched, src.entries, dev, verify, into=dests)
+    return await sched.call(_state_of, src, tensors, into, priority=Priority.LOAD)
 
-    state = dcp.load_full(folder)
-    _, loaded = flatten(state)
-    if into is None:
-        return state if device.type == "cpu" else unflatten_to(state, device)
+
+class _Leaf:
+    """A tensor's place holder, to find where each tensor of a source's state lies."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _dests(src: sources.Source, into: Any, devices: tuple[str, ...]) -> list[torch.Tensor | None]:
+    """``into``'s tensor for each entry of ``src``, checked against it (keys, dtypes, shapes)."""
+    assert src.state is not None
+    where = {leaf.name: key for key, leaf in leaves(src.state(_Leaf), lambda x: isinstance(x, _Leaf))}
     _, targets = flatten(into)
-    got = dict(loaded)
-    specs = {k: _spec_of(k, t) for k, t in got.items()}
-    check_into(dict(targets), specs, (device.type,), "the checkpoint")
-    for k, t in targets:
-        t.detach().copy_(got[k])
-    return into
+    given = dict(targets)
+    specs = {where[n]: sources.spec_for(n, e.dtype, e.shape) for e in src.entries for n in e.names}
+    check_into(given, specs, devices, "the checkpoint")
+    return [given[where[e.names[0]]] for e in src.entries]
 
 
-def unflatten_to(state: Any, device: torch.device) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return {k: unflatten_to(v, device) for k, v in state.items()}
-    return state
-
-
-def _spec_of(key: str, t: torch.Tensor) -> Any:
-    from ..formats.dtypes import TORCH_TO_SAFETENSORS, file_shape
-    from ..formats.safetensors import TensorSpec
-
-    dtype = TORCH_TO_SAFETENSORS[t.dtype]
-    return TensorSpec(key, dtype, file_shape(dtype, t.shape), 0, t.nbytes)
+@gil.quiet_gc
+def _state_of(src: sources.Source, tensors: list[torch.Tensor], into: Any) -> Any:
+    """The state ``src`` holds, its tensors ``tensors``; with ``into``, every saved value put there."""
+    assert src.state is not None
+    by_name = {n: t for e, t in zip(src.entries, tensors, strict=True) for n in e.names}
+    state = src.state(by_name.__getitem__)
+    return state if into is None else update(into, state)
 
 
 def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.Manifest, dict[str, list[mf.Entry]]]:
@@ -159,18 +164,19 @@ def _targets(
 
 
 @gil.quiet_gc
-def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str) -> Any:
-    """Fill the aliases and rebuild the state tree."""
+def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str, into: Any) -> Any:
+    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there."""
     for alias, target in m.aliases.items():
         if alias not in dest:
             dest[alias] = dest[target]
         elif not _same_view(dest[alias], dest[target]):
             dest[alias].detach().copy_(dest[target])
-    return unflatten(m.tree, dest.__getitem__, mpath)
+    state = unflatten(m.tree, dest.__getitem__, mpath)
+    return state if into is None else update(into, state)
 
 
 def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
-    layout = layout_of(sched, fd, path)
+    layout = layout_of(sched.engine, fd, path)
     listed = {e.spec.key: e.spec for e in entries}
     if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
         raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)

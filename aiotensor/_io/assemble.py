@@ -1,0 +1,214 @@
+"""Tensors made of a source's entries (:mod:`aiotensor.sources`): every span read straight into the
+memory the tensor ends up in, once. A tensor that is one span of its file is read into itself; a
+torch.save storage is read once into a buffer and every tensor over it is a view (as ``torch.load``
+makes them: an expanded view stays as small as its storage); a DCP chunk is read into its place in
+the whole tensor. :func:`prepare` and :func:`finish` block (allocations, copies): worker threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .._runtime.scheduler import Priority, Scheduler
+from ..formats import safetensors as st
+from ..formats import torchsave as ts
+from ..formats.dtypes import torch_shape
+from .read import close, open_read, read_tensors
+from .tensors import Target, new_tensor, on_stream
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes of one file: ``spec`` says where (absolute offset, length) and what they hold read as
+    one tensor; ``crc`` is their crc32c where the writer recorded one."""
+
+    path: str
+    spec: st.TensorSpec
+    crc: int | None
+    kind: str = "crc32c"  # or "crc32": a zip entry's (a torch.save storage)
+
+
+@dataclass(frozen=True)
+class Part:
+    """How a tensor (or a chunk of one) is made of a span: the span's bytes themselves, or ``view``
+    of them (a torch.save tensor over its storage); ``at`` places a chunk in the whole tensor."""
+
+    span: Span
+    view: ts.TensorRef | None = None
+    at: tuple[int, ...] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.view.size) if self.view is not None else torch_shape(self.span.spec.dtype, self.span.spec.shape)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a source, under each of its names (a tied weight has several)."""
+
+    names: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Its bytes as a dense tensor (a view can have more than it stores)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def whole(self) -> Span | None:
+        """The span that is this tensor, byte for byte, if there is one (no view, no chunks)."""
+        p = self.parts[0]
+        return p.span if len(self.parts) == 1 and p.view is None and p.at is None else None
+
+
+DtypeRule = torch.dtype | Callable[[str, torch.dtype], torch.dtype | None] | None
+
+
+def cast_to(rule: DtypeRule, name: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype ``rule`` converts a tensor ``name`` of ``dtype`` to, or None. A dtype converts
+    floating-point tensors only, as ``nn.Module.to(dtype)`` and ``from_pretrained(dtype=)`` do; a
+    callable decides for each tensor."""
+    if rule is None:
+        return None
+    if callable(rule) and not isinstance(rule, torch.dtype):
+        return rule(name, dtype)
+    return rule if dtype.is_floating_point and dtype != rule else None
+
+
+@dataclass
+class Assembly:
+    """The reads to do (``targets``, by file) and how the tensors are finished once they are done."""
+
+    targets: dict[str, list[Target]] = field(default_factory=dict)
+    out: list[torch.Tensor] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, view), after the reads
+
+    def add(self, span: Span, tensor: torch.Tensor, verify: bool) -> None:
+        self.targets.setdefault(span.path, []).append(Target(span.spec, tensor, span.crc if verify else None, span.kind))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.spec.nbytes for ts_ in self.targets.values() for t in ts_)
+
+
+def prepare(
+    entries: Sequence[Entry], device: torch.device, verify: bool, into: Sequence[torch.Tensor | None] | None = None
+) -> Assembly:
+    """Allocate what ``entries`` are read into (``into[i]``: entry ``i``'s destination, of its dtype
+    and shape, or None: a new tensor on ``device``) and list the reads."""
+    a = Assembly()
+    buffers: dict[Span, torch.Tensor] = {}  # spans read into a buffer, read once whatever shares them
+
+    def buffer(span: Span) -> torch.Tensor:
+        buf = buffers.get(span)
+        if buf is None:
+            buf = buffers[span] = torch.empty(span.spec.nbytes, dtype=torch.uint8, device=device)
+            a.add(span, buf, verify)
+        return buf
+
+    for i, e in enumerate(entries):
+        dest = into[i] if into is not None else None
+        whole = e.whole
+        if whole is not None:
+            t = dest if dest is not None else new_tensor(whole.spec, device)
+            a.add(whole, t, verify)
+        elif len(e.parts) == 1 and e.parts[0].at is None:  # a view of a storage
+            assert e.parts[0].view is not None
+            view = ts.view_of(buffer(e.parts[0].span), e.parts[0].view)
+            t = view if dest is None else dest
+            if dest is not None:
+                a.copies.append((dest, view))
+        else:  # chunks, each into its place in the whole
+            t = dest if dest is not None else torch.empty(e.shape, dtype=e.dtype, device=device)
+            for p in e.parts:
+                place = t[tuple(slice(o, o + n) for o, n in zip(p.at, p.shape, strict=True))] if p.at else t
+                if p.view is None:
+                    a.add(p.span, place.detach(), verify)
+                else:
+                    a.copies.append((place, ts.view_of(buffer(p.span), p.view)))
+        a.out.append(t)
+    return a
+
+
+def finish(a: Assembly, names: Sequence[str] = (), dtype: DtypeRule = None) -> list[torch.Tensor]:
+    """After the reads: views copied where they go, and ``dtype`` applied (see :func:`cast_to`; a
+    view is converted by converting its storage once, so it stays a view)."""
+    with torch.no_grad():
+        for dst, view in a.copies:
+            dst.copy_(view)
+    a.copies.clear()
+    if dtype is None:
+        return a.out
+    converted: dict[tuple[int, torch.dtype, torch.dtype], torch.Tensor] = {}
+    out = []
+    for name, t in zip(names, a.out, strict=True):
+        want = cast_to(dtype, name, t.dtype)
+        out.append(t if want is None else _converted(t, want, converted))
+    return out
+
+
+def _converted(
+    t: torch.Tensor, want: torch.dtype, done: dict[tuple[int, torch.dtype, torch.dtype], torch.Tensor]
+) -> torch.Tensor:
+    """``t`` as ``want``: a tensor that is not its storage's bytes in order (a view) is converted by
+    converting its storage, so that it stays a view (an expanded view is never materialized)."""
+    storage = t.untyped_storage()
+    whole = storage.nbytes() // t.element_size()
+    if (t.is_contiguous() and t.numel() == whole) or storage.nbytes() % t.element_size():
+        return t.to(want)
+    key = (storage.data_ptr(), t.dtype, want)
+    conv = done.get(key)
+    if conv is None:
+        conv = done[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (whole,), (1,)).to(want)
+    return conv.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+async def read(
+    sched: Scheduler,
+    entries: Sequence[Entry],
+    device: torch.device,
+    verify: bool = True,
+    into: Sequence[torch.Tensor | None] | None = None,
+    dtype: DtypeRule = None,
+) -> list[torch.Tensor]:
+    """Read ``entries`` (see :func:`prepare`), one file at a time, and finish them; CUDA memory is
+    allocated and finished on the caller's current stream.
+
+    Raises:
+        ChecksumError, FormatError, OSError: as :func:`~aiotensor._io.read.read_tensors`.
+
+    Cancellation: returns once no thread writes into the tensors any more.
+    """
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def start() -> Assembly:
+        with on_stream(stream):
+            return prepare(entries, device, verify, into)
+
+    def end(a: Assembly) -> list[torch.Tensor]:
+        with on_stream(stream):
+            return finish(a, [e.names[0] for e in entries], dtype)
+
+    a = await sched.call(start, priority=Priority.LOAD)
+    for path, targets in a.targets.items():
+        fd = await open_read(sched, path)
+        try:
+            await read_tensors(sched, fd, path, targets, Priority.LOAD)
+        finally:
+            await close(sched, fd)
+    return await sched.call(end, a, priority=Priority.LOAD)
+
+
+def stored_bytes(entries: Sequence[Entry]) -> int:
+    """The bytes reading ``entries`` moves (a span shared by several counted once)."""
+    return sum(s.spec.nbytes for s in {p.span for e in entries for p in e.parts})
+
+
+__all__ = ["Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "finish", "prepare", "read", "stored_bytes"]
