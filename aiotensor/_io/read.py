@@ -28,8 +28,11 @@ READ_PIECE = 1 << 20
 
 
 async def open_read(sched: Scheduler, path: str) -> int:
+    """Open a file to read it (the engine's safe opener); a cancelled caller's descriptor is closed.
+
+    Cancellation: returns once the open has stopped; nothing is left open."""
     try:
-        return await sched.call(sched.engine.open_read, path, priority=Priority.LOAD)
+        return await sched.call(sched.engine.open_read, path, priority=Priority.LOAD, cleanup=sched.engine.close)
     except OSError as e:
         raise annotate_oserror(e, f"opening {path}") from e
 

@@ -51,7 +51,7 @@ async def write_file(
         size = total = image[1]
         direct, units, bounce = True, [], False
     try:
-        fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority)
+        fd = await sched.call(lambda: eng.create(path, direct=direct), priority=priority, cleanup=eng.close)
     except OSError as e:
         raise annotate_oserror(e, f"creating {path}") from e
     try:

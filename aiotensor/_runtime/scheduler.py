@@ -193,28 +193,36 @@ class Scheduler:
         self._gate = _Gate(workers, workers * self.batch_bytes)  # also keeps the threads to `workers`
 
     async def call(
-        self, fn: Callable[..., T], *args: Any, nbytes: int = 0, priority: int = Priority.SAVE, slot: bool = False
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        nbytes: int = 0,
+        priority: int = Priority.SAVE,
+        slot: bool = False,
+        cleanup: Callable[[T], object] | None = None,
     ) -> T:
         """Run ``fn(*args)`` in a worker thread once admitted; with ``slot``, ``fn(slot, *args)``.
 
         Cancellation: while waiting for admission, the call is withdrawn and never runs. Once its
         thread has started, cancellation waits for the thread to return (the thread may be writing
-        into a caller's buffer) and then raises; the slot is returned only after that.
+        into a caller's buffer) and then raises; the slot is returned only after that. What the
+        call made is handed to ``cleanup`` if the caller was cancelled meanwhile (see
+        :func:`aiotensor._runtime.threads.run_sync`).
         """
         async with self._gate.hold(nbytes, priority):
             self.stats.calls += 1
             if not slot:
-                return await self.run_sync(fn, *args)
+                return await self.run_sync(fn, *args, cleanup=cleanup)
             i = self.slots.take()
             try:
-                return await self.run_sync(fn, self.slots.view(i), *args)
+                return await self.run_sync(fn, self.slots.view(i), *args, cleanup=cleanup)
             finally:
                 self.slots.give(i)
 
-    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_sync(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
         """Run ``fn(*args)`` in one of the worker threads now, outside the gate (for work that is
         not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
-        return await threads.run_sync(gil.call_collecting, fn, *args, nice=self.nice)
+        return await threads.run_sync(gil.call_collecting, fn, *args, nice=self.nice, cleanup=cleanup)
 
     @contextmanager
     def operation(self) -> Iterator[None]:

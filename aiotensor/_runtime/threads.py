@@ -138,11 +138,15 @@ def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
         return trio.lowlevel.current_trio_token().run_sync_soon
 
 
-async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE) -> T:
+async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE, cleanup: Callable[[T], object] | None = None) -> T:
     """Run ``fn(*args)`` in a worker thread ``nice`` levels below the process, in a copy of the
     caller's context (as ``anyio.to_thread.run_sync``).
 
-    Cancellation: waits for ``fn`` to return (it may be writing into the caller's memory), then raises.
+    Cancellation: waits for ``fn`` to return, whatever cancels the caller (it may be writing into
+    the caller's memory, or making what a clean-up removes): anyio's and trio's cancellation, and
+    asyncio's own ``Task.cancel()`` (``wait_for``), which an anyio shield does not hold. Then the
+    cancellation is raised, after ``cleanup(result)`` (in a worker) where ``fn`` made something
+    (a file descriptor) that the caller would otherwise never get to release.
     """
     done = anyio.Event()
     call_soon = _call_soon_threadsafe()
@@ -160,16 +164,39 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE) -> T:
             pass
 
     _pool(nice).submit(job)
-    with anyio.CancelScope(shield=True):
-        await done.wait()
+    cancelled = await _wait_out(done)
     ok, value = out.pop()
     if not ok:
         try:
             raise value
         finally:
             del value
+    if cleanup is not None:
+        try:
+            if cancelled is None:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as e:
+            cancelled = e
+        if cancelled is not None:
+            await run_sync(cleanup, value, nice=nice)
+    if cancelled is not None:
+        raise cancelled
     await anyio.lowlevel.checkpoint_if_cancelled()
     return value  # type: ignore[no-any-return]
+
+
+async def _wait_out(done: anyio.Event) -> BaseException | None:
+    """Wait for ``done`` through any cancellation; return the cancellation that came meanwhile
+    from outside anyio (asyncio's ``Task.cancel()`` is raised even inside a shielded scope), to be
+    raised once the wait is over."""
+    pending: BaseException | None = None
+    with anyio.CancelScope(shield=True):
+        while not done.is_set():
+            try:
+                await done.wait()
+            except anyio.get_cancelled_exc_class() as e:
+                pending = e
+    return pending
 
 
 _keep_alive: set[asyncio.Task[None]] = set()
