@@ -3,7 +3,9 @@
 Every function here blocks (file system calls) and runs in a worker thread.
 
 A name is a committed step only if it is exactly ``step-`` + 12 ASCII digits, it is a real folder
-(not a symbolic link) and it holds a valid manifest naming the same step. Names the library itself
+(not a symbolic link) and it holds a manifest whose seal (its crc32c) holds and that names the same
+step (or the sealed metadata of a DCP checkpoint). Listing checks only that, in memory the size of
+the file: a load validates the whole manifest. Names the library itself
 makes for work in progress (``step-…​.tmp-XXXXXXXX``, ``step-…​.tmp-delXXXXXXXX``,
 ``latest.tmp-XXXXXXXX``) are *leftovers*: only a writer holding the lock removes them, and nothing
 else is ever removed. Everything else is *ignored* and reported, never counted as a step.
@@ -227,11 +229,14 @@ def _check_step(
     key = _manifest_key(mst)
     if known.get(name) == (key, step):
         return None
-    try:
-        m = read_manifest(engine, folder, step)
+    path = os.path.join(folder, MANIFEST)
+    try:  # its seal and the step it names: listing a root never parses a manifest (a load does, in full)
+        named = mf.sealed_step(read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), path)
+        if named != step:
+            raise ManifestError(f"the manifest is of step {named}, but its folder is {step_dir_name(step)}", path)
     except (FormatError, OSError) as e:
         return e
-    known[name] = (key, m.step)
+    known[name] = (key, step)
     return None
 
 

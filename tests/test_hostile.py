@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +28,8 @@ import pytest
 import torch
 
 from aiotensor import TensorStore, load_file, load_torch, read_header, save_file, stream
-from aiotensor.errors import CheckpointNotFoundError, FormatError, HeaderError, UnsafeFileError
+from aiotensor.errors import CheckpointNotFoundError, FormatError, HeaderError, ManifestError, UnsafeFileError
+from aiotensor.formats import manifest as mf
 
 from . import _hostile_files as h
 
@@ -278,6 +280,73 @@ report(load_s=load_s, equal=list(got) == list(ref) and all(torch.equal(got[k], r
     )
     assert got["equal"]
     assert got["load_s"] < 5, got
+
+
+# --- item 9: JSON parse memory ---------------------------------------------------------------------
+
+
+def dense_entries(nbytes: int) -> dict[str, dict[str, Any]]:
+    """``{"k00000":{}, ...}``: 12 bytes per entry of compact JSON, 2 values (``,`` and ``{``) each:
+    exactly the 6 bytes per value that loads_json_object's density rule lets through."""
+    return {f"k{i:05x}": {} for i in range(nbytes // 12)}
+
+
+def traced_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Peak Python memory (tracemalloc, every thread) while ``fn()`` runs, above what was there before;
+    and what it raised."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        err: BaseException | None = None
+        try:
+            fn()
+        except Exception as e:
+            err = e
+        return tracemalloc.get_traced_memory()[1] - base, err
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_dense_safetensors_header_is_refused_in_bounded_memory(tmp_path: Any) -> None:
+    header = json.dumps(dense_entries(8 * MiB), separators=(",", ":")).encode()
+    path = tmp_path / "dense.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    peak, err = traced_peak(lambda: anyio.run(read_header, path))
+    assert isinstance(err, HeaderError), repr(err)
+    assert peak < 6 * len(header), f"parsing a {len(header)} byte header peaked at {peak / len(header):.1f}x its size"
+
+
+async def _a_store_with_one_step(root: Any) -> None:
+    async with TensorStore(root) as store:
+        await store.save(1, {"w": torch.ones(4)})
+
+
+def test_a_dense_manifest_is_listed_in_bounded_memory(tmp_path: Any) -> None:
+    root = tmp_path / "root"
+    anyio.run(_a_store_with_one_step, root)
+    manifest = root / "step-000000000001" / "manifest.json"
+    doc = json.loads(manifest.read_bytes())
+    doc["tensors"] = dense_entries(8 * MiB)
+    raw = mf.seal(doc)  # a valid checksum: only the parse can refuse it
+    manifest.write_bytes(raw)
+
+    async def open_and_list() -> None:
+        async with TensorStore(root, readonly=True) as store:
+            # listing checks a manifest's seal and the step it names, never parses it: this one is
+            # sealed, so the step is listed, and a load of it refuses the manifest
+            assert store.steps() == [1]
+
+    async def load() -> None:
+        async with TensorStore(root, readonly=True) as store:
+            await store.load(1)
+
+    peak, err = traced_peak(lambda: anyio.run(open_and_list))
+    assert err is None, repr(err)
+    assert peak < 6 * len(raw), f"listing a {len(raw)} byte manifest peaked at {peak / len(raw):.1f}x its size"
+    peak, err = traced_peak(lambda: anyio.run(load))
+    assert isinstance(err, ManifestError), repr(err)
+    assert peak < 6 * len(raw), f"loading a {len(raw)} byte manifest peaked at {peak / len(raw):.1f}x its size"
 
 
 # --- item 10: the CLI on a FIFO --------------------------------------------------------------------

@@ -10,7 +10,7 @@ change silently.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from .._runtime import gil
 from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import TensorSpec, is_count, loads_json_object, shape_problem
+from .safetensors import TensorSpec, is_count, parse_members, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -90,12 +90,69 @@ def check_seal(data: bytes, path: object) -> None:
         raise ManifestError(f"the manifest is corrupt: its crc32c is {got:#010x}, it records {recorded:#010x}", path)
 
 
+_HEAD = re.compile(rb'\{"format":"aiotensor\.checkpoint","version":([0-9]{1,9}),"step":([0-9]{1,15}),')
+
+
+def sealed_step(data: bytes, path: object) -> int:
+    """The step a manifest names, from its seal and its first bytes (as :func:`dumps` writes them),
+    without parsing it: what listing a root needs, in memory the size of the file.
+
+    Raises:
+        ManifestError: a broken seal, or not the start of an aiotensor manifest of this version.
+    """
+    check_seal(data, path)
+    m = _HEAD.match(data)
+    if m is None:
+        raise ManifestError("not an aiotensor manifest (it does not begin as one)", path)
+    if int(m.group(1)) != VERSION:
+        raise ManifestError(f"manifest version {int(m.group(1))} is not supported (this aiotensor reads {VERSION})", path)
+    return int(m.group(2))
+
+
 def safe_shard_name(name: object) -> bool:
     """A plain file name: no separators, no ``..``, not absolute, not hidden."""
     return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None and ".." not in name
 
 
 @gil.quiet_gc
+def _shards(raw: Any, bad: Callable[[str], ManifestError]) -> dict[str, int]:
+    if not isinstance(raw, list):
+        raise bad("shards must be a list")
+    shards: dict[str, int] = {}
+    for s in raw:
+        if not (isinstance(s, dict) and set(s) == {"file", "size"} and is_count(s["size"])):
+            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}}")
+        if not safe_shard_name(s["file"]):
+            raise bad(f"shard file {s['file']!r} is not a plain file name inside the checkpoint folder")
+        if s["file"] in shards:
+            raise bad(f"shard file {s['file']!r} listed twice")
+        shards[s["file"]] = s["size"]
+    return shards
+
+
+_FIELDS = frozenset({"shard", "dtype", "shape", "offset", "nbytes", "crc32c"})
+
+
+def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestError]) -> Entry:
+    if not (isinstance(t, dict) and set(t) == _FIELDS):
+        raise bad(f"tensor {key!r}: entry must have exactly {sorted(_FIELDS)}")
+    if not (isinstance(t["shard"], str) and t["shard"] in shards):
+        raise bad(f"tensor {key!r}: shard {t['shard']!r} is not listed in shards")
+    if not (isinstance(t["dtype"], str) and t["dtype"] in ITEMSIZE):
+        raise bad(f"tensor {key!r}: unknown dtype {t['dtype']!r}")
+    shape = t["shape"]
+    problem = shape_problem(shape, t["dtype"])
+    if problem:
+        raise bad(f"tensor {key!r}: {problem}")
+    if not (is_count(t["offset"]) and is_count(t["nbytes"]) and is_count(t["crc32c"]) and t["crc32c"] < 2**32):
+        raise bad(f"tensor {key!r}: offset, nbytes and crc32c must be non-negative integers")
+    if nbytes_of(t["dtype"], shape) != t["nbytes"]:
+        raise bad(f"tensor {key!r}: shape {shape} of {t['dtype']} is not {t['nbytes']} bytes")
+    if t["offset"] + t["nbytes"] > shards[t["shard"]]:
+        raise bad(f"tensor {key!r}: bytes [{t['offset']}, {t['offset'] + t['nbytes']}) lie past the end of {t['shard']}")
+    return Entry(t["shard"], TensorSpec(key, t["dtype"], tuple(shape), t["offset"], t["nbytes"]), t["crc32c"])
+
+
 def loads(data: bytes, path: object) -> Manifest:
     """Validate a manifest completely before anything is allocated from it.
 
@@ -107,7 +164,41 @@ def loads(data: bytes, path: object) -> Manifest:
         return ManifestError(msg, path)
 
     check_seal(data, path)
-    doc = loads_json_object(data, path, "manifest", ManifestError)
+    doc: dict[str, Any] = {}
+    shards: dict[str, int] = {}
+    entries: dict[str, Entry] = {}
+
+    def member(key: str, value: Any) -> None:
+        if key in ("tensors", "aliases"):
+            raise bad(f"{key} must be an object")
+        if key == "shards":
+            shards.update(_shards(value, bad))
+        doc[key] = value
+
+    def tensor(key: str, t: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
+        if "shards" not in doc:
+            raise bad("the manifest lists its tensors before its shards")
+        entries[key] = _entry(key, t, shards, bad)
+
+    aliases: dict[str, str] = {}
+
+    def alias(key: str, target: Any) -> None:
+        if not (isinstance(target, str) and target in entries) or key in entries:
+            raise bad(f"aliases must map keys to stored tensor keys: {key!r} names {str(target)[:80]!r}")
+        aliases[key] = target
+
+    leaves: set[str] = set()
+
+    def node(pairs: list[tuple[str, Any]]) -> Any:  # the tree's objects, as they are parsed
+        if len(pairs) == 1 and pairs[0][0] == "tensor":
+            key = pairs[0][1]
+            if not (isinstance(key, str) and (key in entries or key in aliases)) or key in leaves:
+                raise bad(f"the state tree and the tensor table do not list the same tensors ({str(key)[:80]!r})")
+            leaves.add(key)
+        return dict(pairs)
+
+    parse_members(data, path, "manifest", ManifestError, member, {"tensors": tensor, "aliases": alias}, {"tree": node})
+    doc["aliases"] = aliases
     doc.pop("checksum", None)
     if doc.get("format") != FORMAT:
         raise bad(f"not an aiotensor manifest (format is {doc.get('format')!r}, expected {FORMAT!r})")
@@ -116,46 +207,8 @@ def loads(data: bytes, path: object) -> Manifest:
     step = doc.get("step")
     if not is_count(step):
         raise bad(f"step must be a non-negative integer, got {step!r}")
-    shards: dict[str, int] = {}
-    raw_shards = doc.get("shards")
-    if not isinstance(raw_shards, list):
+    if "shards" not in doc:
         raise bad("shards must be a list")
-    for s in raw_shards:
-        if not (isinstance(s, dict) and set(s) == {"file", "size"} and is_count(s["size"])):
-            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}}")
-        if not safe_shard_name(s["file"]):
-            raise bad(f"shard file {s['file']!r} is not a plain file name inside the checkpoint folder")
-        if s["file"] in shards:
-            raise bad(f"shard file {s['file']!r} listed twice")
-        shards[s["file"]] = s["size"]
-    raw = doc.get("tensors")
-    if not isinstance(raw, dict):
-        raise bad("tensors must be an object")
-    entries: dict[str, Entry] = {}
-    for key, t in raw.items():
-        fields = {"shard", "dtype", "shape", "offset", "nbytes", "crc32c"}
-        if not (isinstance(t, dict) and set(t) == fields):
-            raise bad(f"tensor {key!r}: entry must have exactly {sorted(fields)}")
-        if not (isinstance(t["shard"], str) and t["shard"] in shards):
-            raise bad(f"tensor {key!r}: shard {t['shard']!r} is not listed in shards")
-        if not (isinstance(t["dtype"], str) and t["dtype"] in ITEMSIZE):
-            raise bad(f"tensor {key!r}: unknown dtype {t['dtype']!r}")
-        shape = t["shape"]
-        problem = shape_problem(shape, t["dtype"])
-        if problem:
-            raise bad(f"tensor {key!r}: {problem}")
-        if not (is_count(t["offset"]) and is_count(t["nbytes"]) and is_count(t["crc32c"]) and t["crc32c"] < 2**32):
-            raise bad(f"tensor {key!r}: offset, nbytes and crc32c must be non-negative integers")
-        if nbytes_of(t["dtype"], shape) != t["nbytes"]:
-            raise bad(f"tensor {key!r}: shape {shape} of {t['dtype']} is not {t['nbytes']} bytes")
-        if t["offset"] + t["nbytes"] > shards[t["shard"]]:
-            raise bad(f"tensor {key!r}: bytes [{t['offset']}, {t['offset'] + t['nbytes']}) lie past the end of {t['shard']}")
-        entries[key] = Entry(t["shard"], TensorSpec(key, t["dtype"], tuple(shape), t["offset"], t["nbytes"]), t["crc32c"])
-    aliases = doc.get("aliases")
-    if not (isinstance(aliases, dict) and all(isinstance(v, str) and v in entries for v in aliases.values())):
-        raise bad("aliases must map keys to stored tensor keys")
-    if set(aliases) & set(entries):
-        raise bad("a key is both stored and an alias")
     if "tree" not in doc:
         raise bad("tree is missing")
     keys: list[str] = []

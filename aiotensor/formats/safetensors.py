@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._runtime import gil
-from ..errors import HeaderError
+from ..errors import FormatError, HeaderError
 from .dtypes import ITEMSIZE, nbytes_of, packing_problem
 
 ALIGN = 4096
@@ -126,13 +127,9 @@ def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderEr
     times the bytes of dense JSON such as ``[1,1,1,...]`` or ``[{},{},...]``, so text denser than
     any header or manifest aiotensor and safetensors write is refused before it is parsed.
     """
-    values = text.count(b",") + text.count(b"[") + text.count(b"{")
-    if values > _DENSE_FREE and len(text) < _MIN_BYTES_PER_VALUE * values:
-        raise error(f"{what} holds {values} JSON values in {len(text)} bytes: far denser than any real {what}", path)
+    doc = _text(text, path, what, error)
     try:
-        obj = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except UnicodeDecodeError as e:
-        raise error(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})", path) from None
+        obj = json.loads(doc, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except _Duplicate as e:
         raise error(f"{what} has the key {e.args[0]!r} twice", path) from None
     except (ValueError, RecursionError) as e:
@@ -146,9 +143,133 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
 
 
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODE = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant).raw_decode
+Member = Callable[[str, Any], None]
+
+
+def parse_members(
+    text: bytes,
+    path: object,
+    what: str,
+    error: type[FormatError],
+    member: Member,
+    nested: Mapping[str, Member] | None = None,
+    hooks: Mapping[str, Callable[[list[tuple[str, Any]]], Any]] | None = None,
+) -> None:
+    """Parse UTF-8 JSON that must be an object with unique keys, one member at a time:
+    ``member(key, value)`` for each, and for a key of ``nested``, ``nested[key](k, v)`` for each
+    member of its value (an object), which is never held whole. What a member makes of its value
+    is all that stays: a member that is not what it must be stops the parse at once, so parsing
+    memory stays within a small multiple of the text's size (with the density rule of
+    :func:`loads_json_object`). ``hooks[key]`` sees each object of that member's value as it is
+    parsed (its ``object_pairs_hook``), and may refuse it there. Any failure is ``error``."""
+    doc = _text(text, path, what, error)
+    decoders = {k: _decoder(hook) for k, hook in (hooks or {}).items()}
+    try:
+        end = _members(doc, 0, lambda k, j: _member(doc, k, j, member, nested or {}, decoders))
+        if doc[_skip(doc, end) :]:
+            raise ValueError(f"extra data after the object at {end}")
+    except FormatError:
+        raise
+    except _Duplicate as e:
+        raise error(f"{what} has the key {e.args[0]!r} twice", path) from None
+    except (ValueError, RecursionError, IndexError) as e:
+        raise error(f"{what} is not valid JSON ({str(e)[:200]})", path) from None
+
+
+def _decoder(hook: Callable[[list[tuple[str, Any]]], Any]) -> Callable[[str, int], tuple[Any, int]]:
+    def pairs(items: list[tuple[str, Any]]) -> Any:
+        return hook(list(_no_duplicates(items).items()))
+
+    return json.JSONDecoder(object_pairs_hook=pairs, parse_constant=_reject_constant).raw_decode
+
+
+def _member(doc: str, key: str, j: int, member: Member, nested: Mapping[str, Member], decoders: Mapping[str, Any]) -> int:
+    inner = nested.get(key)
+    if inner is not None and doc[j : j + 1] == "{":
+        return _members(doc, j, lambda k, i: _apply(doc, k, i, inner, _DECODE))
+    return _apply(doc, key, j, member, decoders.get(key, _DECODE))
+
+
+def _apply(doc: str, key: str, j: int, fn: Member, decode: Callable[[str, int], tuple[Any, int]]) -> int:
+    value, end = decode(doc, j)
+    fn(key, value)
+    return int(end)
+
+
+def _skip(doc: str, i: int) -> int:
+    """Where the white space at ``doc[i]`` ends."""
+    return _WS.match(doc, i).end()  # type: ignore[union-attr]
+
+
+def _members(doc: str, i: int, member: Callable[[str, int], int]) -> int:
+    """Walk the JSON object at ``doc[i]``: ``member(key, j)`` for each member, ``j`` where its
+    value starts, returning where the value ends; returns where the object ends."""
+    i = _skip(doc, i)
+    if doc[i : i + 1] != "{":
+        raise ValueError(f"expected an object at {i}")
+    i = _skip(doc, i + 1)
+    if doc[i : i + 1] == "}":
+        return i + 1
+    seen: set[str] = set()
+    while True:
+        if doc[i : i + 1] != '"':
+            raise ValueError(f"expected a key at {i}")
+        key, i = json.decoder.scanstring(doc, i + 1)  # type: ignore[attr-defined]
+        if key in seen:
+            raise _Duplicate(key)
+        seen.add(key)
+        i = _skip(doc, i)
+        if doc[i : i + 1] != ":":
+            raise ValueError(f"expected ':' at {i}")
+        i = _skip(doc, member(key, _skip(doc, i + 1)))
+        if doc[i : i + 1] == ",":
+            i = _skip(doc, i + 1)
+        elif doc[i : i + 1] == "}":
+            return i + 1
+        else:
+            raise ValueError(f"expected ',' or '}}' at {i}")
+
+
+def _text(text: bytes, path: object, what: str, error: type[FormatError]) -> str:
+    """The text of a JSON document, refused where it is far denser than real headers and manifests
+    (Python objects take 20 to 50 times the bytes of ``[1,1,1,...]`` or ``[{},{},...]``)."""
+    values = text.count(b",") + text.count(b"[") + text.count(b"{")
+    if values > _DENSE_FREE and len(text) < _MIN_BYTES_PER_VALUE * values:
+        raise error(f"{what} holds {values} JSON values in {len(text)} bytes: far denser than any real {what}", path)
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})", path) from None
+
+
 def is_count(x: object) -> bool:
     """A non-negative JSON integer (bool is not an integer here)."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _spec(key: str, info: Any, data_start: int, file_size: int, path: object) -> TensorSpec:
+    """One tensor entry of a header, validated."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise HeaderError(f"tensor {key!r}: entry must have exactly dtype, shape and data_offsets", path)
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise HeaderError(f"tensor {key!r}: unknown dtype {dtype!r}", path)
+    problem = shape_problem(shape, dtype)
+    if problem:
+        raise HeaderError(f"tensor {key!r}: {problem}", path)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)):
+        raise HeaderError(f"tensor {key!r}: data_offsets must be two non-negative integers, got {offsets!r}", path)
+    begin, end = offsets
+    if begin > end or data_start + end > file_size:
+        raise HeaderError(
+            f"tensor {key!r}: data_offsets [{begin}, {end}] outside the data section of {file_size - data_start} bytes", path
+        )
+    n = nbytes_of(dtype, shape)  # Python ints: no overflow; compared against real sizes below
+    if n != end - begin:
+        raise HeaderError(f"tensor {key!r}: shape {shape} of {dtype} needs {n} bytes but data_offsets span {end - begin}", path)
+    return TensorSpec(key, dtype, tuple(shape), data_start + begin, n)
 
 
 def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TENSORS) -> Layout:
@@ -160,34 +281,19 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
     data_start = 8 + len(header)
     if header.count(b'"data_offsets"') > max_tensors:
         raise HeaderError(f"more than {max_tensors} tensors in one file", path)
-    obj = loads_json_object(header, path, "header")
-    metadata = obj.pop("__metadata__", None)
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise HeaderError("__metadata__ must map strings to strings", path)
-    specs = []
-    for key, info in obj.items():
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise HeaderError(f"tensor {key!r}: entry must have exactly dtype, shape and data_offsets", path)
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            raise HeaderError(f"tensor {key!r}: unknown dtype {dtype!r}", path)
-        problem = shape_problem(shape, dtype)
-        if problem:
-            raise HeaderError(f"tensor {key!r}: {problem}", path)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)):
-            raise HeaderError(f"tensor {key!r}: data_offsets must be two non-negative integers, got {offsets!r}", path)
-        begin, end = offsets
-        if begin > end or data_start + end > file_size:
-            raise HeaderError(
-                f"tensor {key!r}: data_offsets [{begin}, {end}] outside the data section of {file_size - data_start} bytes",
-                path,
-            )
-        n = nbytes_of(dtype, shape)  # Python ints: no overflow; compared against real sizes below
-        if n != end - begin:
-            raise HeaderError(
-                f"tensor {key!r}: shape {shape} of {dtype} needs {n} bytes but data_offsets span {end - begin}", path
-            )
-        specs.append(TensorSpec(key, dtype, tuple(shape), data_start + begin, n))
+    specs: list[TensorSpec] = []
+    found: dict[str, dict[str, str]] = {}
+
+    def member(key: str, info: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
+        if key == "__metadata__":
+            if not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                raise HeaderError("__metadata__ must map strings to strings", path)
+            found["metadata"] = info
+            return
+        specs.append(_spec(key, info, data_start, file_size, path))
+
+    parse_members(header, path, "header", HeaderError, member)
+    metadata = found.get("metadata")
     specs.sort(key=lambda s: (s.offset, s.nbytes))
     pos = data_start
     for s in specs:
