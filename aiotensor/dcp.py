@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from . import commit, errors, sources
 from . import root as _root
+from ._io.assemble import read
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .engines import Engine
 from .engines.posix import PosixEngine
@@ -488,31 +489,27 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     return any(os.path.lexists(os.path.join(os.fspath(path), n)) for n in (METADATA, dm.PICKLE_NAME))
 
 
-def load_full(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The whole state a DCP checkpoint holds, unsharded, in this process (no process group):
-    what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does, through
-    :func:`reader_for` (so no pickle runs). Memory: the whole state. Blocking.
+def load_full(path: str | os.PathLike[str], *, verify: bool = True) -> Any:
+    """The whole state a DCP checkpoint holds (either writer's), unsharded, in this process (no
+    process group): what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does,
+    through aiotensor's resolver and read path (:mod:`aiotensor.sources`): no pickle runs beyond
+    the allow-listed metadata, every item is read within its file, and checked against its
+    checksum. Memory: the whole state. Blocking (an event loop of its own, in a thread).
 
     Raises:
         FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
-            reading, never DCP's ``CheckpointException`` (a BaseException).
+            reading, naming the file and the item.
     """
-    import warnings
+    folder = os.fspath(path)
 
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    async def load(sched: Scheduler) -> Any:
+        src = await sched.call(sources.step, sched.engine, folder)
+        tensors = await read(sched, src.entries, torch.device("cpu"), verify)
+        by_name = {n: t for e, t in zip(src.entries, tensors, strict=True) for n in e.names}
+        assert src.state is not None
+        return src.state(by_name.__getitem__)
 
-    state: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
-        reader = reader_for(path)
-        reader.read_metadata()  # its errors as themselves
-        try:
-            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
-        except CheckpointException as e:
-            raise unwrap(e, f"loading {os.fspath(path)}") from None
-    return state
+    return _Runner(None, None, None).run(load)
 
 
 def unwrap(exc: CheckpointException, what: str) -> BaseException:

@@ -197,6 +197,8 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
                 out.ignored[name] = "not a name aiotensor makes (step- and 12 ASCII digits)"
             continue  # other files (a user's notes) are simply not ours
         why = _check_step(engine, root, name, step, known)
+        if why is _GONE:
+            continue  # retired (or deleted) since the folder was listed: nothing to say about it
         if why is None:
             out.committed[step] = name
         elif isinstance(why, Exception):
@@ -211,6 +213,9 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
     return out
 
 
+_GONE = "gone"  # the folder went away while the root was listed (a writer retired it)
+
+
 def _check_step(
     engine: Engine, root: str, name: str, step: int, known: dict[str, tuple[tuple[int, int, int, int], int]]
 ) -> str | Exception | None:
@@ -218,11 +223,17 @@ def _check_step(
     folder = os.path.join(root, name)
     try:
         st = os.lstat(folder)
-        if not stat.S_ISDIR(st.st_mode):
-            return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(st.st_mode) else "not a folder"
+    except FileNotFoundError:
+        return _GONE
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(st.st_mode) else "not a folder"
+    try:
         mst = os.lstat(os.path.join(folder, MANIFEST))
     except FileNotFoundError:
-        return _check_dcp_step(engine, folder)
+        why = _check_dcp_step(engine, folder)
+        return _GONE if why is not None and not os.path.lexists(folder) else why
 
     except OSError as e:
         return f"cannot be read ({e.strerror})"

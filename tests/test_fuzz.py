@@ -193,3 +193,152 @@ def test_a_manifest_claiming_a_huge_tensor_allocates_nothing(tmp_path: Any) -> N
     files["manifest.json"] = mf.seal(doc)
     with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
         load_copy(files)
+
+
+# --- torch.save zips and DCP checkpoints (issue 22: the readers of files aiotensor did not write) ---
+
+
+def _torch_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(64, generator=g)
+    return {"w": base, "view": base[8:24], "col": torch.randn(6, 5, generator=g).t(), "i": torch.arange(9), "meta": {"lr": 0.1}}
+
+
+def _torch_bytes() -> bytes:
+    if "torch" not in _CACHE:
+        path = os.path.join(tempfile.mkdtemp(prefix="aiotensor-fuzz-pt-"), "s.pt")
+        torch.save(_torch_state(), path)
+        _CACHE["torch"] = path
+    with open(_CACHE["torch"], "rb") as f:
+        return f.read()
+
+
+@hs.composite
+def _bytes_damage(draw: hs.DrawFn, size: int) -> tuple[str, int, bytes]:
+    kind = draw(hs.sampled_from(["flip", "truncate", "zero-block", "overwrite", "insert"]))
+    pos = draw(hs.integers(0, size - 1))
+    data = draw(hs.binary(min_size=1, max_size=64)) if kind in ("overwrite", "insert") else b""
+    if kind == "flip":
+        data = bytes([1 << draw(hs.integers(0, 7))])
+    return kind, pos, data
+
+
+@FUZZ
+@given(hs.data())
+def test_a_damaged_torch_save_file_loads_exactly_or_raises_format_error(data: hs.DataObject) -> None:
+    from aiotensor import load_torch
+
+    original = _torch_bytes()
+    kind, pos, extra = data.draw(_bytes_damage(len(original)))
+    damaged = apply({"s.pt": original}, "s.pt", kind, pos, extra)["s.pt"]
+    folder = tempfile.mkdtemp(prefix="aiotensor-fuzz-case-")
+    try:
+        path = os.path.join(folder, "s.pt")
+        with open(path, "wb") as f:
+            f.write(damaged)
+        try:
+            got = anyio.run(load_torch, path)
+        except FormatError as e:
+            assert path in str(e), str(e)
+            return
+        # it loaded: the damage hit bytes no reader uses (a timestamp, a comment...): values exact,
+        # as checked by each storage's zip CRC-32 (torch.load never checks them)
+        assert_state_equal(_torch_state(), got)
+    finally:
+        shutil.rmtree(folder)
+
+
+def _dcp_folders() -> dict[str, str]:
+    """A DCP checkpoint of each writer (aiotensor's, DCP's own FileSystemWriter), written once."""
+    if "dcp" not in _CACHE:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        from aiotensor.dcp import AiotensorWriter
+
+        root = tempfile.mkdtemp(prefix="aiotensor-fuzz-dcp-")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(_dcp_state(), storage_writer=AiotensorWriter(os.path.join(root, "ours")))
+            dcp.save(_dcp_state(), checkpoint_id=os.path.join(root, "theirs"))
+        _CACHE["dcp"] = root
+    return {k: os.path.join(_CACHE["dcp"], k) for k in ("ours", "theirs")}
+
+
+def _dcp_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    return {"model": {"w": torch.randn(20, 7, generator=g), "b": torch.arange(7.0)}, "step": 4, "lrs": [0.5, 0.25]}
+
+
+@FUZZ
+@given(hs.data())
+def test_a_damaged_dcp_checkpoint_loads_exactly_or_raises_format_error(data: hs.DataObject) -> None:
+    from aiotensor.dcp import load_full
+
+    writer = data.draw(hs.sampled_from(["ours", "theirs"]))
+    src = _dcp_folders()[writer]
+    name = data.draw(hs.sampled_from(sorted(os.listdir(src))))
+    with open(os.path.join(src, name), "rb") as f:
+        original = f.read()
+    kind, pos, extra = data.draw(_bytes_damage(len(original)))
+    folder = tempfile.mkdtemp(prefix="aiotensor-fuzz-case-")
+    try:
+        case = os.path.join(folder, writer)
+        shutil.copytree(src, case)
+        with open(os.path.join(case, name), "wb") as f:
+            f.write(apply({name: original}, name, kind, pos, extra)[name])
+        try:
+            got = load_full(case)
+        except FormatError as e:
+            assert case in str(e), str(e)
+            return
+        if writer == "ours":  # sealed metadata, a crc32c per item: whatever loads is exact
+            assert_state_equal(_dcp_state(), got)
+        elif name != ".metadata":  # DCP's own: each tensor a zip whose CRC-32s are checked (its metadata
+            # pickle and its pickled values carry no checksum: a flip there can change them silently)
+            want = _dcp_state()["model"]
+            assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+    finally:
+        shutil.rmtree(folder)
+
+
+@FUZZ
+@given(hs.binary(max_size=3000))
+def test_any_bytes_as_dcp_metadata_raise_format_error_or_describe(data: bytes) -> None:
+    from aiotensor.formats import dcp_metadata as dm
+
+    for loads in (dm.loads_json, lambda b, p: dm.loads_pickle(b, p)[1]):
+        try:
+            d = loads(data, "m")
+        except FormatError:
+            continue
+        dm.check(d, lambda name: 1 << 20, "m")  # or raises ManifestError: never another exception
+
+
+@FUZZ
+@given(hs.data())
+def test_valid_dcp_metadata_with_any_field_replaced_is_refused_or_loads(data: hs.DataObject) -> None:
+    from aiotensor.dcp import load_full
+    from aiotensor.formats import dcp_metadata as dm
+
+    src = _dcp_folders()["ours"]
+    with open(os.path.join(src, dm.JSON_NAME), "rb") as f:
+        doc = json.loads(f.read())
+    path = data.draw(hs.sampled_from(_paths(doc)[1:]))
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = data.draw(JSON)
+    folder = tempfile.mkdtemp(prefix="aiotensor-fuzz-case-")
+    try:
+        case = os.path.join(folder, "ours")
+        shutil.copytree(src, case)
+        with open(os.path.join(case, dm.JSON_NAME), "wb") as f:
+            f.write(mf.seal(doc))  # sealed: a crafted file, not a corrupt one
+        try:
+            load_full(case)
+        except FormatError:
+            pass
+    finally:
+        shutil.rmtree(folder)

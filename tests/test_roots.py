@@ -511,3 +511,25 @@ async def test_a_dense_safetensors_header_is_refused_within_bounded_memory(tmp_p
         tracemalloc.stop()
     assert peak < 4 * len(text) + (16 << 20), peak
     assert len(str(ei.value)) < 1000
+
+
+async def test_a_step_retired_while_the_root_is_listed_is_not_reported(tmp_path: Any, caplog: Any) -> None:
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, w(1))
+        await store.save(2, w(2))
+
+    class Racing(aiotensor.PosixEngine):
+        """A writer retires step 1 between this reader's listdir and its look at the folder."""
+
+        def listdir(self, path: str) -> list[str]:
+            names = super().listdir(path)
+            one = os.path.join(path, "step-000000000001")
+            if os.path.exists(one):
+                os.rename(one, os.path.join(path, "step-000000000001.tmp-del0123abcd"))
+            return names
+
+    caplog.set_level(logging.INFO, logger="aiotensor")
+    async with TensorStore(tmp_path, readonly=True, engine=Racing()) as reader:
+        assert reader.steps() == [2]
+        assert "step-000000000001" not in reader.ignored  # it was retired, not broken
+    assert "no manifest" not in caplog.text and "ignoring step-000000000001" not in caplog.text

@@ -76,10 +76,28 @@ def _dtype(name: object, path: object) -> torch.dtype:
     return dt
 
 
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"a name must be a string, got {type(x).__name__}")
+    return x
+
+
+def _count(x: Any) -> int:
+    if not is_count(x):
+        raise TypeError(f"an offset or length must be a non-negative integer, got {str(x)[:40]!r}")
+    return int(x)
+
+
 def _ints(x: Any) -> tuple[int, ...]:
     if not (isinstance(x, (list, tuple)) and all(is_count(v) for v in x)):
         raise TypeError("sizes and offsets are lists of non-negative integers")
     return tuple(int(v) for v in x)
+
+
+def _place(x: Any) -> list[Any]:
+    if not isinstance(x, (list, tuple)):
+        raise TypeError("a place in the state is a list of names")
+    return list(x)
 
 
 def loads_json(data: bytes, path: object) -> Description:
@@ -97,16 +115,18 @@ def loads_json(data: bytes, path: object) -> Description:
         for s in doc["storage_data"]:
             index = s["index"]
             offset = None if index["offset"] is None else _ints(index["offset"])
-            where[(str(index["fqn"]), offset)] = Stored(s["file"], key=s["key"])
+            where[(_str(index["fqn"]), offset)] = Stored(_str(s["file"]), key=_str(s["key"]))
         tensors: dict[str, Tensor] = {}
         values: dict[str, Stored] = {}
         for fqn, e in doc["state_dict_metadata"].items():
+            if not isinstance(e, dict):
+                raise TypeError(f"item {fqn!r} is not an object")
             if e["type"] == "bytes":
                 values[fqn] = where[(fqn, None)]
                 continue
             chunks = tuple(Chunk(_ints(c["offsets"]), _ints(c["sizes"]), where[(fqn, _ints(c["offsets"]))]) for c in e["chunks"])
             tensors[fqn] = Tensor(_dtype(e["dtype"], path), _ints(e["size"]), chunks, bool(e["requires_grad"]))
-        places = {str(k): tuple(v) for k, v in doc["planner_data"].items()}
+        places = {str(k): tuple(_place(v)) for k, v in doc["planner_data"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
     return Description(tensors, values, places)
@@ -148,7 +168,11 @@ def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:
         raise
     except Exception as e:
         raise ManifestError(f"malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})", path) from None
-    if not isinstance(m, md.Metadata) or not isinstance(m.storage_data, dict) or not isinstance(m.state_dict_metadata, dict):
+    if not (
+        isinstance(m, md.Metadata)
+        and isinstance(getattr(m, "storage_data", None), dict)
+        and isinstance(getattr(m, "state_dict_metadata", None), dict)
+    ):
         raise ManifestError("the metadata is not a DCP Metadata", path)
     try:
         where: dict[tuple[str, tuple[int, ...] | None], Stored] = {}
@@ -158,7 +182,9 @@ def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:
                     f"item {index.fqn!r} is stored with transforms (compression), which aiotensor does not read", path
                 )
             offset = None if index.offset is None else _ints(index.offset)
-            where[(str(index.fqn), offset)] = Stored(info.relative_path, offset=info.offset, length=info.length)
+            where[(_str(index.fqn), offset)] = Stored(
+                _str(info.relative_path), offset=_count(info.offset), length=_count(info.length)
+            )
         tensors: dict[str, Tensor] = {}
         values: dict[str, Stored] = {}
         for fqn, item in m.state_dict_metadata.items():
@@ -167,7 +193,7 @@ def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:
                 continue
             chunks = tuple(Chunk(_ints(c.offsets), _ints(c.sizes), where[(fqn, _ints(c.offsets))]) for c in item.chunks)
             tensors[fqn] = Tensor(_dtype(str(item.properties.dtype).removeprefix("torch."), path), _ints(item.size), chunks)
-        places = {str(k): tuple(v) for k, v in (m.planner_data or {}).items()}
+        places = {str(k): tuple(_place(v)) for k, v in (m.planner_data or {}).items()}
     except UnsafeFileError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -190,7 +216,10 @@ def check(d: Description, size_of: Callable[[str], int], path: object) -> None:
         if not mf.safe_shard_name(s.file):
             raise ManifestError(f"item {fqn!r}: data file {str(s.file)[:100]!r} is not a plain file name in the folder", path)
         if s.file not in sizes:
-            sizes[s.file] = size_of(s.file)
+            try:
+                sizes[s.file] = size_of(s.file)
+            except FileNotFoundError:
+                raise ManifestError(f"item {fqn!r}: its data file {s.file!r} is missing", path) from None
         if s.offset is not None or s.length is not None:
             if not (is_count(s.offset) and is_count(s.length)) or s.offset + s.length > sizes[s.file]:  # type: ignore[operator]
                 raise ManifestError(

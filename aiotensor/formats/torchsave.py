@@ -313,7 +313,10 @@ class _Window(io.RawIOBase):
         n = min(len(buf), self.length - self.pos)
         if n <= 0:
             return 0
-        got = os.preadv(self.fd, [memoryview(buf).cast("B")[:n]], self.start + self.pos)
+        # released before returning or raising: a view left in a traceback would outlive the
+        # reader's buffer ("deallocated bytearray object has exported buffers")
+        with memoryview(buf) as whole, whole.cast("B") as flat, flat[:n] as part:
+            got = os.preadv(self.fd, [part], self.start + self.pos)
         self.pos += got
         return got
 

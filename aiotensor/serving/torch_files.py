@@ -21,15 +21,18 @@ from ..errors import UnsafeFileError, annotate_oserror
 
 
 async def load_torch(
-    path: str | os.PathLike[str], *, device: str | torch.device = "cpu", scheduler: Scheduler | None = None
+    path: str | os.PathLike[str], *, device: str | torch.device = "cpu", verify: bool = True, scheduler: Scheduler | None = None
 ) -> Any:
     """Load a torch.save zip (``.pt``/``.bin``) as the state it holds, as ``torch.load`` gives it
     (``weights_only=True``), without its pickle: only what state_dicts are made of is admitted, and
     each storage is bounds-checked and read once, straight from its offset in the file. Tensors
     that share a storage (tied weights, views, expanded views) come back as views of it, as
-    ``torch.load`` makes them; structure the pickle shares stays shared.
+    ``torch.load`` makes them; structure the pickle shares stays shared. Each storage's bytes are
+    checked against the CRC-32 its zip entry records (``torch.load`` never checks it;
+    ``verify=False`` skips it).
 
     Raises:
+        ChecksumError: a storage's bytes differ from its zip entry's CRC-32 (naming the file).
         UnsafeFileError: a global outside the allow-list (nothing ran), a compressed or malformed
             entry, a storage of the wrong size, a tensor outside its storage, structure nested or
             shared past the bounds of :mod:`aiotensor.formats.torchsave`; not a torch.save zip.
@@ -45,7 +48,7 @@ async def load_torch(
             raise UnsafeFileError(
                 f"not a torch.save zip (a {src.kind} {'folder' if src.kind in ('hf', 'dcp', 'step', 'root') else 'file'})", path
             )
-        tensors = await read(sched, src.entries, dev, verify=False)
+        tensors = await read(sched, src.entries, dev, verify=verify)
         state = await sched.call(_state, src, tensors, priority=Priority.LOAD)
         await sched.discard(tensors)
         return state
