@@ -91,6 +91,10 @@ class WriterLock:
         self._fd = fd
         return True
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
     def holder(self) -> str:
         """The pid the current holder wrote, for messages ("" if unknown)."""
         try:

@@ -105,7 +105,7 @@ async def test_open_reserves_staging_memory_in_the_background(tmp_path: Any) -> 
     state = {"w": torch.randn(1 << 18), "b": torch.randn(10)}
     for reserve in (state, 1 << 20):
         async with TensorStore(tmp_path / str(type(reserve).__name__), reserve=reserve) as store:
-            while store._busy:  # the reservation runs in the background
+            while store._tasks:  # the reservation runs in the background
                 await anyio.sleep(0.01)
             mapped = store.staging.mapped_bytes
             assert mapped >= 1 << 20
@@ -123,3 +123,18 @@ async def test_progress_is_reported_for_saves_and_loads(tmp_path: Any) -> None:
         seen.clear()
         await store.load(1, progress=lambda d, t: seen.append((d, t)))
         assert len(seen) > 2 and seen[-1] == (2 << 20, 2 << 20)
+
+
+async def test_a_store_never_closed_lets_go_of_its_lock_when_collected(tmp_path: Any) -> None:
+    """A notebook cell that opens a store and is run again: the old store is collected (no reference
+    cycle keeps it), with a ResourceWarning as for a file, and the root can be opened again."""
+    import gc
+
+    store = TensorStore(tmp_path)
+    await store.open()
+    await store.save(1, {"w": torch.ones(3)})
+    with pytest.warns(ResourceWarning, match="never closed"):
+        del store  # collected at once: reference counting, not the cycle collector
+    async with TensorStore(tmp_path) as again:
+        assert again.steps() == [1]
+    gc.collect()

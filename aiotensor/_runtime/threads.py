@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import contextvars
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -52,7 +53,9 @@ class _Worker(threading.Thread):
     def __init__(self, pool: _Pool) -> None:
         super().__init__(name=f"aiotensor-worker-nice+{pool.nice}", daemon=True)
         self.pool = pool
-        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None: end
+        # a job returns what tells its caller it is done: called once this thread is idle again, so a
+        # caller that has its result finds the thread back in the pool
+        self.jobs: queue.SimpleQueue[Callable[[], Callable[[], None]] | None] = queue.SimpleQueue()  # None: end
 
     def run(self) -> None:
         lower_priority(self.pool.nice)
@@ -67,10 +70,12 @@ class _Worker(threading.Thread):
                 job = self.jobs.get()  # taken just now: its job is on the way
             if job is None:
                 return
-            job()
+            tell = job()
             del job
             with self.pool.lock:
                 self.pool.idle.append(self)
+            tell()
+            del tell
 
 
 class _Pool:
@@ -79,7 +84,7 @@ class _Pool:
         self.lock = threading.Lock()
         self.idle: list[_Worker] = []
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], Callable[[], None]]) -> None:
         with self.lock:
             worker = self.idle.pop() if self.idle else None  # the most recently busy: its caches are warm
         if worker is None:
@@ -153,15 +158,18 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE, cleanup: 
     ctx = contextvars.copy_context()
     out: list[Any] = []
 
-    def job() -> None:
-        try:
-            out.append((True, ctx.run(fn, *args)))
-        except BaseException as e:  # handed to the caller, whatever it is
-            out.append((False, e))
+    def tell() -> None:
         try:
             call_soon(done.set)
         except RuntimeError:  # the loop was closed under its waiting caller (its process is ending)
             pass
+
+    def job() -> Callable[[], None]:
+        try:
+            out.append((True, ctx.run(fn, *args)))
+        except BaseException as e:  # handed to the caller, whatever it is
+            out.append((False, e))
+        return tell
 
     _pool(nice).submit(job)
     cancelled = await _wait_out(done)
@@ -215,3 +223,43 @@ def spawn(fn: Callable[[], Awaitable[None]]) -> None:
     task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
     _keep_alive.add(task)
     task.add_done_callback(_keep_alive.discard)
+
+
+class Tasks:
+    """Work started in the background (by :func:`spawn`) that an owner waits for when it closes."""
+
+    def __init__(self) -> None:
+        self._busy: set[anyio.Event] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._busy)
+
+    def start(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn()`` in the background (``fn`` never raises)."""
+        done = anyio.Event()
+        self._busy.add(done)
+
+        async def run() -> None:
+            try:
+                await fn()
+            finally:
+                self._busy.discard(done)
+                done.set()
+
+        spawn(run)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Count the caller's own work (a load) as running, for :meth:`wait`."""
+        done = anyio.Event()
+        self._busy.add(done)
+        try:
+            yield
+        finally:
+            self._busy.discard(done)
+            done.set()
+
+    async def wait(self) -> None:
+        """Until nothing runs. Cancellation: stops waiting (the work goes on)."""
+        while self._busy:
+            await next(iter(self._busy)).wait()

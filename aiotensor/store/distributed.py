@@ -11,6 +11,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -20,6 +22,54 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._runtime.scheduler import Scheduler
 from ..errors import DistributedError
+from .handle import SaveHandle
+from .steps import Steps
+
+
+class Group:
+    """A store's side of a process group (``TensorStore(distributed=...)``): rank 0 is the root's
+    writer; each save and load is a collective of every rank, one at a time, in call order; what
+    blocks (collectives) runs in worker threads of the store's scheduler."""
+
+    def __init__(self, distributed: Any, sched: Scheduler) -> None:
+        self.group, self.rank, self.world = group_of(distributed)
+        self.sched = sched
+        self.saver = Saver(self.group)
+        self.lock = anyio.Lock()
+
+    async def opened(self, problem: BaseException | None, root: str) -> None:
+        """Every rank learns whether rank 0 could open ``root`` as its writer (``problem``)."""
+        mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
+        text = await anyio.to_thread.run_sync(share_outcome, mine, self.group)
+        if problem is not None:
+            raise problem
+        if text:
+            raise DistributedError(f"rank 0 could not open {root} as its writer: {text}")
+
+    async def save(self, h: SaveHandle, state: Any, path: str, steps: Steps) -> None:
+        """Stage this rank's part, write it, and commit once every rank's file is durable (DCP plans,
+        aiotensor writes, rank 0 commits; its last collective carries the outcome to every rank).
+        Collectives cannot be left half-way: cancelling waits for the end on this rank."""
+        what = f"saving step {h.step} in {steps.root}"
+        with anyio.CancelScope(shield=True):
+            async with self.lock:
+                staged = await self.sched.run_sync(self.saver.stage, state, what)
+                del state
+                h.set_staged(0)
+                token = anyio.lowlevel.current_token()
+                h.nbytes = await self.sched.run_sync(self.saver.write, staged, path, what, self.sched, token)
+            await steps.commit(h, None)
+
+    async def load(self, into: Any, path: str, what: str) -> None:
+        """Fill ``into`` (this rank's sharded state) through DCP, which reshards. As :meth:`save`,
+        cancelling waits for the end on this rank."""
+        with anyio.CancelScope(shield=True):
+            async with self.lock:
+                token = anyio.lowlevel.current_token()
+                await self.sched.run_sync(load, into, path, self.group, what, self.sched, token)
+
+    def close(self) -> None:
+        self.saver.close()
 
 
 def group_of(distributed: Any) -> tuple[Any, int, int]:
@@ -139,4 +189,4 @@ def collective(fn: Callable[[], Any], what: str) -> None:
         raise DistributedError(f"{what} failed: another rank stopped answering ({str(e)[:300]})") from e
 
 
-__all__ = ["Saver", "agree", "group_of", "load", "share_outcome"]
+__all__ = ["Group", "Saver", "agree", "group_of", "load", "share_outcome"]

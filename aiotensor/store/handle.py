@@ -42,9 +42,10 @@ class SaveHandle(Coroutine[Any, Any, None]):
     it afterwards raises :class:`~aiotensor.errors.SaveCancelledError`.
     """
 
-    def __init__(self, step: int, nbytes: int) -> None:
+    def __init__(self, step: int, nbytes: int = 0) -> None:
         self.step = step
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # tensor bytes, once planned
+        self._started = anyio.current_time()
         self._staged_event = anyio.Event()
         self._done_event = anyio.Event()
         self.staged = _Signal(self, self._staged_event)
@@ -118,7 +119,31 @@ class SaveHandle(Coroutine[Any, Any, None]):
             self.observed = True
             raise self._error
 
-    def _finish(self, error: BaseException | None) -> None:
+    # --- what the store tells the handle, as the save goes ---------------------------------
+
+    def begin(self, scope: anyio.CancelScope) -> None:
+        """The save runs inside ``scope`` from now on (cancelled at once if cancel() came first)."""
+        self._scope = scope
+        if self._cancel_requested:
+            scope.cancel()
+
+    def set_staged(self, nbytes: int) -> None:
+        """The tensors (``nbytes`` of them) are copied out: the caller may change its own from here on."""
+        self.nbytes = nbytes
+        self.stage_seconds = anyio.current_time() - self._started
+        self._staged_event.set()
+
+    def set_committed(self) -> None:
+        """Past the commit point: the save has succeeded, whatever happens next."""
+        self.committed = True
+        self.commit_seconds = anyio.current_time() - self._started
+
+    def warn(self, message: str) -> None:
+        """Trouble after the commit point, for :attr:`warnings` (the save still succeeded)."""
+        self.warnings.append(message)
+
+    def finish(self, error: BaseException | None) -> None:
+        """The save ended: with ``error``, or None once committed."""
         self._error = error
         self._staged_event.set()  # wakes staged-waiters of a failed save too (they see the error)
         self._done_event.set()

@@ -1,0 +1,234 @@
+"""The committed steps of a root as one store sees them, and the only code that changes which steps
+exist: a commit (the publication, then ``latest``, then retention), delete and rollback (each a
+retirement, :func:`aiotensor.commit.retire`), and the repairs a writer makes when it opens.
+
+After the commit point nothing fails a save: trouble with ``latest`` or retention is logged,
+listed in the handle's warnings, and repaired by the next save or open.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from .. import commit
+from .. import root as _root
+from .._runtime.scheduler import Priority, Scheduler
+from ..errors import CheckpointNotFoundError, StoreLockedError, annotate_oserror
+from ..root import LATEST, step_dir_name
+from .handle import SaveHandle
+
+log = logging.getLogger("aiotensor")
+LOCK_POLL = 0.05  # seconds between tries of a held lock
+Start = Callable[[Callable[[], Awaitable[None]]], None]  # runs work in the background, awaited on close
+
+
+async def call(sched: Scheduler, fn: Callable[..., Any], *args: Any, what: str, priority: int = Priority.SAVE) -> Any:
+    """``fn(*args)`` in a worker thread; an OSError names ``what`` the caller was doing."""
+    try:
+        return await sched.call(fn, *args, priority=priority)
+    except OSError as e:
+        raise annotate_oserror(e, what) from e
+
+
+class Steps:
+    """A root's committed steps, for one store.
+
+    Args:
+        writer: this store writes the root (moves ``latest``, retires, removes leftovers); a
+            reader, or a distributed store's rank other than 0, only keeps its view in step.
+        start: runs background work (the deletion of retired steps) that ``close`` waits for.
+    """
+
+    def __init__(self, sched: Scheduler, root: str, *, keep_last: int | None, writer: bool, start: Start) -> None:
+        self.sched, self.root, self.keep_last, self.writer = sched, root, keep_last, writer
+        self._start = start
+        self.committed: set[int] = set()
+        self.ignored: dict[str, str] = {}  # names in the root that are not committed steps, and why
+        self.errors: dict[str, Exception] = {}  # of those, the ones whose manifest failed to load
+        self.readers: Counter[int] = Counter()  # loads in flight, by step: never retired meanwhile
+        self.lock = anyio.Lock()  # one commit (or listing) at a time, so `latest` only moves forward
+        self._known: dict[str, Any] = {}  # manifests already checked, by folder name
+        self._latest_on_disk: str | None = None
+
+    def check(self, step: int | None, *, exists: bool = False) -> int:
+        """``step`` (None: the newest), if it is committed; else why not (for a load: what is
+        wrong with a folder that is there but broken)."""
+        if step is None:
+            step = self.newest()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
+        check_step(step)
+        if step in self.committed:
+            return step
+        damaged = None if exists else self.errors.get(step_dir_name(step))
+        if damaged is not None:
+            raise damaged
+        why = self.ignored.get(step_dir_name(step))
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint for step {step} in {self.root} "
+            + (f"({step_dir_name(step)} is {why})" if why else f"(committed: {self.sorted()[-10:]})")
+        )
+
+    def sorted(self) -> list[int]:
+        return sorted(self.committed)
+
+    def newest(self) -> int | None:
+        return max(self.committed, default=None)
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        return await call(self.sched, fn, *args, what=what)
+
+    async def scan(self) -> _root.Listing:
+        """Re-list the root (a manifest is checked again only if its file changed)."""
+        async with self.lock:  # a commit landing during the listing must not be lost
+            known = dict(self._known)
+            listing: _root.Listing = await self._call(
+                _root.scan, self.sched.engine, self.root, known, what=f"listing {self.root}"
+            )
+            self._known = known
+            self.committed = set(listing.committed)
+            self._latest_on_disk = listing.latest
+            for name, why in listing.ignored.items():
+                if self.ignored.get(name) != why:
+                    log.warning("%s: ignoring %s: %s", self.root, name, why)
+            self.ignored, self.errors = listing.ignored, listing.errors
+        return listing
+
+    async def repair(self, listing: _root.Listing) -> None:
+        """A writer that just took the lock: remove the leftovers of interrupted saves (the lock
+        proves the save that made them is gone), then bring ``latest`` up to date."""
+        for name in listing.leftovers:
+            await self._try(functools.partial(self._remove, name), None, f"removing {name}, left by an interrupted save")
+        await self._try(self.sync_latest, None, "repairing `latest`")
+
+    async def _remove(self, name: str) -> None:
+        path = os.path.join(self.root, name)
+        await self._call(self.sched.engine.remove_tree, path, what=f"removing {path}")
+
+    async def commit(self, h: SaveHandle, publish: Callable[[], Awaitable[None]] | None) -> None:
+        """``publish()`` (the commit point; None where it happened elsewhere: a distributed save's
+        rank 0, inside DCP), then ``latest`` and retention. Shielded: a commit that began ends."""
+        with anyio.CancelScope(shield=True):
+            async with self.lock:
+                if publish is not None:
+                    await publish()
+                h.set_committed()
+                self.committed.add(h.step)
+                if not self.writer:  # rank 0 retires: the other ranks drop those steps from their view
+                    if self.keep_last is not None:
+                        self.committed.difference_update(self.sorted()[: -self.keep_last])
+                    return
+                log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
+                await self._try(lambda: self.sync_latest(h), h, "updating `latest`")
+                await self._try(self._retain, h, "retiring old steps")
+
+    async def delete(self, steps: list[int]) -> None:
+        """Retire ``steps`` (those still committed), then update ``latest``. Shielded: it ends."""
+        with anyio.CancelScope(shield=True):
+            async with self.lock:
+                for s in steps:
+                    if s in self.committed:
+                        await self._retire(s)
+                await self._try(self.sync_latest, None, "updating `latest`")
+
+    async def _try(self, fn: Callable[[], Awaitable[Any]], h: SaveHandle | None, what: str) -> None:
+        """Housekeeping that must not fail what it follows: a failure is logged and listed in ``h``'s
+        warnings; the next save or open repairs it."""
+        try:
+            await fn()
+        except Exception as e:
+            msg = f"{self.root}: {what} failed ({e}); the checkpoint is committed, and the next save or open repairs this"
+            if h is not None:
+                h.warn(msg)
+            log.warning("%s", msg)
+
+    async def sync_latest(self, h: SaveHandle | None = None) -> None:
+        """Make ``latest`` name the newest committed step (or remove it when none is left). Something
+        else of that name (a folder, a link, a file of other contents) is the user's: it is left
+        alone, and reported in ``h``'s warnings and :attr:`ignored`."""
+        newest = self.newest()
+        want = None if newest is None else step_dir_name(newest)
+        if want == self._latest_on_disk:
+            return
+        path = os.path.join(self.root, LATEST)
+        why = await self._call(_root.point_latest, self.sched.engine, self.root, want, what=f"updating {path}")
+        if not why:
+            self._latest_on_disk = want
+            return
+        msg = f"{path} is {why} (the newest step is {want})"
+        if h is not None:
+            h.warn(msg)
+        if self.ignored.get(LATEST) != why:
+            log.warning("%s", msg)
+            self.ignored[LATEST] = why
+
+    async def _retain(self) -> None:
+        """Retire steps beyond ``keep_last`` (never one being loaded by this store: retried after
+        the next commit)."""
+        if self.keep_last is None:
+            return
+        for step in self.sorted()[: -self.keep_last]:
+            if not self.readers[step]:
+                await self._retire(step)
+
+    async def _retire(self, step: int) -> None:
+        """Retire a step durably (:func:`aiotensor.commit.retire`), then delete its files in the
+        background (a crash first leaves a leftover the next writer removes)."""
+        eng, path = self.sched.engine, self.path(step)
+        self.committed.discard(step)  # gone from this store's view once renamed, even if its fsync fails
+        try:
+            doomed = await self._call(commit.retire, eng, path, what=f"retiring step {step}")
+        except BaseException:
+            if await self._call(os.path.lexists, path, what=f"checking {path}"):
+                self.committed.add(step)  # the rename did not run: still committed
+            raise
+        log.info("%s: retired step %d", self.root, step)
+
+        async def remove() -> None:
+            with anyio.CancelScope(shield=True):  # a store closed with cancel=True still deletes them
+                try:
+                    await self.sched.call(eng.remove_tree, doomed, priority=Priority.BACKGROUND)
+                except OSError as e:
+                    log.warning("%s: could not delete the retired %s (%s); the next writer removes it", self.root, doomed, e)
+
+        self._start(remove)
+
+
+async def take_lock(sched: Scheduler, lock: _root.WriterLock, root: str, wait: float | None) -> None:
+    """Take ``root``'s writer lock, waiting up to ``wait`` seconds (None: for ever) for the writer
+    that holds it.
+
+    Raises:
+        StoreLockedError: naming the root and the holder's pid.
+    """
+    deadline = None if wait is None else anyio.current_time() + wait
+    while not await call(sched, lock.try_acquire, what=f"locking {root}"):
+        if deadline is not None and anyio.current_time() >= deadline:
+            pid = await call(sched, lock.holder, what=f"reading {lock.path}")
+            who = "in this process" if pid == str(os.getpid()) else (f"process {pid}" if pid else "another process")
+            raise StoreLockedError(
+                f"{root} is being written by another store ({who}): "
+                "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
+            )
+        await anyio.sleep(LOCK_POLL)
+
+
+def check_step(step: object) -> None:
+    """A step number, or TypeError / ValueError saying what it must be."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if not 0 <= step < 10**12:
+        raise ValueError(f"step must be in [0, 10**12), got {step}")
+
+
+__all__ = ["Steps", "call", "check_step", "take_lock"]
