@@ -50,7 +50,6 @@ from .files import read_file, write_safetensors
 from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 from .formats import torchsave as ts
-from .serving import stream
 
 METADATA = dm.JSON_NAME
 FORMAT = dm.FORMAT
@@ -357,7 +356,7 @@ class AiotensorReader(_MetadataOnce, StorageReader):
                     continue
             per_file.setdefault(info["file"], []).append(req)
 
-        async def read(sched: Scheduler) -> None:
+        async def read_all(sched: Scheduler) -> None:
             """All of this rank's reads, a file at a time: whole items straight into their targets
             (no copy), the others read, then cut and copied; crc32c verified either way."""
             with sched.operation():
@@ -371,12 +370,14 @@ class AiotensorReader(_MetadataOnce, StorageReader):
                     if file:  # a file of the folder: opened without following a link, as a store's shards are
                         got = await read_file(sched, os.path.join(self.path, file), keys=keys)
                     else:  # "": a TensorStore step, its manifest's shards
-                        async with stream(self.path, keys=keys, scheduler=sched) as st:
-                            got = {name: t async for name, t in st}
+                        src = await sched.call(sources.step, sched.engine, self.path)
+                        chosen = [e for e in src.entries if keys.intersection(e.names)]
+                        tensors = await read(sched, chosen, torch.device("cpu"))
+                        got = {n: t for e, t in zip(chosen, tensors, strict=True) for n in e.names}
                     for req in reqs:
                         _fill(planner, req, got[self.storage_data[req.storage_index]["key"]])
 
-        self.runner.run(read)
+        self.runner.run(read_all)
         return _done(None)
 
     @classmethod
