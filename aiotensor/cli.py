@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import torch
 
-from . import commit, errors, serving, sources
+from . import commit, errors, knobs, serving, sources
 from . import root as _root
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .commit import Publication
@@ -269,7 +269,7 @@ async def convert(
     dst: str,
     *,
     to: str | None = None,
-    shard_size: int = 4 << 30,
+    shard_size: int = knobs.SHARD_BYTES,
     step: int | None = None,
     overwrite: bool = False,
     scheduler: Scheduler | None = None,

@@ -145,16 +145,16 @@ def _foreign_lock(what: str, path: str) -> UnsafePathError:
     return UnsafePathError(f"is {what}, not the lock file aiotensor makes: left alone (move it away to write here)", path)
 
 
-def _not_ours(fd: int, st: os.stat_result, most: int, text: re.Pattern[bytes]) -> str:
+def _not_ours(fd: int, meta: os.stat_result, most: int, text: re.Pattern[bytes]) -> str:
     """Why the open file ``fd`` is not a small file the library wrote ("" if it may be): a file the
     library replaces or writes into must be a regular file of one link holding what it writes."""
-    if stat.S_ISDIR(st.st_mode):
+    if stat.S_ISDIR(meta.st_mode):
         return "a folder"
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(meta.st_mode):
         return "a special file (FIFO, device or socket)"
-    if st.st_nlink != 1:
-        return f"a file with {st.st_nlink} hard links"
-    if st.st_size > most or not text.fullmatch(os.pread(fd, most + 1, 0)):
+    if meta.st_nlink != 1:
+        return f"a file with {meta.st_nlink} hard links"
+    if meta.st_size > most or not text.fullmatch(os.pread(fd, most + 1, 0)):
         return "a file with other contents"
     return ""
 
@@ -173,8 +173,8 @@ class Listing:
     latest: str | None = None  # the step folder `latest` names (None: no such file, or not the library's)
 
 
-def _manifest_key(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _manifest_key(meta: os.stat_result) -> tuple[int, int, int, int]:
+    return (meta.st_dev, meta.st_ino, meta.st_size, meta.st_mtime_ns)
 
 
 def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, int], int]]) -> Listing:
@@ -200,7 +200,7 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
             if name.startswith("step-") or ".tmp-" in name:
                 out.ignored[name] = "not a name aiotensor makes (step- and 12 ASCII digits)"
             continue  # other files (a user's notes) are simply not ours
-        why = _check_step(engine, root, name, step, known)
+        why = _why_not_committed(engine, root, name, step, known)
         if why is _GONE:
             continue  # retired (or deleted) since the folder was listed: nothing to say about it
         if why is None:
@@ -220,19 +220,19 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
 _GONE = "gone"  # the folder went away while the root was listed (a writer retired it)
 
 
-def _check_step(
+def _why_not_committed(
     engine: Engine, root: str, name: str, step: int, known: dict[str, tuple[tuple[int, int, int, int], int]]
 ) -> str | Exception | None:
     """None if ``root/name`` is a committed step, else why not (the error its manifest raised)."""
     folder = os.path.join(root, name)
     try:
-        st = os.lstat(folder)
+        meta = os.lstat(folder)
     except FileNotFoundError:
         return _GONE
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    if not stat.S_ISDIR(st.st_mode):
-        return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(st.st_mode) else "not a folder"
+    if not stat.S_ISDIR(meta.st_mode):
+        return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(meta.st_mode) else "not a folder"
     try:
         mst = os.lstat(os.path.join(folder, MANIFEST))
     except FileNotFoundError:

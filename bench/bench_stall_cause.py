@@ -1,7 +1,7 @@
 """Where the event loop's stalls during a cold 1.4 GB load come from (issue 11), and what the
 settings aimed at them are worth: the worker threads' priority (``TensorStore(nice=)``), the GIL
 switch interval during the load (``TensorStore(switch_interval=)``) and the largest read into host
-memory (``aiotensor._io.read.READ_PIECE``).
+memory (``aiotensor.knobs.HOST_READ_BYTES``).
 
 A 1 ms ticker runs on the loop while ``store.load(step, into=)`` reads a cold checkpoint (page cache
 dropped before each load). Around every tick it reads the loop thread's ``/proc/self/task/<tid>/
@@ -31,7 +31,7 @@ from bench_cpu import evict, nbytes, parser, write_results
 from bench_http import sized_state
 
 import aiotensor
-from aiotensor._io import read as _io
+from aiotensor import knobs
 
 LATE = 0.004  # a tick this late (s) counts as a stall
 
@@ -93,17 +93,17 @@ async def run(a: Any) -> dict[str, Any]:
     async with aiotensor.TensorStore(a.dir) as store:
         await store.save(1, state)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
-    default_piece = _io.READ_PIECE
+    default_piece = knobs.HOST_READ_BYTES
     try:
         for rep in range(a.reps):
             for name, (nice, piece, workers, interval) in CONFIGS.items():
-                _io.READ_PIECE = piece
+                knobs.HOST_READ_BYTES = piece
                 opts = {"nice": nice, "workers": workers, "switch_interval": interval}
                 async with aiotensor.TensorStore(a.dir, readonly=True, **opts) as store:
                     rows[name].append(await one_load(store, state, gb))
                 print(f"rep {rep}: {name}: {rows[name][-1]}", flush=True)
     finally:
-        _io.READ_PIECE = default_piece
+        knobs.HOST_READ_BYTES = default_piece
         shutil.rmtree(a.dir, ignore_errors=True)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
     return {"gb": gb, "reps": a.reps, "rows": rows, "medians": med}

@@ -306,7 +306,7 @@ def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any, chunk: int) ->
 
     from aiotensor._runtime import gil as _gil
 
-    with mock.patch.object(_gil, "_CHUNK", chunk):
+    with mock.patch.object(_gil, "JSON_CHUNK_VALUES", chunk):
         assert _gil.dumps(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 

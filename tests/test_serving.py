@@ -14,9 +14,8 @@ import torch
 from safetensors.torch import save_file as st_save
 
 import aiotensor
-from aiotensor import TensorStore, load_into, prepare_swap, save_file, stream
+from aiotensor import TensorStore, knobs, load_into, prepare_swap, save_file, stream
 from aiotensor.errors import ChecksumError, ManifestError, MismatchError
-from aiotensor.serving import tensor_stream
 from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, bits
@@ -151,7 +150,7 @@ async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwh
             got[name] = t
     assert got.keys() == w.keys() and all(torch.equal(got[k], w[k]) for k in w)
     # one read per tensor made 4 worker calls each (12,000 here); a batch of up to BATCH_TENSORS makes 5
-    assert sched.stats.calls < 6 * (n // tensor_stream.BATCH_TENSORS + 1) + 8, sched.stats.calls
+    assert sched.stats.calls < 6 * (n // knobs.STREAM_BATCH_TENSORS + 1) + 8, sched.stats.calls
     # all were ready, so nothing made the consumer wait: it let other tasks run on its own
     assert any(1 < k < n for k in seen), seen[:5]
 

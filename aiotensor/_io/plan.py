@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import knobs
 from .._runtime import gil
 from .._runtime.buffers import round_up
 from ..formats import manifest as mf
@@ -47,7 +48,7 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 @gil.quiet_gc
 def plan_save(
-    state: Any, *, shard_bytes: int = 4 << 30, devices: tuple[str, ...] = ("cpu",)
+    state: Any, *, shard_bytes: int = knobs.SHARD_BYTES, devices: tuple[str, ...] = ("cpu",)
 ) -> tuple[SavePlan, dict[str, torch.Tensor]]:
     """Plan a checkpoint of ``state``: returns the plan and the source tensor of every stored key.
 

@@ -11,6 +11,7 @@ import anyio
 import numpy as np
 import torch
 
+from .. import knobs
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
@@ -18,13 +19,6 @@ from ..formats import checksum
 from ..formats import safetensors as st
 from ..formats.dtypes import SAFETENSORS_TO_TORCH
 from .tensors import Target, copy_tensor, crc_of_pieces, direct, io_bytes, spans, wait_for_streams
-
-# The largest piece one read moves into host memory. A buffered read is the kernel copying from the
-# page cache, and kernels built without preemption (PREEMPT_NONE, common on servers and cloud VMs)
-# let no other thread onto that core until the copy yields. Cold 1.4 GB loads on a 2-core VM
-# (bench/results/stall-cause.md): with 16 MiB pieces the loop stalled 73 ms per load (worst tick
-# 12.4 ms), with 1 MiB pieces 23 ms (8.2 ms), and the load ran at 2.36 GB/s against 1.66.
-READ_PIECE = 1 << 20
 
 
 async def open_read(sched: Scheduler, path: str) -> int:
@@ -169,8 +163,8 @@ async def _checked(
 
 
 def _read_piece(sched: Scheduler) -> int:
-    """The largest read into host memory (see :data:`READ_PIECE`)."""
-    return min(sched.slots.slot_bytes, READ_PIECE)
+    """The largest read into host memory (:data:`aiotensor.knobs.HOST_READ_BYTES`)."""
+    return min(sched.slots.slot_bytes, knobs.HOST_READ_BYTES)
 
 
 async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:

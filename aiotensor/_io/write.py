@@ -12,6 +12,7 @@ import anyio
 import numpy as np
 import torch
 
+from .. import knobs
 from .._runtime.buffers import PAGE, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import annotate_oserror
@@ -142,9 +143,6 @@ def _write_units(
 _Block = tuple[int, int, list[tuple[int, memoryview]]]  # file offset, length (whole pages), (position, bytes)
 
 
-_IMAGE_MIN = 4 << 20
-
-
 def _write_all(write: Callable[[int, Any, int], int], fd: int, src: memoryview | torch.Tensor, off: int) -> None:
     """``write(fd, bytes, offset)`` until all of ``src`` is written at ``off``."""
     while len(src):
@@ -165,7 +163,7 @@ def _image_blocks(sched: Scheduler, ranges: Sequence[tuple[int, memoryview | tor
     if any(isinstance(mv, torch.Tensor) for _, mv in ranges):
         return None
     end = max((off + len(mv) for off, mv in ranges), default=0)
-    if end < _IMAGE_MIN or end < len(ranges) * (256 << 10):
+    if end < knobs.IMAGE_MIN_BYTES or end < len(ranges) * (256 << 10):
         return None
     step = sched.slots.slot_bytes
     pieces: dict[int, list[tuple[int, memoryview]]] = {}

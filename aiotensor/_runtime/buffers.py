@@ -14,10 +14,10 @@ import anyio
 import numpy as np
 import torch
 
+from .. import knobs
 from . import threads
 
 PAGE = mmap.PAGESIZE
-_TOUCH = 16 << 20
 
 
 def round_up(n: int, to: int = PAGE) -> int:
@@ -42,8 +42,8 @@ class HostBuffer:
             # Fault every page in now, in pieces, with the GIL released. Not MAP_POPULATE: Python's
             # mmap() keeps the GIL for the whole populate (4 s of frozen event loop for 1.4 GB on
             # the development VM, where the first touch of guest memory is slow).
-            for a in range(0, self.nbytes, _TOUCH):
-                self.tensor[a : a + _TOUCH].zero_()
+            for a in range(0, self.nbytes, knobs.TOUCH_BYTES):
+                self.tensor[a : a + knobs.TOUCH_BYTES].zero_()
 
     def keep_from_children(self) -> None:
         """``madvise(MADV_DONTFORK)``: a forked child (a DataLoader worker) does not inherit this
@@ -69,7 +69,7 @@ class StagingPool:
     while the previous one is still writing; memory stays bounded by ``max_arenas`` × state size.
     """
 
-    def __init__(self, max_arenas: int = 2, *, pinning: Any = None, nice: int = threads.NICE) -> None:
+    def __init__(self, max_arenas: int = 2, *, pinning: Any = None, nice: int = knobs.NICE) -> None:
         if max_arenas < 1:
             raise ValueError(f"max_arenas must be >= 1, got {max_arenas}")
         self.max_arenas = max_arenas

@@ -44,15 +44,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from ..knobs import JSON_CHUNK_VALUES, PROMOTE_OVER, YOUNG_EVERY_S
+
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 _FEW = 16  # members: see _size
-_CHUNK = 2048  # JSON values per call of the C encoder, which holds the GIL throughout: about 1 ms
-SWITCH_INTERVAL = 0.001  # seconds: see switch_interval
-YOUNG_EVERY_S = 5.0  # seconds: see call_collecting
-PROMOTE_OVER = 10_000  # young objects: see the module's text
 # there, freeze() walks objects: see the module's text
 _can_promote = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 _lock = threading.Lock()
@@ -66,7 +64,7 @@ _set_interval = 0.0
 
 def dumps(obj: Any) -> str:
     """``json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, byte for
-    byte, in C-encoder calls of about :data:`_CHUNK` values each."""
+    byte, in C-encoder calls of about :data:`JSON_CHUNK_VALUES` values each."""
     parts: list[str] = []
     _walk(obj, parts)
     return "".join(parts)
@@ -87,11 +85,11 @@ def _size(obj: Any) -> int:
 
 def _walk(obj: Any, parts: list[str]) -> None:
     size = _size(obj)
-    if size <= _CHUNK:
+    if size <= JSON_CHUNK_VALUES:
         parts.append(_encode(obj))
         return
     per = (size - 1) // len(obj)  # values per member
-    step = max(1, _CHUNK // per) if per <= _CHUNK else 0  # members per C call; 0: each member walked
+    step = max(1, JSON_CHUNK_VALUES // per) if per <= JSON_CHUNK_VALUES else 0  # members per C call; 0: each member walked
     mapping = isinstance(obj, dict)
     members = list(obj.items()) if mapping else list(obj)
     whole = dict if mapping else list  # a slice of members, encoded as its own object or array

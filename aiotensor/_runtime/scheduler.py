@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from .. import knobs
 from ..engines import Engine, default_engine
 from . import gil, threads
 from .buffers import SlotPool
@@ -27,8 +28,6 @@ from .cuda import available as cuda_available
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-MiB = 1 << 20
 
 
 class Priority(enum.IntEnum):
@@ -169,11 +168,11 @@ class Scheduler:
         self,
         engine: Engine | None = None,
         *,
-        workers: int = 4,
-        chunk_bytes: int = 16 * MiB,
-        batch_bytes: int = 64 * MiB,
-        nice: int = threads.NICE,
-        switch_interval: float | None = gil.SWITCH_INTERVAL,
+        workers: int = knobs.WORKERS,
+        chunk_bytes: int = knobs.CHUNK_BYTES,
+        batch_bytes: int = knobs.BATCH_BYTES,
+        nice: int = knobs.NICE,
+        switch_interval: float | None = knobs.SWITCH_INTERVAL_S,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -270,7 +269,7 @@ class Scheduler:
         if not units:
             return []
         # cutting tens of thousands of units into batches is Python work: not on the loop thread
-        if len(units) > _INLINE_UNITS:
+        if len(units) > knobs.INLINE_UNITS:
             batches = await self.run_sync(batched, units, nbytes, limit)
         else:
             batches = batched(units, nbytes, limit)
@@ -290,7 +289,7 @@ class Scheduler:
                     progress.add(size)
 
         await run_concurrently(*[worker] * min(self.workers, len(batches)))
-        if len(units) > _INLINE_UNITS:
+        if len(units) > knobs.INLINE_UNITS:
             return await self.run_sync(_concat, results)
         return _concat(results)
 
@@ -316,9 +315,6 @@ class Scheduler:
         self.slots.close()
         if self.cuda is not None:
             self.cuda.close()
-
-
-_INLINE_UNITS = 256  # Scheduler.map cuts and joins more units than this in a worker thread
 
 
 def batched(

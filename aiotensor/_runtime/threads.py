@@ -30,10 +30,9 @@ from typing import Any, TypeVar
 
 import anyio
 
-T = TypeVar("T")
+from ..knobs import IDLE_S, NICE
 
-IDLE_S = 10.0
-NICE = 10  # how much lower than the process the workers run (0: the same priority)
+T = TypeVar("T")
 
 
 def lower_priority(by: int) -> None:

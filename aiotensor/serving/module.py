@@ -9,9 +9,10 @@ from typing import NamedTuple
 
 import torch
 
+from .. import knobs
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import MismatchError
-from .tensor_stream import BATCH_BYTES, BATCH_TENSORS, WINDOW_BYTES, stream
+from .tensor_stream import stream
 
 
 class LoadResult(NamedTuple):
@@ -31,8 +32,8 @@ async def _matched(
     scheduler: Scheduler | None,
 ) -> LoadResult:
     """Stream ``source`` and call ``fn(name, module's tensor, loaded tensor)`` for each tensor the
-    module has, of its shape, in worker threads, batches of up to :data:`BATCH_TENSORS` tensors or
-    :data:`BATCH_BYTES` at a time (one call per tensor made a 20,000-tensor load_into take 7 s).
+    module has, of its shape, in worker threads, batches of up to :data:`knobs.STREAM_BATCH_TENSORS` tensors or
+    :data:`knobs.STREAM_BATCH_BYTES` at a time (one call per tensor made a 20,000-tensor load_into take 7 s).
     ``strict``: a tensor the module lacks is an error at once (else it is reported)."""
     unexpected: list[str] = []
     async with stream(source, window_bytes=window_bytes, scheduler=scheduler) as s:
@@ -52,7 +53,7 @@ async def _matched(
                     raise MismatchError(f"tensor {name!r}: {source} has {list(t.shape)}, the module {list(dst.shape)}")
                 batch.append((name, dst, t))
                 size += t.nbytes
-                if len(batch) >= BATCH_TENSORS or size >= BATCH_BYTES:
+                if len(batch) >= knobs.STREAM_BATCH_TENSORS or size >= knobs.STREAM_BATCH_BYTES:
                     await sched.call(_each, fn, batch, priority=Priority.LOAD)
                     batch, size = [], 0
             if batch:
@@ -74,11 +75,11 @@ async def load_into(
     source: str | os.PathLike[str],
     *,
     strict: bool = True,
-    window_bytes: int = WINDOW_BYTES,
+    window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
 ) -> LoadResult:
     """Load ``source`` in place into ``module``'s parameters and buffers, a batch of tensors at a
-    time (memory: the module, the stream's window and a batch of up to :data:`BATCH_BYTES`),
+    time (memory: the module, the stream's window and a batch of up to :data:`knobs.STREAM_BATCH_BYTES`),
     converting dtypes on the fly.
 
     Raises:
@@ -124,7 +125,7 @@ async def prepare_swap(
     module: torch.nn.Module,
     source: str | os.PathLike[str],
     *,
-    window_bytes: int = WINDOW_BYTES,
+    window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
 ) -> Swap:
     """Load ``source`` for ``module`` into new tensors (one extra copy of the weights, on the

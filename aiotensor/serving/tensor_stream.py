@@ -13,31 +13,14 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from .. import sources
+from .. import knobs, sources
 from .._io.assemble import Assembly, DtypeRule, Entry, finish, prepare, stored_bytes
 from .._io.read import close, open_read, read_tensors
 from .._io.tensors import check_device, on_stream
 from .._runtime import threads
-from .._runtime.scheduler import MiB, Priority, Scheduler, batched
+from .._runtime.scheduler import Priority, Scheduler, batched
 from ..engines import Engine
 from ..errors import MismatchError
-
-WINDOW_BYTES = 256 * MiB
-
-
-# Neighbouring small tensors of one file are read together, up to this many bytes and tensors: one
-# read and a few worker round trips per batch, not per tensor (a stream of 20,000 small tensors took
-# 18 s and stalled the loop 150-180 ms when each was read alone; bench/bench_loop.py).
-BATCH_BYTES = 16 * MiB
-
-
-BATCH_TENSORS = 512
-
-
-# A consumer whose next tensors are already read does not wait, so it would run a whole batch's
-# worth of loop iterations in one go: the iteration lets other tasks run at least this often.
-YIELD_S = 0.0005
-
 
 Keys = Iterable[str] | str | Callable[[str], bool] | None
 _Batch = tuple[list[Entry], list[tuple[str, ...]], int, list[str]]  # entries, their names, bytes, files
@@ -48,7 +31,7 @@ def _planned(
 ) -> tuple[int, list[_Batch]]:
     """What the stream reads (:func:`aiotensor.sources.resolve`, ``keys`` and ``rows`` applied), in
     the batches read together: runs of entries of one file of at most ``batch_bytes`` and
-    :data:`BATCH_TENSORS` entries, tensors that share a storage never split apart (blocking)."""
+    :data:`knobs.STREAM_BATCH_TENSORS` entries, tensors that share a storage never split apart (blocking)."""
     src = sources.resolve(engine, source)
     chosen = sources.select(src, keys)
     if rows:
@@ -64,7 +47,7 @@ def _planned(
         else:
             units.append([(e, names)])
     batches = []
-    cuts = batched(units, lambda u: stored_bytes([e for e, _ in u]), batch_bytes, BATCH_TENSORS,
+    cuts = batched(units, lambda u: stored_bytes([e for e, _ in u]), batch_bytes, knobs.STREAM_BATCH_TENSORS,
                    lambda a, b: a[0][0].parts[0].span.path != b[0][0].parts[0].span.path)  # fmt: skip
     for group, nbytes in cuts:
         pairs = [pair for unit in group for pair in unit]
@@ -91,7 +74,7 @@ class TensorStream:
     """``async for name, tensor in aiotensor.stream(source, ...)``: the tensors of ``source`` (a
     safetensors file, a Hugging Face folder, a torch.save zip, an aiotensor checkpoint step or store
     root) as ``(name, tensor)`` pairs in file order, as soon as their bytes land: small neighbours
-    are read together (up to :data:`BATCH_TENSORS` tensors and :data:`BATCH_BYTES`) and handed out
+    are read together (up to :data:`knobs.STREAM_BATCH_TENSORS` tensors and :data:`knobs.STREAM_BATCH_BYTES`) and handed out
     together, a bigger tensor alone.
 
     ``keys`` selects what is read: one name, names and prefixes (a prefix ends with ``.``), or a
@@ -128,7 +111,7 @@ class TensorStream:
         dtype: DtypeRule = None,
         keys: Keys = None,
         rows: Mapping[str, tuple[int, int]] | None = None,
-        window_bytes: int = WINDOW_BYTES,
+        window_bytes: int = knobs.WINDOW_BYTES,
         verify: bool = True,
         scheduler: Scheduler | None = None,
     ) -> None:
@@ -146,7 +129,7 @@ class TensorStream:
         # the stream CUDA tensors are made and finished on, in worker threads: the caller's
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.bytes_read = 0
-        self._batch_bytes = min(window_bytes, BATCH_BYTES)
+        self._batch_bytes = min(window_bytes, knobs.STREAM_BATCH_BYTES)
         self._batches: list[_Batch] | None = None
         self._ready: dict[int, tuple[tuple[str, ...], Any]] = {}  # read ahead, by index: (names, tensor or error)
         self._cost: dict[int, int] = {}  # bytes the window gets back once the consumer took an index
@@ -171,7 +154,7 @@ class TensorStream:
         return self
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
-        if not self._closed and time.perf_counter() - self._yielded > YIELD_S:
+        if not self._closed and time.perf_counter() - self._yielded > knobs.YIELD_S:
             await self._wait(ready=True)
         if self._closed:
             raise StopAsyncIteration

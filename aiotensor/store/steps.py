@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from .. import commit
+from .. import commit, knobs
 from .. import root as _root
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import CheckpointNotFoundError, StoreLockedError, annotate_oserror
@@ -25,7 +25,6 @@ from ..root import LATEST, step_dir_name
 from .handle import SaveHandle
 
 log = logging.getLogger("aiotensor")
-LOCK_POLL = 0.05  # seconds between tries of a held lock
 Start = Callable[[Callable[[], Awaitable[None]]], None]  # runs work in the background, awaited on close
 
 
@@ -220,7 +219,7 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock, root: str, wait: f
                 f"{root} is being written by another store ({who}): "
                 "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
             )
-        await anyio.sleep(LOCK_POLL)
+        await anyio.sleep(knobs.LOCK_POLL_S)
 
 
 def check_step(step: object) -> None:

@@ -17,11 +17,11 @@ from typing import Any
 import anyio
 import torch
 
+from .. import knobs, sources
 from .. import root as _root
-from .. import sources
-from .._runtime import cuda, gil, threads
+from .._runtime import cuda, threads
 from .._runtime.buffers import StagingPool
-from .._runtime.scheduler import MiB, Priority, ProgressCallback, Scheduler
+from .._runtime.scheduler import Priority, ProgressCallback, Scheduler
 from ..engines import Engine
 from ..errors import (
     CheckpointExistsError,
@@ -77,16 +77,16 @@ class TensorStore:
         readonly: bool = False,
         lock_timeout: float | None = 0,
         engine: Engine | None = None,
-        workers: int = 4,
-        chunk_bytes: int = 16 * MiB,
-        batch_bytes: int = 64 * MiB,
-        shard_bytes: int = 4 << 30,
-        max_staged: int = 2,
+        workers: int = knobs.WORKERS,
+        chunk_bytes: int = knobs.CHUNK_BYTES,
+        batch_bytes: int = knobs.BATCH_BYTES,
+        shard_bytes: int = knobs.SHARD_BYTES,
+        max_staged: int = knobs.MAX_STAGED,
         verify: bool = True,
         reserve: Any = None,
         distributed: Any = False,
-        nice: int = threads.NICE,
-        switch_interval: float | None = gil.SWITCH_INTERVAL,
+        nice: int = knobs.NICE,
+        switch_interval: float | None = knobs.SWITCH_INTERVAL_S,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")

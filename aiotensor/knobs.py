@@ -1,0 +1,69 @@
+"""Every tunable of aiotensor, in one place: what each trades, and the benchmark (``bench/``, results
+in ``bench/results/``) that chose its value. The caps a hostile file meets are limits, not
+tunables: they live with their formats (``aiotensor/formats``)."""
+
+from __future__ import annotations
+
+MiB = 1 << 20
+
+# --- worker threads (aiotensor._runtime.threads) ------------------------------------------------
+# How many nice levels below the process the workers run: the loop's thread gets a core the moment
+# it is ready, the copies take what is left (bench_stall_cause.py: run-queue stalls).
+NICE = 10
+# An idle worker thread ends after this long, so nothing is left behind by a forgotten scheduler.
+IDLE_S = 10.0
+
+# --- the scheduler (aiotensor._runtime.scheduler) ----------------------------------------------
+# Worker threads and calls in flight per scheduler: enough to keep the disk's queue full on 2 cores
+# (bench_cpu.py, bench_read_patterns.py).
+WORKERS = 4
+# The largest piece one engine call writes, or reads into device memory; also a bounce slot's size
+# (bench_cpu.py).
+CHUNK_BYTES = 16 * MiB
+# The most bytes one worker-thread call moves before the loop gets a say: priorities act between
+# batches (bench_loop.py).
+BATCH_BYTES = 64 * MiB
+# The largest read into host memory: a kernel copying from the page cache holds its core that long
+# on kernels without preemption, the loop's thread waiting (bench_stall_cause.py).
+HOST_READ_BYTES = 1 * MiB
+# A map over more units than this is cut into batches and joined in a worker, not on the loop
+# (bench_loop.py).
+INLINE_UNITS = 256
+
+# --- the GIL and the collector (aiotensor._runtime.gil) -----------------------------------------
+# While a save or load runs, the GIL switch interval is at most this (Python's is 5 ms): the loop's
+# thread waits that long at most for a worker in Python code (bench_loop.py).
+SWITCH_INTERVAL_S = 0.001
+# During a long collector pause, a worker collects the young generations this often (bench_loop.py).
+YOUNG_EVERY_S = 5.0
+# Objects made during a pause are moved to the oldest generation unwalked when more than this many
+# are young as it ends (a load of 20,000 tensors: bench_loop.py).
+PROMOTE_OVER = 10_000
+# JSON values one call of the C encoder takes (it holds the GIL throughout): about 1 ms (bench_loop.py).
+JSON_CHUNK_VALUES = 2048
+
+# --- host memory (aiotensor._runtime.buffers, aiotensor._io.write) ------------------------------
+# A new staging arena is touched in pieces of this, the GIL released between them (bench_cpu.py:
+# a fresh store's first save).
+TOUCH_BYTES = 16 * MiB
+# A single file of at least this many bytes (of few, large tensors) is assembled in page-aligned
+# bounce slots and written with O_DIRECT (bench_cpu.py: durable save_file).
+IMAGE_MIN_BYTES = 4 * MiB
+
+# --- saves (aiotensor.store) --------------------------------------------------------------------
+# The largest shard file of a checkpoint (a tensor is never split).
+SHARD_BYTES = 4 << 30
+# Staging arenas, so saves staged or writing at once: one stages while the last writes (bench_cpu.py).
+MAX_STAGED = 2
+# Seconds between two tries of a lock another writer holds.
+LOCK_POLL_S = 0.05
+
+# --- streams and module loads (aiotensor.serving) -----------------------------------------------
+# Bytes of tensors a stream reads ahead of its consumer.
+WINDOW_BYTES = 256 * MiB
+# Neighbouring small tensors of one file are read together, up to this many bytes and tensors; a
+# load into a module copies them in worker calls of the same size (bench_loop.py: 20,000 tensors).
+STREAM_BATCH_BYTES = 16 * MiB
+STREAM_BATCH_TENSORS = 512
+# A consumer whose next tensors are already read lets other tasks run at least this often.
+YIELD_S = 0.0005
