@@ -362,7 +362,7 @@ class AiotensorReader(_MetadataOnce, StorageReader):
             with sched.operation():
                 for file, wanted in direct.items():
                     into = {k: t for k, (_, t) in wanted.items()}
-                    await read_file(sched, os.path.join(self.path, file), into, strict=False)
+                    await read_file(sched, os.path.join(self.path, file), into, unexpected_ok=True)
                     for req, target in wanted.values():
                         planner.commit_tensor(req, target)
                 for file, reqs in per_file.items():

@@ -192,7 +192,9 @@ async def load_file(
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
     ``into`` (whose tensors may be on CUDA; parameters that require grad are filled in place).
-    ``strict=False`` lets ``into`` name some of the file's tensors: only those are read.
+    ``strict`` has ``load_state_dict``'s meaning, ``into`` in the module's place: ``strict=False``
+    reads the tensors both have, leaves the rest of ``into`` as it is (missing keys: a sharded model
+    loads shard by shard into one state dict) and skips the file's others (unexpected keys).
 
     The header is validated completely before anything is allocated. A file written by aiotensor
     carries a crc32c per tensor: each is verified (unless ``verify=False``), so a flipped bit or a
@@ -205,7 +207,8 @@ async def load_file(
         HeaderError: a malformed header, or not a safetensors file (a torch.save zip is named as
             such), naming the file (and the tensor).
         ChecksumError: a tensor's bytes differ from its recorded crc32c (naming file and tensor).
-        MismatchError: ``into`` has other keys, shapes or dtypes than the file.
+        MismatchError: ``into`` has other shapes or dtypes than the file, or with ``strict``,
+            other keys (named as missing and unexpected keys).
         UnsafePathError: not a regular file (a FIFO, a device, a folder).
         OSError: the file cannot be read.
         ValueError: ``device`` is not a device type this machine's scheduler handles.
@@ -215,7 +218,10 @@ async def load_file(
     path = os.fspath(path)
     async with own_scheduler(scheduler) as sched:
         real = await user_path(sched, path)
-        return await read_file(sched, real, into, device=device, verify=verify, strict=strict, progress=progress, name=path)
+        ok = not strict
+        return await read_file(
+            sched, real, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, name=path
+        )
 
 
 async def read_file(
@@ -226,18 +232,20 @@ async def read_file(
     keys: set[str] | None = None,
     device: str | torch.device = "cpu",
     verify: bool = True,
-    strict: bool = True,
+    missing_ok: bool = False,
+    unexpected_ok: bool = False,
     progress: ProgressCallback | None = None,
     name: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`load_file` of a file at a path that is never resolved (links refused), on ``sched``;
-    ``keys`` (without ``into``): read only those tensors. Errors name the file as ``name``."""
+    ``keys`` (without ``into``): read only those tensors; ``missing_ok``/``unexpected_ok``: as
+    :func:`check_into`. Errors name the file as ``name``."""
     name = name or path
     dev = check_device(sched, device)
     fd, layout = await _open_layout(sched, path, name)
     try:
         dest, targets, nbytes = await sched.call(
-            _targets, sched, layout, name, into, dev, verify, strict, keys, priority=Priority.LOAD
+            _targets, sched, layout, name, into, dev, verify, (missing_ok, unexpected_ok), keys, priority=Priority.LOAD
         )
         with reporting(nbytes, progress):
             await read_tensors(sched, fd, name, targets, Priority.LOAD)
@@ -256,7 +264,7 @@ def _targets(
     into: Mapping[str, torch.Tensor] | None,
     dev: torch.device,
     verify: bool,
-    strict: bool = True,
+    ok: tuple[bool, bool] = (False, False),
     keys: set[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[Target], int]:
     """The tensors to fill (in ``into``'s order, or the file's), a read target for each, and their bytes."""
@@ -266,7 +274,7 @@ def _targets(
     if into is None:
         dest = {s.key: new_tensor(s, dev) for s in layout.tensors if keys is None or s.key in keys}
     else:
-        check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", strict)
+        check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
         dest = dict(into)
     targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
     return dest, targets, sum(t.spec.nbytes for t in targets)

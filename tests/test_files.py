@@ -139,8 +139,30 @@ async def test_big_tensors_are_written_in_page_aligned_blocks_bypassing_the_page
     assert info.size == 8 + header_len + sum(v.nbytes for v in t.values())
     got = await aiotensor.load_file(path, into={"tail": torch.zeros(3)}, strict=False)  # only what is asked for
     assert list(got) == ["tail"] and torch.equal(got["tail"], t["tail"])
-    with pytest.raises(MismatchError, match="missing"):
+    with pytest.raises(MismatchError, match=r"missing keys \[\].*unexpected keys \['i8'"):
         await aiotensor.load_file(path, into={"tail": torch.zeros(3)})
+
+
+async def test_a_sharded_model_loads_shard_by_shard_into_one_state(tmp_path: Any) -> None:
+    """load_file(shard, into=full, strict=False), as load_state_dict(strict=False) means it: the
+    entries other shards hold are missing keys, and left alone (issue 23.14)."""
+    from safetensors.torch import save_file as st_save
+
+    g = torch.Generator().manual_seed(3)
+    full = {f"layers.{i}.w": torch.randn(8, 4, generator=g) for i in range(6)}
+    shards = [dict(list(full.items())[:3]), dict(list(full.items())[3:])]
+    for i, part in enumerate(shards):
+        st_save(part, str(tmp_path / f"model-{i}.safetensors"))  # the real writer, as save_pretrained shards
+    into = {k: torch.zeros_like(v) for k, v in full.items()}
+    for i in range(2):
+        got = await aiotensor.load_file(tmp_path / f"model-{i}.safetensors", into=into, strict=False)
+        assert got.keys() == into.keys()
+    assert_state_equal(full, into)
+    with pytest.raises(MismatchError, match=r"missing keys \['layers.3.w'.*unexpected keys \[\]"):
+        await aiotensor.load_file(tmp_path / "model-0.safetensors", into=into)
+    # strict=False still checks what both have
+    with pytest.raises(MismatchError, match="layers.0.w"):
+        await aiotensor.load_file(tmp_path / "model-0.safetensors", into={"layers.0.w": torch.zeros(4, 8)}, strict=False)
 
 
 async def test_a_failed_block_write_leaves_the_old_file_and_no_temporary(tmp_path: Any) -> None:

@@ -221,6 +221,98 @@ async def test_a_hot_swap_switches_whole_or_not_at_all(tmp_path: Any) -> None:
     assert torch.equal(bits(model.weight), bits(new.weight))
 
 
+class TiedLM(torch.nn.Module):
+    """A language model whose output layer shares the embedding matrix (GPT-2, Gemma), with a
+    buffer, built with torch alone."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(50, 16, dtype=dtype)
+        self.norm = torch.nn.BatchNorm1d(16, dtype=dtype)
+        self.lm_head = torch.nn.Linear(16, 50, bias=False, dtype=dtype)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.wte(ids)))
+
+
+def trained_tied(seed: int) -> TiedLM:
+    torch.manual_seed(seed)
+    m = TiedLM()
+    m.norm.running_mean.uniform_()
+    return m.eval()
+
+
+async def test_tied_weights_load_from_a_file_that_stores_one_name(tmp_path: Any) -> None:
+    from safetensors.torch import save_model
+
+    src = trained_tied(1)
+    save_model(src, str(tmp_path / "m.safetensors"))  # the real writer drops one tied name, as save_pretrained does
+    names = set((await aiotensor.read_header(tmp_path / "m.safetensors")).tensors)
+    assert len(names & {"wte.weight", "lm_head.weight"}) == 1
+    dst = trained_tied(2)
+    assert await load_into(dst, tmp_path / "m.safetensors") == ([], [])
+    assert dst.lm_head.weight is dst.wte.weight and torch.equal(dst.wte.weight, src.wte.weight)
+    ids = torch.arange(50)
+    assert torch.equal(dst(ids), src(ids))
+    # a hot swap of the same model, strict: the tie counts as present, and switches under both names
+    served = trained_tied(3)
+    swap = await prepare_swap(served, tmp_path / "m.safetensors")
+    assert (swap.missing_keys, swap.unexpected_keys) == ([], [])
+    swap.apply()
+    assert served.lm_head.weight is served.wte.weight and torch.equal(served(ids), src(ids))
+
+
+async def test_prepare_swap_strict_false_keeps_what_the_file_lacks(tmp_path: Any) -> None:
+    src, served = trained_tied(1), trained_tied(2)
+    keep = served.norm.weight.detach().clone()
+    part = {k: v for k, v in src.state_dict().items() if not k.startswith("norm.") and k != "lm_head.weight"}
+    await save_file(part | {"extra": torch.ones(1)}, tmp_path / "part.safetensors")
+    with pytest.raises(MismatchError, match="extra"):
+        await prepare_swap(served, tmp_path / "part.safetensors")
+    swap = await prepare_swap(served, tmp_path / "part.safetensors", strict=False)
+    assert "norm.weight" in swap.missing_keys and "lm_head.weight" not in swap.missing_keys
+    assert swap.unexpected_keys == ["extra"]
+    swap.apply()
+    assert torch.equal(served.lm_head.weight, src.wte.weight) and torch.equal(served.norm.weight, keep)
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one-name", "both-names"])
+async def test_a_meta_model_is_materialized_with_its_ties(tmp_path: Any, both: bool) -> None:
+    src = trained_tied(1)
+    state = dict(src.state_dict())
+    if not both:
+        del state["lm_head.weight"]
+    await save_file({k: v.clone() for k, v in state.items()}, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        dst = TiedLM(torch.bfloat16)
+    assert await load_into(dst, tmp_path / "m.safetensors") == ([], [])
+    assert not any(t.is_meta for t in dst.state_dict().values())
+    assert dst.lm_head.weight is dst.wte.weight and isinstance(dst.wte.weight, torch.nn.Parameter)
+    assert dst.wte.weight.requires_grad and dst.wte.weight.dtype == torch.bfloat16
+    assert dst.norm.running_mean.dtype == torch.bfloat16 and "running_mean" in dst.norm._buffers
+    assert torch.equal(dst.wte.weight, src.wte.weight.to(torch.bfloat16))
+    assert torch.equal(dst.norm.running_mean, src.norm.running_mean.to(torch.bfloat16))
+    dst(torch.arange(50))  # the next forward runs
+    # a swap needs a serving module: a meta one is refused, by name
+    with torch.device("meta"):
+        meta = TiedLM()
+    with pytest.raises(MismatchError, match="meta"):
+        await prepare_swap(meta, tmp_path / "m.safetensors")
+
+
+async def test_a_meta_model_missing_tensors_are_reported(tmp_path: Any) -> None:
+    src = trained_tied(1)
+    await save_file({"wte.weight": src.wte.weight}, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        dst = TiedLM()
+    with pytest.raises(MismatchError, match="norm.weight"):
+        await load_into(dst, tmp_path / "m.safetensors")
+    res = await load_into(dst, tmp_path / "m.safetensors", strict=False)
+    assert "norm.running_mean" in res.missing_keys and "lm_head.weight" not in res.missing_keys
+    assert not dst.wte.weight.is_meta and dst.norm.weight.is_meta
+
+
 async def test_row_slices_read_only_those_rows(tmp_path: Any) -> None:
     w = {"a": torch.randn(100, 64), "b": torch.randn(10)}
     await save_file(w, tmp_path / "m.safetensors")

@@ -126,16 +126,26 @@ def check_into(
     specs: Mapping[str, st.TensorSpec],
     devices: tuple[str, ...],
     where: str,
-    strict: bool = True,
+    *,
+    missing_ok: bool = False,
+    unexpected_ok: bool = False,
 ) -> None:
-    """``given`` (``into``'s tensors) has exactly ``specs``' keys (``strict=False``: some of them),
-    each a tensor of its spec's dtype and shape on a device this machine handles; else
-    MismatchError (StateError for the device)."""
-    missing, extra = sorted(set(specs) - set(given)) if strict else [], sorted(set(given) - set(specs))
-    if missing or extra:
-        raise MismatchError(f"`into` does not match {where}: missing {_few(missing)}, unexpected {_few(extra)}")
+    """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
+    and shape on a device this machine handles; else MismatchError (StateError for the device).
+    The words are ``load_state_dict``'s, ``into`` in the module's place: a key of ``into`` that
+    ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
+    is unexpected (``unexpected_ok``: not read)."""
+    missing = [] if missing_ok else sorted(set(given) - set(specs))
+    unexpected = [] if unexpected_ok else sorted(set(specs) - set(given))
+    if missing or unexpected:
+        raise MismatchError(
+            f"`into` does not match {where}: missing keys {_few(missing)} (only in `into`), "
+            f"unexpected keys {_few(unexpected)} (not in `into`)"
+        )
     for k, t in given.items():
-        spec = specs[k]
+        spec = specs.get(k)
+        if spec is None:
+            continue
         check_tensor(k, t, devices)
         want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
         if tuple(t.shape) != shape or t.dtype != want:

@@ -1,5 +1,11 @@
 """Loading into a live ``nn.Module``: in place (:func:`load_into`), or beside it for a hot swap
-(:func:`prepare_swap`, :class:`Swap`)."""
+(:func:`prepare_swap`, :class:`Swap`).
+
+Names are matched as ``nn.Module.load_state_dict`` matches them, with two additions users of
+``save_pretrained`` files need: a parameter the module ties to another one (the same tensor object
+under two names, as GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) is filled by either
+name, so a file that stores one of them is complete; and a module built on the ``meta`` device
+(``torch.device("meta")``, ``init_empty_weights``) gets real tensors, one per tie group."""
 
 from __future__ import annotations
 
@@ -22,28 +28,53 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
+# (the names it fills: a name and those tied to it; the module's tensor; the loaded one)
+Fill = Callable[[tuple[str, ...], torch.Tensor, torch.Tensor], object]
+
+
+def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
+    """The module's state tensors by name, and for each name tied to others (one tensor object
+    under several names) the names of its group."""
+    known = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    by_id: dict[int, list[str]] = {}
+    for name, t in known.items():
+        by_id.setdefault(id(t), []).append(name)
+    return known, {n: tuple(g) for g in by_id.values() if len(g) > 1 for n in g}
+
+
+def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
+    if strict and (got.missing_keys or got.unexpected_keys):
+        raise MismatchError(f"{source}: missing keys {got.missing_keys[:10]}, unexpected keys {got.unexpected_keys[:10]}")
+
+
 async def _matched(
     module: torch.nn.Module,
     source: str | os.PathLike[str],
-    fn: Callable[[str, torch.Tensor, torch.Tensor], object],
+    fn: Fill,
     *,
     strict: bool,
+    device: str | torch.device,
     window_bytes: int,
     scheduler: Scheduler | None,
+    no_meta: bool = False,
 ) -> LoadResult:
-    """Stream ``source`` and call ``fn(name, module's tensor, loaded tensor)`` for each tensor the
-    module has, of its shape, in worker threads, batches of up to :data:`knobs.STREAM_BATCH_TENSORS` tensors or
-    :data:`knobs.STREAM_BATCH_BYTES` at a time (one call per tensor made a 20,000-tensor load_into take 7 s).
-    ``strict``: a tensor the module lacks is an error at once (else it is reported)."""
+    """Stream ``source`` and call ``fn(names, module's tensor, loaded tensor)`` for each tensor the
+    module has, of its shape, in worker threads, batches of up to :data:`knobs.STREAM_BATCH_TENSORS`
+    tensors or :data:`knobs.STREAM_BATCH_BYTES` at a time (one call per tensor made a 20,000-tensor
+    load_into take 7 s). A name is missing only if neither it nor a name tied to it was loaded;
+    ``strict``: a name the module lacks is an error at once (else it is reported)."""
     unexpected: list[str] = []
-    async with stream(source, window_bytes=window_bytes, scheduler=scheduler) as s:
+    async with stream(source, device=device, window_bytes=window_bytes, scheduler=scheduler) as s:
         with s.scheduler.operation():
             sched = s.scheduler
-            left = await sched.run_sync(lambda: dict(module.state_dict(keep_vars=True)))  # not found yet
-            batch: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            known, ties = await sched.run_sync(_module_tensors, module)
+            if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):
+                raise MismatchError(f"the module has tensors on the meta device ({meta[:5]}); load_into materializes them")
+            left = dict.fromkeys(known)  # not filled yet
+            batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = []
             size = 0
             async for name, t in s:
-                dst = left.pop(name, None)
+                dst = known.get(name)
                 if dst is None:
                     if strict:
                         raise MismatchError(f"{source} has a tensor {name!r} the module does not")
@@ -51,23 +82,48 @@ async def _matched(
                     continue
                 if tuple(dst.shape) != tuple(t.shape):
                     raise MismatchError(f"tensor {name!r}: {source} has {list(t.shape)}, the module {list(dst.shape)}")
-                batch.append((name, dst, t))
+                names = ties.get(name, (name,))
+                for n in names:
+                    left.pop(n, None)
+                batch.append((names, dst, t))
                 size += t.nbytes
                 if len(batch) >= knobs.STREAM_BATCH_TENSORS or size >= knobs.STREAM_BATCH_BYTES:
                     await sched.call(_each, fn, batch, priority=Priority.LOAD)
                     batch, size = [], 0
             if batch:
                 await sched.call(_each, fn, batch, priority=Priority.LOAD)
-            missing: list[str] = await sched.run_sync(list, left)
-            await sched.discard(left)
-    return LoadResult(missing, unexpected)
+            await sched.discard(known)
+    return LoadResult(list(left), unexpected)
 
 
-def _each(fn: Callable[[str, torch.Tensor, torch.Tensor], object], batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+def _each(fn: Fill, batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():  # per thread: set in the worker
-        for name, dst, t in batch:
-            fn(name, dst, t)
+        for names, dst, t in batch:
+            fn(names, dst, t)
     batch.clear()  # the loaded tensors are freed here, not on the loop's thread
+
+
+def _in_place(module: torch.nn.Module) -> Fill:
+    """Copy into the module's tensors; a tensor on the meta device is replaced by the loaded one
+    (in the meta tensor's dtype, a Parameter again if it was one, with its ``requires_grad``), set
+    under every name of its tie group so the tie survives."""
+    made: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its replacement
+
+    def put(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
+        if not dst.is_meta:
+            dst.detach().copy_(t)
+        elif (new := made.get(id(dst))) is not None:  # a second name of a tie group, also in the file
+            new.detach().copy_(t)
+        else:
+            value = t.to(dst.dtype)
+            if isinstance(dst, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=dst.requires_grad)
+            made[id(dst)] = value
+            for n in names:
+                owner, _, leaf = n.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, value)
+
+    return put
 
 
 async def load_into(
@@ -75,46 +131,51 @@ async def load_into(
     source: str | os.PathLike[str],
     *,
     strict: bool = True,
+    device: str | torch.device = "cpu",
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
 ) -> LoadResult:
     """Load ``source`` in place into ``module``'s parameters and buffers, a batch of tensors at a
     time (memory: the module, the stream's window and a batch of up to :data:`knobs.STREAM_BATCH_BYTES`),
-    converting dtypes on the fly.
+    converting dtypes on the fly to the module's.
+
+    Tied parameters (one tensor under several names) are filled by whichever name the file has.
+    Tensors on the meta device are materialized on ``device`` (where the stream reads to; tensors
+    already on a device are copied where they are), as ``load_state_dict(assign=True)`` would, but
+    keeping ties. Buffers the module does not save (``persistent=False``) are not in any file: a
+    meta module's stay on the meta device.
 
     Raises:
-        MismatchError: a shape differs (named), or with ``strict``, missing or unexpected keys.
+        MismatchError: a shape differs (named), or with ``strict``, missing or unexpected keys
+            (after the file has been read: the module then holds what was loaded).
         What :func:`stream` raises.
 
     Cancellation: the stream is closed; the module may hold a mix of old and new values (load into
     a copy, or use :func:`prepare_swap`, to switch only once everything is in).
     """
     got = await _matched(
-        module,
-        source,
-        lambda name, dst, t: dst.detach().copy_(t),
-        strict=False,
-        window_bytes=window_bytes,
-        scheduler=scheduler,
+        module, source, _in_place(module), strict=False, device=device, window_bytes=window_bytes, scheduler=scheduler
     )
-    if strict and (got.missing_keys or got.unexpected_keys):
-        missing, unexpected = got.missing_keys[:10], got.unexpected_keys[:10]
-        raise MismatchError(f"load_into {source}: missing keys {missing}, unexpected keys {unexpected}")
+    _raise_if(strict, f"load_into {source}", got)
     return got
 
 
 class Swap:
-    """New weights for a module, loaded and verified beside the ones serving; :meth:`apply` switches."""
+    """New weights for a module, loaded and verified beside the ones serving; :meth:`apply` switches.
+    ``missing_keys`` and ``unexpected_keys`` say what the new version lacked or had beyond the
+    module (both empty unless it was prepared with ``strict=False``)."""
 
-    def __init__(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], result: LoadResult | None = None) -> None:
         self.module = module
         self.tensors = dict(tensors)
+        self.missing_keys, self.unexpected_keys = result or LoadResult([], [])
 
     def apply(self) -> None:
         """Switch the module to the new weights: pointer swaps only, no I/O and no copy. Call it
         between two requests, on the loop thread, while no other thread runs the module (with
         inference in worker threads, load a second module and switch the reference instead, as
-        ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it."""
+        ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it.
+        A tied parameter switches under all its names at once (it is one tensor)."""
         current = self.module.state_dict(keep_vars=True)  # now: .to() or new parameters since replace tensors
         with torch.no_grad():
             for name, new in self.tensors.items():
@@ -125,22 +186,26 @@ async def prepare_swap(
     module: torch.nn.Module,
     source: str | os.PathLike[str],
     *,
+    strict: bool = True,
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
 ) -> Swap:
     """Load ``source`` for ``module`` into new tensors (one extra copy of the weights, on the
     module's devices and dtypes) while the module keeps serving; returns a :class:`Swap` whose
     ``apply()`` switches between two requests. If the load fails (a corrupt file: ChecksumError;
-    other keys or shapes: MismatchError), nothing of the new version is visible.
+    other shapes, or with ``strict`` other keys: MismatchError), nothing of the new version is
+    visible. Tied parameters count as :func:`load_into` counts them; with ``strict=False``, what
+    the file lacks keeps its current value after ``apply()``.
 
     Cancellation: nothing was switched; the partly loaded copy is dropped.
     """
     new: dict[str, torch.Tensor] = {}
 
-    def keep(name: str, dst: torch.Tensor, t: torch.Tensor) -> None:
-        new[name] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
+    def keep(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
+        new[names[0]] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
 
-    got = await _matched(module, source, keep, strict=True, window_bytes=window_bytes, scheduler=scheduler)
-    if got.missing_keys:
-        raise MismatchError(f"the new version lacks {got.missing_keys[:10]}")
-    return Swap(module, new)
+    got = await _matched(
+        module, source, keep, strict=strict, device="cpu", window_bytes=window_bytes, scheduler=scheduler, no_meta=True
+    )
+    _raise_if(strict, f"prepare_swap {source}", got)
+    return Swap(module, new, got)
