@@ -50,6 +50,7 @@ from .files import read_file, write_safetensors
 from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 from .formats import torchsave as ts
+from .formats import tree
 
 METADATA = dm.JSON_NAME
 FORMAT = dm.FORMAT
@@ -309,7 +310,7 @@ class AiotensorReader(_MetadataOnce, StorageReader):
         super().__init__()
         self.path = os.fspath(path)
         self.runner = _Runner(None, scheduler, token)
-        self.storage_data: dict[md.MetadataIndex, dict[str, str]] = {}
+        self.storage_data: dict[md.MetadataIndex, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._forget(checkpoint_id)
@@ -366,6 +367,12 @@ class AiotensorReader(_MetadataOnce, StorageReader):
                     for req, target in wanted.values():
                         planner.commit_tensor(req, target)
                 for file, reqs in per_file.items():
+                    for req in [r for r in reqs if "value" in self.storage_data[r.storage_index]]:
+                        # a TensorStore step's non-tensor leaf, from its manifest
+                        planner.load_bytes(req, _saved(self.storage_data[req.storage_index]["value"]))
+                    reqs = [r for r in reqs if "value" not in self.storage_data[r.storage_index]]
+                    if not reqs:
+                        continue
                     keys = {self.storage_data[r.storage_index]["key"] for r in reqs}
                     if file:  # a file of the folder: opened without following a link, as a store's shards are
                         got = await read_file(sched, os.path.join(self.path, file), keys=keys)
@@ -386,6 +393,13 @@ class AiotensorReader(_MetadataOnce, StorageReader):
         return any(os.path.lexists(os.path.join(folder, n)) for n in (METADATA, _root.MANIFEST))
 
 
+def _saved(value: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
+
+
 def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
     """Hand ``req``'s part of the stored item ``t`` to the planner."""
     if req.type == LoadItemType.BYTE_IO:
@@ -402,21 +416,38 @@ def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
 
 
 def _store_metadata(m: mf.Manifest) -> md.Metadata:
-    """DCP's view of a TensorStore step: every tensor (aliases too) as one whole chunk; non-tensor
-    leaves of the state are not DCP items (load them with ``TensorStore.load``)."""
+    """DCP's view of a TensorStore step: its state as DCP flattens it (so the names are the ones DCP
+    asks for when it flattens a target of the same shape), every tensor one whole chunk, every
+    other leaf (an optimizer's ``lr``, a step count) a bytes item whose value the storage data
+    carries (``read_data`` hands it to DCP as ``torch.save`` bytes)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     from .formats.dtypes import SAFETENSORS_TO_TORCH, torch_shape
 
+    stand_in: dict[int, str] = {}  # one small tensor per key (DCP walks lists of tensors item by item)
+
+    def tensor(key: str) -> torch.Tensor:
+        t = torch.empty(0, device="meta")
+        stand_in[id(t)] = key
+        return t
+
+    state = tree.unflatten(m.tree, tensor, "the manifest")
+    flat, places = flatten_state_dict(state if isinstance(state, dict) else {"": state})
     sdm: dict[str, Any] = {}
-    storage: dict[md.MetadataIndex, dict[str, str]] = {}
-    keys = {k: k for k in m.entries} | dict(m.aliases)
-    for fqn, stored in keys.items():
-        spec = m.entries[stored].spec
+    storage: dict[md.MetadataIndex, dict[str, Any]] = {}
+    for fqn, value in flat.items():
+        key = stand_in.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if key is None:
+            sdm[fqn] = md.BytesStorageMetadata()
+            storage[md.MetadataIndex(fqn)] = {"file": "", "key": fqn, "value": value}
+            continue
+        spec = m.entries[m.aliases.get(key, key)].spec
         shape = torch.Size(torch_shape(spec.dtype, spec.shape))
-        props = md.TensorProperties(dtype=SAFETENSORS_TO_TORCH[spec.dtype])
         origin = torch.Size([0] * len(shape))
+        props = md.TensorProperties(dtype=SAFETENSORS_TO_TORCH[spec.dtype])
         sdm[fqn] = md.TensorStorageMetadata(props, shape, [md.ChunkStorageMetadata(origin, shape)])
-        storage[md.MetadataIndex(fqn, origin)] = {"file": "", "key": fqn}
-    return md.Metadata(sdm, planner_data={k: tuple(k.split(".")) for k in sdm}, storage_data=storage)
+        storage[md.MetadataIndex(fqn, origin)] = {"file": "", "key": key}
+    return md.Metadata(sdm, planner_data=dict(places), storage_data=storage)
 
 
 # --- existing FileSystemWriter checkpoints, without their pickle -----------------------------------

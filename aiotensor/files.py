@@ -274,7 +274,8 @@ def _targets(
     if into is None:
         dest = {s.key: new_tensor(s, dev) for s in layout.tensors if keys is None or s.key in keys}
     else:
-        check_into(into, {s.key: s for s in layout.tensors}, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
+        specs = {s.key: s for s in layout.tensors}
+        check_into(into, specs, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
         dest = dict(into)
     targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
     return dest, targets, sum(t.spec.nbytes for t in targets)

@@ -22,6 +22,7 @@ from aiotensor.dcp import AiotensorReader, AiotensorWriter, SafeFileSystemReader
 from aiotensor.errors import UnsafeFileError
 
 from ._dcp_ranks import full
+from .conftest import assert_state_equal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -398,3 +399,45 @@ def test_hostile_aiotensor_dcp_metadata_is_refused_before_dcp_allocates(tmp_path
     (path / ".metadata.json").write_bytes(mf.seal(doc))  # a valid checksum: crafted, not corrupted
     with pytest.raises(ManifestError, match="declares 1099511627776 bytes of tensors"):
         load_full(path)
+
+
+def _trained(lr: float, steps: int) -> tuple[dict[str, Any], Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": steps}, opt
+
+
+def test_a_single_process_step_with_optimizer_state_loads_through_dcp(tmp_path: Any, one_rank_group: Any) -> None:
+    """A plain store's step, its non-tensor leaves (lr, betas, the scheduler's counters) included,
+    loads through DCP and into a distributed store (issue 23.3: it was `Missing key ... lr`)."""
+    import anyio
+
+    saved, _ = _trained(0.5, 3)
+
+    async def save() -> None:
+        async with TensorStore(tmp_path / "root") as store:
+            await store.save(7, saved)
+
+    anyio.run(save)
+    for how in ("dcp", "store"):
+        into, _ = _trained(0.0, 1)
+        into["step"] = -1
+        if how == "dcp":
+            dcp.load(into, storage_reader=AiotensorReader(tmp_path / "root" / "step-000000000007"))
+        else:
+
+            async def load() -> None:
+                async with TensorStore(tmp_path / "root", distributed=True) as store:
+                    await store.load(into=into)
+
+            anyio.run(load)
+        assert into["step"] == 3 and into["sched"] == saved["sched"]
+        assert into["optim"]["param_groups"] == saved["optim"]["param_groups"]
+        assert_state_equal(saved["optim"]["state"], into["optim"]["state"])
+        assert_state_equal(saved["model"], into["model"])

@@ -7,9 +7,11 @@ Imported only by stores opened with ``distributed=``, so plain users never impor
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -29,18 +31,46 @@ from .steps import Steps
 class Group:
     """A store's side of a process group (``TensorStore(distributed=...)``): rank 0 is the root's
     writer; each save and load is a collective of every rank, one at a time, in call order; what
-    blocks (collectives) runs in worker threads of the store's scheduler."""
+    blocks (collectives) runs in worker threads of the store's scheduler.
+
+    The store's collectives run on a gloo group of aiotensor's over the same ranks (see
+    :func:`side_group`), as torch's ``async_save`` advises: a save runs in the background while the
+    trainer's own collectives (FSDP's all-gathers, a DTensor's ``full_tensor()``) run on the
+    user's group, and two threads issuing collectives on one group interleave them (gloo aborts
+    the process: "Received data size doesn't match expected size")."""
 
     def __init__(self, distributed: Any, sched: Scheduler) -> None:
-        self.group, self.rank, self.world = group_of(distributed)
+        self.parent, self.rank, self.world = group_of(distributed)
         self.sched = sched
-        self.saver = Saver(self.group)
+        self.side: Side | None = None  # once opened
+        self.saver: Saver | None = None
         self.lock = anyio.Lock()
 
+    @property
+    def group(self) -> Any:
+        assert self.side is not None, "the store opened"
+        return self.side.group
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """This store's turn (its calls in call order), then the side group's: another store of this
+        process on the same ranks waits, so their collectives never interleave either."""
+        assert self.side is not None, "the store opened"
+        async with self.lock:
+            await anyio.to_thread.run_sync(self.side.lock.acquire)
+            try:
+                yield
+            finally:
+                self.side.lock.release()
+
     async def opened(self, problem: BaseException | None, root: str) -> None:
-        """Every rank learns whether rank 0 could open ``root`` as its writer (``problem``)."""
+        """Join the side group (every rank of the user's takes part), then every rank learns
+        whether rank 0 could open ``root`` as its writer (``problem``)."""
+        self.side = await anyio.to_thread.run_sync(side_group, self.parent)
+        self.saver = Saver(self.group)
         mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
-        text = await anyio.to_thread.run_sync(share_outcome, mine, self.group)
+        async with self.turn():
+            text = await anyio.to_thread.run_sync(share_outcome, mine, self.group)
         if problem is not None:
             raise problem
         if text:
@@ -51,8 +81,9 @@ class Group:
         aiotensor writes, rank 0 commits; its last collective carries the outcome to every rank).
         Collectives cannot be left half-way: cancelling waits for the end on this rank."""
         what = f"saving step {h.step} in {steps.root}"
+        assert self.saver is not None, "the store opened"
         with anyio.CancelScope(shield=True):
-            async with self.lock:
+            async with self.turn():
                 staged = await self.sched.run_sync(self.saver.stage, state, what)
                 del state
                 h.set_staged(0)
@@ -64,12 +95,56 @@ class Group:
         """Fill ``into`` (this rank's sharded state) through DCP, which reshards. As :meth:`save`,
         cancelling waits for the end on this rank."""
         with anyio.CancelScope(shield=True):
-            async with self.lock:
+            async with self.turn():
                 token = anyio.lowlevel.current_token()
                 await self.sched.run_sync(load, into, path, self.group, what, self.sched, token)
 
     def close(self) -> None:
-        self.saver.close()
+        if self.saver is not None:
+            self.saver.close()
+
+
+class Side(NamedTuple):
+    group: Any
+    lock: threading.Lock  # held for each store operation's collectives
+
+
+_SIDES: dict[tuple[int, ...], Side] = {}
+_MAKING = threading.Lock()
+
+
+def side_group(parent: Any) -> Side:
+    """aiotensor's gloo group over ``parent``'s ranks (None: the default group's), with its timeout:
+    one per set of ranks for the process's life (its members make it the first time a store opens
+    on them), shared by the stores of the process. Not one per store: a group made with local
+    synchronization and destroyed leaves its name free, the next one takes it and finds the old
+    one's addresses in the rendezvous store (gloo: "Connect timeout")."""
+    pg = dist.group.WORLD if parent is None else parent
+    assert pg is not None, "torch.distributed is not initialized"
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    with _MAKING:
+        side = _SIDES.get(ranks)
+        if side is not None and _alive(side.group):
+            return side
+        timeout = None
+        for device in ("cpu", "cuda"):
+            try:
+                timeout = pg._get_backend(torch.device(device)).options._timeout
+                break
+            except Exception:  # no backend for that device, or no options: (a private API) gloo's default timeout
+                continue
+        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
+        _SIDES[ranks] = side = Side(group, threading.Lock())
+        return side
+
+
+def _alive(group: Any) -> bool:
+    """Is ``group`` still registered (destroy_process_group() forgets every group)?"""
+    try:
+        dist.get_process_group_ranks(group)
+        return True
+    except (KeyError, ValueError, RuntimeError):
+        return False
 
 
 def group_of(distributed: Any) -> tuple[Any, int, int]:
