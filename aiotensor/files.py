@@ -17,6 +17,7 @@ import torch
 from ._io.read import close, open_read, read_layout, read_tensors
 from ._io.tensors import Target, check_device, check_into, check_tensor, io_bytes, materialize, new_tensor, wait_for_streams
 from ._io.write import crcs_of, write_file
+from ._runtime import cuda
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
 from .commit import Publication
 from .errors import MismatchError, StateError
@@ -243,9 +244,14 @@ async def read_file(
     name = name or path
     dev = check_device(sched, device)
     fd, layout = await _open_layout(sched, path, name)
+    dest: dict[str, torch.Tensor]
     try:
+        ok = (missing_ok, unexpected_ok)
+        # new CUDA tensors allocated on the caller's streams: the allocator ties a block to the stream
+        # it was allocated on, and the worker's default stream would let the caller's work race a reuse
+        streams = cuda.caller_streams()
         dest, targets, nbytes = await sched.call(
-            _targets, sched, layout, name, into, dev, verify, (missing_ok, unexpected_ok), keys, priority=Priority.LOAD
+            cuda.under, streams, _targets, sched, layout, name, into, dev, verify, ok, keys, priority=Priority.LOAD
         )
         with reporting(nbytes, progress):
             await read_tensors(sched, fd, name, targets, Priority.LOAD)

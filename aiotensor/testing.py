@@ -42,7 +42,6 @@ class FaultyEngine(Engine):
         record_data: bool = False,
     ):
         self.inner = inner or PosixEngine()
-        self.mode = self.inner.mode
         self.record_data = record_data
         self.fail = dict(fail or {})
         self.hook = hook
@@ -50,6 +49,10 @@ class FaultyEngine(Engine):
         self.counts: Counter[str] = Counter()
         self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
+
+    @property
+    def mode(self) -> str:  # type: ignore[override]
+        return self.inner.mode
 
     def _op(self, *op: Any) -> None:
         with self._lock:

@@ -144,6 +144,140 @@ async def test_staging_arenas_are_pinned_once_and_unpinned_when_unmapped() -> No
     assert calls[-1] == ("unpin", 0) and pinning.pinned_bytes == 0
 
 
+def test_the_bridge_works_under_trio() -> None:
+    async def main() -> None:
+        bridge = EventBridge()
+        ev, failed = StandInEvent(), StandInEvent(RuntimeError("CUDA error"))
+        threading.Timer(0.02, ev.complete).start()
+        await bridge.wait(ev)
+        threading.Timer(0.02, failed.complete).start()
+        with pytest.raises(RuntimeError, match="CUDA error"):
+            await bridge.wait(failed)
+        await anyio.to_thread.run_sync(bridge.close)
+
+    anyio.run(main, backend="trio")
+
+
+async def test_a_wait_through_cancel_returns_only_once_the_event_completed() -> None:
+    bridge = EventBridge()
+    ev = StandInEvent()
+    threading.Timer(0.1, ev.complete).start()
+    with anyio.move_on_after(0.01) as scope:
+        await bridge.wait(ev, through_cancel=True)
+    assert scope.cancelled_caught  # the cancellation is raised...
+    assert ev.query(), "...but only once the copy that writes the arena completed"
+    await anyio.to_thread.run_sync(bridge.close)
+
+
+class _CopyStreams:
+    """What stage() needs of CopyStreams, with a real bridge."""
+
+    def __init__(self) -> None:
+        self.b = EventBridge()
+
+    def bridge(self, device: Any) -> EventBridge:
+        return self.b
+
+
+@pytest.mark.parametrize("canceller", ["scope", "task.cancel"])
+async def test_a_save_cancelled_while_its_device_copies_are_queued_waits_for_them(
+    monkeypatch: pytest.MonkeyPatch, canceller: str, anyio_backend: Any
+) -> None:
+    """Issue 24.3: cancelled while the worker queues the device → host copies, the completion
+    event it made was dropped and the arena released while the copies still wrote into it."""
+    import asyncio
+
+    from aiotensor._io import stage as stage_module
+
+    ev = StandInEvent()
+    queued = threading.Event()
+
+    def d2h(streams: Any, producer: Any, copies: Any) -> tuple[Any, list[Any]]:
+        queued.set()
+        threading.Event().wait(0.1)  # queueing in the worker while the caller is cancelled
+        threading.Timer(0.2, ev.complete).start()  # the copies complete later, on the GPU
+        return ev, []
+
+    fake_dev = torch.device("cpu")
+    monkeypatch.setattr(stage_module.cuda, "d2h", d2h)
+    monkeypatch.setattr(
+        stage_module,
+        "_stage_units",
+        lambda sched, plan, sources, arena: ([], [], {fake_dev: [(torch.empty(1), torch.empty(1))]}, 0),
+    )
+    sched = Scheduler(PosixEngine())
+    sched.cuda = _CopyStreams()  # type: ignore[assignment]
+    returned_before_completion: list[bool] = []
+
+    async def run() -> None:
+        try:
+            await stage_module.stage(sched, None, {}, None, 0, {fake_dev: None})  # type: ignore[arg-type]
+        finally:
+            returned_before_completion.append(not ev.query())
+
+    if canceller == "scope":
+        with anyio.move_on_after(0.03):
+            await run()
+    else:
+        task = asyncio.ensure_future(run())
+        await anyio.to_thread.run_sync(queued.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert returned_before_completion == [False]
+    await anyio.to_thread.run_sync(sched.cuda.b.close)  # type: ignore[union-attr]
+
+
+def test_record_current_streams_touches_no_device_without_a_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24.1: an event on each of 8 GPUs made a context (0.3-0.5 GiB) on every one, per rank."""
+    from aiotensor._runtime import cuda
+
+    recorded: list[Any] = []
+
+    class Event:
+        def __init__(self, **kw: Any) -> None:
+            pass
+
+        def record(self, stream: Any) -> None:
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i in (3, 5), raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: ("stream of", torch.device(dev)))
+    events = cuda.record_current_streams()
+    assert sorted(str(d) for d in events) == ["cuda:3", "cuda:5"]
+    assert recorded == [("stream of", torch.device("cuda", 3)), ("stream of", torch.device("cuda", 5))]
+
+
+def test_pinning_picks_its_device_at_the_first_pin_not_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24.4: a store built before ``torch.cuda.set_device(local_rank)`` pinned under GPU 0,
+    making a context there in every rank."""
+    from aiotensor._runtime import cuda
+
+    registered: list[int] = []
+    pinning = Pinning(register=lambda a, n, d: registered.append(d), unregister=lambda a, d: None)
+    monkeypatch.setattr(cuda, "live_devices", lambda: [2])  # the rank's set_device(2), then its first save
+    pinning.pin(4096, 4096)
+    assert registered == [2] and pinning.device == 2
+
+
+def test_a_closed_slot_pool_pins_its_new_slots() -> None:
+    from aiotensor._runtime.buffers import SlotPool
+
+    calls: list[str] = []
+    pinning = Pinning(register=lambda a, n, d: calls.append("pin"), unregister=lambda a, d: calls.append("unpin"), device=0)
+    pool = SlotPool(2, 4096)
+    pool.give(pool.take())
+    pool.pin(pinning)
+    pool.close()  # a scheduler reused after close maps new slots: they must be pinned too
+    pool.give(pool.take())
+    pool.pin(pinning)
+    assert calls == ["pin", "unpin", "pin"]
+    pool.close()
+
+
 # --- on a GPU -----------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu

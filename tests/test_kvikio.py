@@ -53,16 +53,18 @@ def kv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.delenv("KVIKIO_TASK_SIZE", raising=False)
     monkeypatch.syspath_prepend(FAKE)
     _drop_kvikio_modules()
+    aiotensor.engines.kvikio.forget_setup()  # kvikio is set up once per process: again, for the stand-in
     state = importlib.import_module("kvikio._fake").state
     state.reset()
     yield state
     _drop_kvikio_modules()
+    aiotensor.engines.kvikio.forget_setup()
 
 
 class HostKvikio(KvikioEngine):
     """The kvikio engine, with contiguous CPU tensors standing in for CUDA memory."""
 
-    def handles_device(self, t: torch.Tensor) -> bool:
+    def device_memory(self, t: torch.Tensor) -> bool:
         return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
@@ -167,7 +169,7 @@ async def test_corruption_read_into_device_memory_is_caught(tmp_path: Any, kv: A
 
 
 async def test_files_written_through_cufile_read_with_posix_and_safetensors(tmp_path: Any, kv: Any) -> None:
-    tensors = {str(d): random_tensor(d, (40, 9), i) for i, d in enumerate(DTYPES)}
+    tensors = {str(d): random_tensor(d, (400, 90), i) for i, d in enumerate(DTYPES)}  # whole pages: through cuFile
     kv.max_io = 5000
     path = str(tmp_path / "w.safetensors")
     await save_file(tensors, path, scheduler=Scheduler(HostKvikio(), chunk_bytes=4096))
@@ -182,6 +184,30 @@ async def test_files_written_through_cufile_read_with_posix_and_safetensors(tmp_
     _check_io(kv, "pread")
 
 
+@pytest.mark.parametrize("chunk_bytes", [4096 * 3 + 512, 1 << 20, 24 << 20])
+async def test_no_two_cufile_writes_share_a_page(tmp_path: Any, kv: Any, chunk_bytes: int) -> None:
+    """cuFile writes a partial page as a read-modify-write of the whole page: two threads writing
+    into one page lose one's bytes. Every CuFile.pwrite covers whole pages no other call touches;
+    the partial pages neighbours share go through a bounce slot."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [3, 1_000_003, 4093, 2_500_001, 17, 1 << 20, 999, 6_000_011]
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
+    tensors = {f"t{i}": torch.randint(-100, 100, (n,), generator=g).to(dtypes[i % 4]) for i, n in enumerate(sizes)}
+    path = str(tmp_path / "w.safetensors")
+    await save_file(tensors, path, scheduler=Scheduler(HostKvikio(), chunk_bytes=chunk_bytes, workers=4))
+    writes = [(off, n) for op, _, off, n in kv.calls if op == "pwrite"]
+    assert sum(n for _, n in writes) > 0.9 * sum(t.nbytes for t in tensors.values())  # most bytes through cuFile
+    pages: dict[int, int] = {}
+    for off, n in writes:
+        assert off % 4096 == 0 and n % 4096 == 0, (off, n)
+        for p in range(off // 4096, (off + n) // 4096):
+            pages[p] = pages.get(p, 0) + 1
+    assert max(pages.values()) == 1
+    assert_state_equal(dict(sorted(st_load_file(path).items())), dict(sorted(tensors.items())))
+    got = await load_file(path, scheduler=Scheduler(PosixEngine()))
+    assert_state_equal(dict(sorted(got.items())), dict(sorted(tensors.items())))
+
+
 async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any, kv: Any) -> None:
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
         await store.save(1, {"w": torch.ones(100_000)})
@@ -194,24 +220,29 @@ async def test_an_io_error_in_a_device_read_names_the_file(tmp_path: Any, kv: An
 
 
 @pytest.mark.parametrize(
-    "message,code",
+    "error,code",
     [
-        ("cuFile error: CU_FILE_IO_ERROR", errno.EIO),
-        (f"pwrite failed: {os.strerror(errno.ENOSPC)}", errno.ENOSPC),  # std::system_error's what()
-        (f"posix_fadvise failed: {os.strerror(errno.EDQUOT)}", errno.EDQUOT),
+        (RuntimeError("cuFile error: CU_FILE_IO_ERROR"), errno.EIO),
+        (RuntimeError(f"pwrite failed: {os.strerror(errno.ENOSPC)}"), errno.ENOSPC),  # std::system_error's what()
+        (RuntimeError(f"posix_fadvise failed: {os.strerror(errno.EDQUOT)}"), errno.EDQUOT),
+        (ValueError("Cannot read/write beyond the end of the file"), errno.EIO),  # kvikio's argument checks
+        (TypeError("buf must be a device or host buffer"), errno.EIO),
+        # dlerror ends in "No such file or directory": not a missing file (FileNotFoundError)
+        (RuntimeError("cuFile: libcuda.so.1: cannot open shared object file: No such file or directory"), errno.ELIBACC),
     ],
 )
 async def test_a_kvikio_failure_is_an_oserror_naming_the_file_with_its_errno(
-    tmp_path: Any, kv: Any, message: str, code: int
+    tmp_path: Any, kv: Any, error: Exception, code: int
 ) -> None:
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
         await store.save(1, {"w": torch.ones(1000)})
     eng = HostKvikio()
     async with TensorStore(tmp_path, engine=eng) as store:
-        kv.fail = RuntimeError(message)
+        kv.fail = error
         with pytest.raises(OSError, match="shard-00000") as e:
             await store.load(1)
         assert e.value.errno == code and eng._files == {}
+        assert not isinstance(e.value, FileNotFoundError)
 
 
 def test_mode_reports_what_runs(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,17 +269,40 @@ def test_mode_reports_what_runs(kv: Any, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_threads_and_task_size_are_set_deliberately(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    KvikioEngine(num_threads=6, task_size=8 << 20)
+    assert KvikioEngine(num_threads=6, task_size=8 << 20).mode == "gds"  # configured on first use
     assert (kv.values["num_threads"], kv.values["task_size"]) == (6, 8 << 20)
-    KvikioEngine(num_threads=2, task_size=8 << 20)
+    assert KvikioEngine(num_threads=2, task_size=8 << 20).mode == "gds"
     assert kv.values["num_threads"] == 6  # a pool is never shrunk
     for var in ("KVIKIO_NTHREADS", "KVIKIO_NUM_THREADS"):  # kvikio 26.x reads both names
         kv.reset()
         monkeypatch.setenv(var, "3")
         monkeypatch.setenv("KVIKIO_TASK_SIZE", "65536")
-        KvikioEngine(num_threads=6, task_size=8 << 20)
+        assert KvikioEngine(num_threads=6, task_size=8 << 20).mode == "gds"
         assert (kv.values["num_threads"], kv.values["task_size"]) == (1, 4 << 20)  # the user's environment wins
         monkeypatch.delenv(var)
+
+
+async def test_kvikio_is_set_up_once_per_process_off_the_loop_thread(tmp_path: Any, kv: Any) -> None:
+    """Every save_file/load_file/stream without a scheduler builds an engine: none imports kvikio
+    (0.6 s) or opens the cuFile driver on the event loop's thread, and only the first sets it up."""
+    tensors = {"w": torch.randn(5000)}
+    for i in range(3):
+        await save_file(tensors, tmp_path / f"{i}.safetensors", scheduler=Scheduler(HostKvikio()))
+        await load_file(tmp_path / f"{i}.safetensors", scheduler=Scheduler(HostKvikio()))
+    assert len(kv.imports) == 1 and kv.imports[0] != threading.get_ident()
+    _check_io(kv, "pwrite")
+
+
+async def test_a_kvikio_that_fails_to_load_leaves_cuda_tensors_to_the_bounce_path(
+    tmp_path: Any, kv: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", None)  # installed, but part of it fails to import
+    eng = HostKvikio()
+    tensors = {"w": torch.randn(5000)}
+    await save_file(tensors, tmp_path / "w.safetensors", scheduler=Scheduler(eng))
+    assert_state_equal(await load_file(tmp_path / "w.safetensors", scheduler=Scheduler(eng)), tensors)
+    assert eng.mode == "unavailable" and not kv.calls
+    assert "failed to load" in caplog.text
 
 
 def test_kvikio_is_chosen_only_where_cuda_is(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:

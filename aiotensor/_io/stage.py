@@ -59,14 +59,35 @@ async def stage(
         await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=batch, budget=False)
 
     async def device() -> None:
-        assert sched.cuda is not None and producers is not None
+        assert producers is not None
         for dev, copies in gpu.items():
-            event, resolved = await sched.call(cuda.d2h, sched.cuda, producers[dev], copies, priority=priority)
-            with anyio.CancelScope(shield=True):  # the copy writes the arena: let it finish
-                await sched.cuda.bridge(dev).wait(event, keep=[*(src for _, src in copies), *resolved])
+            await device_copies(sched, dev, producers[dev], copies, priority)
 
     await run_concurrently(host, device) if gpu else await host()
     return pieces, [cpu, gpu]
+
+
+async def device_copies(
+    sched: Scheduler, dev: torch.device, producer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]], priority: int
+) -> None:
+    """Queue ``copies`` (pinned host ← ``dev``) on the device's copy stream after ``producer`` and
+    wait for them to complete.
+
+    Cancellation: the copies write the arena, which the caller releases once this returns: queueing
+    them and waiting for their completion event are one shielded step (queueing is cheap), and a
+    completion event a worker made reaches a wait whatever cancels the caller (asyncio's own
+    ``Task.cancel()`` included); the cancellation is raised after that.
+    """
+    assert sched.cuda is not None
+    keep = [src for _, src in copies]
+    with anyio.CancelScope(shield=True):
+        event, resolved = await sched.call(cuda.d2h, sched.cuda, producer, copies, priority=priority, cleanup=_synchronize)
+        await sched.cuda.bridge(dev).wait(event, keep=[*keep, *resolved], through_cancel=True)
+
+
+def _synchronize(made: tuple[Any, list[torch.Tensor]]) -> None:
+    """A worker's clean-up of a :func:`cuda.d2h` whose caller was cancelled: wait for its copies."""
+    made[0].synchronize()
 
 
 def _stage_units(

@@ -157,8 +157,9 @@ def _few(keys: list[str]) -> str:
 
 
 def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    """Inside: ``stream`` (a CUDA stream, or None: nothing changes) is this thread's current one."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+    """Inside: ``stream`` (a CUDA stream, or None: nothing changes) is this thread's current one
+    (see :func:`aiotensor._runtime.cuda.on_streams`)."""
+    return cuda.on_streams([stream])
 
 
 def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:

@@ -67,10 +67,10 @@ async def write_file(
                 dst[pos : pos + len(mv)] = np.frombuffer(mv, np.uint8)  # numpy copies without the GIL
             _write_all(eng.pwrite, fd, slot[:length], off)
 
-        def run(slot: memoryview | None, u: tuple[int, memoryview | torch.Tensor]) -> None:
-            off, src = u
-            if isinstance(src, torch.Tensor) and not eng.handles_device(src):
-                assert slot is not None
+        def run(slot: memoryview | None, u: _WriteUnit) -> None:
+            off, src, via_slot = u
+            if via_slot:
+                assert slot is not None and isinstance(src, torch.Tensor)
                 copy_tensor(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, len(src))), src)
                 src = slot[: len(src)]
             _write_all(eng.pwrite_device if isinstance(src, torch.Tensor) else eng.pwrite, fd, src, off)
@@ -124,7 +124,7 @@ async def crcs_of(sched: Scheduler, sources: Sequence[memoryview | torch.Tensor]
     return await sched.call(combine, priority=priority)
 
 
-_WriteUnit = tuple[int, "memoryview | torch.Tensor"]
+_WriteUnit = tuple[int, "memoryview | torch.Tensor", bool]  # file offset, bytes, through a bounce slot
 
 
 def _write_units(
@@ -133,11 +133,32 @@ def _write_units(
     """Whether the file can bypass the page cache, the pieces to write, whether any goes through a
     bounce slot, and the bytes the file will hold."""
     direct = size is not None and all(isinstance(mv, memoryview) and off % PAGE == 0 and _page_aligned(mv) for off, mv in ranges)
-    # pieces end on chunk boundaries of the file, so two threads never write into one page of a
-    # range (cuFile does an unaligned write as a read-modify-write of the whole page)
-    units: list[_WriteUnit] = [(off + a, mv[a:b]) for off, mv in ranges for a, b in spans(len(mv), sched.chunk_bytes, start=off)]
-    bounce = any(isinstance(mv, torch.Tensor) and not sched.engine.handles_device(mv) for _, mv in units)
+    units: list[_WriteUnit] = []
+    for off, mv in ranges:
+        if isinstance(mv, torch.Tensor) and sched.engine.handles_device(mv):
+            units += _device_units(off, mv, sched.chunk_bytes)
+        else:  # host memory (the kernel orders writes into one page), or device memory bounced
+            units += [(off + a, mv[a:b], isinstance(mv, torch.Tensor)) for a, b in spans(len(mv), sched.chunk_bytes, start=off)]
+    bounce = any(via_slot for _, _, via_slot in units)
     return direct, units, bounce, sum(len(mv) for _, mv in ranges) if size is None else size
+
+
+def _device_units(off: int, src: torch.Tensor, chunk: int) -> list[_WriteUnit]:
+    """The pieces of a range of device memory the engine writes itself (cuFile): whole file pages
+    only, in pieces cut at page-aligned multiples of ``chunk``, so that no two calls, of this range
+    or a neighbour's, write into one page (cuFile writes a partial page as a read-modify-write of
+    the whole page: two threads doing that to one page lose one's bytes). The partial pages at
+    either end, which a neighbour shares, go through a bounce slot and the page cache."""
+    end = off + len(src)
+    first, last = min(round_up(off), end), max(end // PAGE * PAGE, round_up(off))
+    if first >= last:  # within one page, or across one boundary: no whole page to write
+        return [(off, src, True)]
+    step = max(PAGE, chunk // PAGE * PAGE)
+    units: list[_WriteUnit] = [(off, src[: first - off], True)] if first > off else []
+    units += [(first + a, src[first - off + a : first - off + b], False) for a, b in spans(last - first, step, start=first)]
+    if end > last:
+        units.append((last, src[last - off :], True))
+    return units
 
 
 _Block = tuple[int, int, list[tuple[int, memoryview]]]  # file offset, length (whole pages), (position, bytes)

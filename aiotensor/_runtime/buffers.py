@@ -184,5 +184,6 @@ class SlotPool:
         if self._buf is not None and len(self._free) == self.slots:
             if self._pinning is not None:
                 self._pinning.unpin(self._buf.address)
+                self._pinning = None  # the next mapping (a scheduler used again) is pinned afresh
             self._buf.close()
             self._buf = None

@@ -24,14 +24,19 @@ engine, read straight into device memory through cuFile.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import ctypes
 import queue
 import threading
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar
 
+import anyio
 import torch
+
+from . import threads
+
+T = TypeVar("T")
 
 
 class Event(Protocol):
@@ -48,11 +53,11 @@ def available() -> bool:
 
 
 class EventBridge:
-    """Delivers the completion of events to the asyncio loop that awaits them.
+    """Delivers the completion of events to the event loop (asyncio or trio) that awaits them.
 
     One waiter thread (started on first use) calls ``event.synchronize()`` on each event in turn
-    (events of one copy stream complete in order, so waiting in order costs nothing), then wakes
-    the waiting task. Use one bridge per copy stream.
+    (events of one copy stream complete in order, so waiting in order costs nothing), then sets
+    the waiting task's ``anyio.Event`` from that thread. Use one bridge per copy stream.
     """
 
     def __init__(self, name: str = "aiotensor-cuda-events") -> None:
@@ -61,21 +66,31 @@ class EventBridge:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    async def wait(self, event: Event, keep: Iterable[Any] = ()) -> None:
+    async def wait(self, event: Event, keep: Iterable[Any] = (), *, through_cancel: bool = False) -> None:
         """Return once ``event`` has completed; raise what its ``synchronize()`` raised.
 
         ``keep`` (e.g. the source tensors of a copy) stays referenced until the event completes.
 
         Cancellation: the await stops at once; the waiter thread still waits for the event and
-        only then drops ``keep``.
+        only then drops ``keep``. With ``through_cancel`` (the copy writes memory the caller frees
+        on return: a staging arena), it returns only once the event completed, whatever cancels
+        it (anyio's, trio's, or asyncio's own ``Task.cancel()``), and then raises the cancellation.
         """
         if event.query():
             return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        done = anyio.Event()
+        errors: list[BaseException] = []
         self._start()
-        self._queue.put((event, tuple(keep), loop, fut))
-        await fut
+        self._queue.put((event, tuple(keep), threads.call_soon_threadsafe(), done, errors))
+        if through_cancel:
+            cancelled = await threads.wait_out(done)
+            if cancelled is not None:
+                raise cancelled
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        else:
+            await done.wait()
+        if errors:
+            raise errors[0]
 
     def _start(self) -> None:
         with self._lock:
@@ -88,15 +103,14 @@ class EventBridge:
             item = self._queue.get()
             if item is None:
                 return
-            event, keep, loop, fut = item
-            error: BaseException | None = None
+            event, keep, call_soon, done, errors = item
             try:
                 event.synchronize()
             except Exception as e:  # a CUDA error: the awaiting task gets it
-                error = e
+                errors.append(e)
             del keep, item  # the sources may go now: the copy that read them is complete
             try:
-                loop.call_soon_threadsafe(_deliver, fut, error)
+                call_soon(done.set)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
@@ -109,15 +123,6 @@ class EventBridge:
             thread.join()
 
 
-def _deliver(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():  # cancelled meanwhile
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
-
-
 # --- CUDA calls (need a GPU) ----------------------------------------------------------------
 
 
@@ -125,19 +130,29 @@ class Pinning:
     """Registers host memory with CUDA once (``cudaHostRegister``) and unregisters it on release.
 
     Pinning costs about 1-2 GB/s and takes a global driver lock, so a staging arena is pinned
-    once, when it is mapped, and reused for every later save. Registration runs in worker threads,
-    whose current device is 0 whatever the user chose: it is done under the device that was
-    current when the store was made (a rank's ``torch.cuda.set_device(local_rank)``), with
-    ``cudaHostRegisterPortable`` so that every device may use the memory. ``register`` and
-    ``unregister`` are injectable for tests; by default they call the CUDA runtime through torch.
+    once, when it is mapped, and reused for every later save. Registration is
+    ``cudaHostRegisterPortable`` (as torch's own pin helper does): the memory is pinned for every
+    context, so which device registers it only has to have a context already. Registration runs in
+    worker threads, whose current device is 0 whatever the user chose; it is done under ``device``,
+    or by default under a device that already has a primary context when the first pin happens (a
+    rank's ``torch.cuda.set_device(local_rank)`` made after the store was built counts): never one
+    that would get a new context for it. ``register`` and ``unregister`` are injectable for tests;
+    by default they call the CUDA runtime through torch.
     """
 
     def __init__(self, register: Any = None, unregister: Any = None, device: int | None = None) -> None:
         self._register = register or _cuda_host_register
         self._unregister = unregister or _cuda_host_unregister
-        self.device = device if device is not None else (torch.cuda.current_device() if available() else 0)
+        self._device = device
         self._pinned: dict[int, int] = {}  # address -> bytes
         self._lock = threading.Lock()
+
+    @property
+    def device(self) -> int:
+        """The device registrations run under (fixed by the first use)."""
+        if self._device is None:
+            self._device = next(iter(live_devices()), 0)
+        return self._device
 
     def pin(self, address: int, nbytes: int) -> None:
         """Register ``[address, address + nbytes)`` unless it is already (blocks: worker threads only)."""
@@ -211,6 +226,17 @@ class CopyStreams:
         self._streams.clear()
 
 
+def live_devices() -> list[int]:
+    """The CUDA devices that already have a primary context in this process. Touching any other
+    (an event, a stream, ``set_device``) would create one: 0.3-0.5 GiB of its memory per process."""
+    if not available():
+        return []
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is None:  # a torch without the check: the current device only (the caller's, who made it)
+        return [torch.cuda.current_device()]
+    return [i for i in range(torch.cuda.device_count()) if has(i)]
+
+
 def record_producers(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
     """On the caller's thread: an event on each source device's current stream."""
     return record_current_streams({t.device for t in tensors if t.device.type == "cuda"})
@@ -218,15 +244,44 @@ def record_producers(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]
 
 def record_current_streams(devices: Iterable[torch.device] | None = None) -> dict[torch.device, Any]:
     """On the caller's thread: a blocking-sync event on the current stream of each of ``devices``
-    (default: every CUDA device). Blocking, so a thread that waits for one sleeps, not spins."""
+    (default: every device with a context, :func:`live_devices`, which includes every device a
+    tensor lives on; never one without, where the event would create a context). Blocking, so a
+    thread that waits for one sleeps, not spins."""
     if devices is None:
-        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        devices = [torch.device("cuda", i) for i in live_devices()]
     events = {}
     for dev in devices:
         ev = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         ev.record(torch.cuda.current_stream(dev))
         events[dev] = ev
     return events
+
+
+def caller_streams() -> list[Any]:
+    """On the caller's thread: the current stream of every device with a context (what a worker
+    then allocates and copies under, with :func:`on_streams`, as if the caller had done it)."""
+    return [torch.cuda.current_stream(i) for i in live_devices()]
+
+
+def under(streams: list[Any], fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with ``streams`` current (:func:`on_streams`): in a worker, for the caller."""
+    with on_streams(streams):
+        return fn(*args)
+
+
+@contextlib.contextmanager
+def on_streams(streams: Iterable[Any]) -> Iterator[None]:
+    """Inside (a worker thread): each of ``streams`` (CUDA streams; None entries are skipped) is the
+    current stream of its device, so the caching allocator ties what is allocated to it and copies
+    are ordered on it. Each stream context is entered under ``torch.cuda.device(k)``: a bare one
+    restores the thread's previous stream on exit through ``set_stream``, which sets the thread's
+    previous device (0 in a worker) and so creates a context on GPU 0 in a rank that uses GPU k."""
+    with contextlib.ExitStack() as stack:
+        for s in streams:
+            if s is not None:
+                stack.enter_context(torch.cuda.device(s.device))
+                stack.enter_context(torch.cuda.stream(s))
+        yield
 
 
 def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, list[torch.Tensor]]:
@@ -241,7 +296,7 @@ def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, to
     stream = streams.stream(device)
     done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
     keep: list[torch.Tensor] = []
-    with torch.cuda.stream(stream):
+    with on_streams([stream]):
         stream.wait_event(producer)
         for dst, src in copies:
             if src.is_conj() or src.is_neg():
@@ -257,7 +312,7 @@ def copy(streams: CopyStreams, dst: torch.Tensor, src: torch.Tensor) -> None:
     device's copy stream, and wait for it (the host side, a bounce slot, is reused on return)."""
     stream = streams.stream(dst.device if dst.device.type == "cuda" else src.device)
     done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(stream):
+    with on_streams([stream]):
         dst.copy_(src, non_blocking=True)
         done.record(stream)
     done.synchronize()

@@ -132,7 +132,7 @@ def _pool(nice: int) -> _Pool:
         return pool
 
 
-def _call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
+def call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
     """Schedule a callback on the running event loop (asyncio or trio) from any thread."""
     try:
         return asyncio.get_running_loop().call_soon_threadsafe
@@ -153,7 +153,7 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE, cleanup: 
     (a file descriptor) that the caller would otherwise never get to release.
     """
     done = anyio.Event()
-    call_soon = _call_soon_threadsafe()
+    call_soon = call_soon_threadsafe()
     ctx = contextvars.copy_context()
     out: list[Any] = []
 
@@ -171,7 +171,7 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE, cleanup: 
         return tell
 
     _pool(nice).submit(job)
-    cancelled = await _wait_out(done)
+    cancelled = await wait_out(done)
     ok, value = out.pop()
     if not ok:
         try:
@@ -192,7 +192,7 @@ async def run_sync(fn: Callable[..., T], *args: Any, nice: int = NICE, cleanup: 
     return value  # type: ignore[no-any-return]
 
 
-async def _wait_out(done: anyio.Event) -> BaseException | None:
+async def wait_out(done: anyio.Event) -> BaseException | None:
     """Wait for ``done`` through any cancellation; return the cancellation that came meanwhile
     from outside anyio (asyncio's ``Task.cancel()`` is raised even inside a shielded scope), to be
     raised once the wait is over."""

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import errno
 import importlib
+import importlib.util
 import logging
 import os
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +42,13 @@ class KvikioEngine(PosixEngine):
             needs ``workers`` threads to keep them all moving; fewer serialise them.
         task_size: kvikio's task size, in bytes.
 
+    kvikio is set up once per process, in a thread of its own started by the first engine:
+    ``import kvikio`` (0.6 s), opening the cuFile driver to ask whether GDS is available. Building
+    an engine (every ``Scheduler()``, so every ``load_file``/``save_file``/``stream`` call that
+    makes its own) returns at once; the first device call waits for the set-up, in a worker.
+    Reading :attr:`mode` waits for it too. If kvikio fails to load there, the engine says so once
+    (a warning) and moves CUDA tensors through bounce slots, as the posix engine does.
+
     kvikio's settings are process-wide: ``KVIKIO_NTHREADS`` (or ``KVIKIO_NUM_THREADS``, which
     kvikio 26.x also reads) and ``KVIKIO_TASK_SIZE`` in the environment win over these arguments
     (they are the user's explicit choice). ``mode`` says what kvikio does here: ``"gds"`` (cuFile
@@ -53,22 +62,47 @@ class KvikioEngine(PosixEngine):
 
     def __init__(self, *, direct: bool = True, num_threads: int = 4, task_size: int = 16 << 20) -> None:
         super().__init__(direct=direct)
-        # `import kvikio` does not load these submodules (kvikio 24.12-26.08 __init__): import them
-        self.kvikio = importlib.import_module("kvikio")
-        self.defaults = importlib.import_module("kvikio.defaults")
-        try:
-            self.driver: Any = importlib.import_module("kvikio.cufile_driver")
-        except ImportError:  # kvikio before 25.02 has no driver properties: GDS cannot be asked about
-            self.driver = None
-        _configure(self.defaults, num_threads, task_size)
-        self.mode = io_mode(self.defaults, self.driver)
-        logging.getLogger("aiotensor").info("kvikio engine: CUDA tensors move through cuFile in %s mode", self.mode)
+        self._settings = (num_threads, task_size)
+        self._configured = False
+        _SETUP.start()
         self.file_modes: Counter[str] = Counter()
         self._paths: dict[int, tuple[str, str]] = {}  # fd -> (path, kvikio open flags)
         self._files: dict[int, Any] = {}  # fd -> CuFile, opened on the first device call
         self._lock = threading.Lock()
 
+    def _kvikio(self) -> _Kvikio | None:
+        """kvikio, set up, and configured for this engine (waits for the set-up); None if it failed."""
+        k = _SETUP.wait()
+        if k is not None and not self._configured:
+            with _CONFIGURING:
+                if not self._configured:
+                    _configure(k.defaults, *self._settings)
+                    self._configured = True
+        return k
+
+    @property
+    def mode(self) -> str:  # type: ignore[override]
+        k = self._kvikio()
+        return k.mode if k is not None else "unavailable"
+
+    @property
+    def kvikio(self) -> Any:
+        k = self._kvikio()
+        assert k is not None, "kvikio failed to load"
+        return k.module
+
+    @property
+    def defaults(self) -> Any:
+        k = self._kvikio()
+        assert k is not None, "kvikio failed to load"
+        return k.defaults
+
     def handles_device(self, t: torch.Tensor) -> bool:
+        """:meth:`device_memory` tensors, once kvikio is set up (in a worker thread: waits for it)."""
+        return self.device_memory(t) and self._kvikio() is not None
+
+    def device_memory(self, t: torch.Tensor) -> bool:
+        """Is ``t`` memory cuFile moves: a CUDA tensor whose bytes are its memory?"""
         return t.device.type == "cuda" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
     def open_read(self, path: str) -> int:
@@ -87,10 +121,11 @@ class KvikioEngine(PosixEngine):
             if f is None:
                 path, flags = self._paths[fd]
                 f = self._files[fd] = self.kvikio.CuFile(path, flags)
+                mode_here = self.mode
                 # GDS needs O_DIRECT on the file: without it kvikio runs this file in compat mode
                 direct_io = getattr(f, "is_direct_io_supported", lambda: True)()
-                mode = self.mode if self.mode != "gds" or direct_io else "compat"
-                if mode != self.mode:
+                mode = mode_here if mode_here != "gds" or direct_io else "compat"
+                if mode != mode_here:
                     logging.getLogger("aiotensor").info("%s: no O_DIRECT on its file system: kvikio runs it in compat mode", path)
                 self.file_modes[mode] += 1
             return f
@@ -105,7 +140,9 @@ class KvikioEngine(PosixEngine):
         try:
             f = self._cufile(fd)
             return int(getattr(f, op)(buf, buf.nbytes, offset).get())
-        except RuntimeError as e:  # kvikio reports cuFile and system errors as RuntimeError
+        except (RuntimeError, ValueError, TypeError) as e:
+            # kvikio reports cuFile and system errors as RuntimeError, bad arguments (a buffer it
+            # cannot take, an offset past the file) as ValueError or TypeError
             code = _errno_of(str(e))
             raise OSError(code, f"kvikio {op} of {buf.nbytes} bytes at {offset} failed: {e}") from e
 
@@ -125,7 +162,11 @@ _STRERROR = {os.strerror(code): code for code in sorted(errno.errorcode, reverse
 
 
 def _errno_of(message: str) -> int:
-    """The errno whose text ends kvikio's message (a full disk stays ENOSPC); EIO otherwise."""
+    """The errno whose text ends kvikio's message (a full disk stays ENOSPC); ELIBACC where a shared
+    library (libcuda.so.1, libcufile) failed to load, which dlerror also ends with "No such file or
+    directory" but is no missing file; EIO otherwise."""
+    if "shared object" in message or "shared library" in message:
+        return errno.ELIBACC
     for text, code in _STRERROR.items():
         if message.endswith(text):
             return code
@@ -175,11 +216,68 @@ def io_mode(defaults: Any, driver: Any) -> str:
 
 
 def kvikio_usable() -> bool:
-    """True where torch sees CUDA (libcuda loaded) and kvikio imports."""
+    """True where torch sees CUDA (libcuda loaded) and kvikio is installed (found, not imported:
+    importing it is the set-up, which runs in a thread of its own)."""
     if not torch.cuda.is_available():
         return False
     try:
-        importlib.import_module("kvikio")
-    except Exception:  # ImportError, or a kvikio that fails to load its libraries
+        return importlib.util.find_spec("kvikio") is not None
+    except (ImportError, ValueError):  # a broken parent package, or a module without a spec
         return False
-    return True
+
+
+@dataclass(frozen=True)
+class _Kvikio:
+    module: Any
+    defaults: Any
+    driver: Any
+    mode: str
+
+
+class _Setup:
+    """kvikio's set-up, once per process, in a thread of its own (see :class:`KvikioEngine`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = False
+        self._result: _Kvikio | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._run, name="aiotensor-kvikio-setup", daemon=True).start()
+
+    def wait(self) -> _Kvikio | None:
+        self.start()
+        self._done.wait()
+        return self._result
+
+    def _run(self) -> None:
+        log = logging.getLogger("aiotensor")
+        try:
+            # `import kvikio` does not load these submodules (kvikio 24.12-26.10 __init__): import them
+            module = importlib.import_module("kvikio")
+            defaults = importlib.import_module("kvikio.defaults")
+            try:
+                driver: Any = importlib.import_module("kvikio.cufile_driver")
+            except ImportError:  # kvikio before 25.02 has no driver properties: GDS cannot be asked about
+                driver = None
+            self._result = _Kvikio(module, defaults, driver, io_mode(defaults, driver))
+            log.info("kvikio engine: CUDA tensors move through cuFile in %s mode", self._result.mode)
+        except Exception as e:  # ImportError, or a kvikio that fails to load its libraries
+            log.warning("kvikio is installed but failed to load (%s): CUDA tensors move through bounce slots", e)
+        finally:
+            self._done.set()
+
+
+_SETUP = _Setup()
+_CONFIGURING = threading.Lock()
+
+
+def forget_setup() -> None:
+    """Set kvikio up again on next use (for tests that swap the kvikio package)."""
+    global _SETUP
+    _SETUP = _Setup()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import knobs
+from .._runtime import cuda
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import MismatchError
 from .tensor_stream import stream
@@ -71,6 +72,7 @@ async def _matched(
             if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):
                 raise MismatchError(f"the module has tensors on the meta device ({meta[:5]}); load_into materializes them")
             left = dict.fromkeys(known)  # not filled yet
+            streams = cuda.caller_streams()  # copies into the module's CUDA tensors ordered on the caller's streams
             batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = []
             size = 0
             async for name, t in s:
@@ -88,16 +90,16 @@ async def _matched(
                 batch.append((names, dst, t))
                 size += t.nbytes
                 if len(batch) >= knobs.STREAM_BATCH_TENSORS or size >= knobs.STREAM_BATCH_BYTES:
-                    await sched.call(_each, fn, batch, priority=Priority.LOAD)
+                    await sched.call(_each, fn, batch, streams, priority=Priority.LOAD)
                     batch, size = [], 0
             if batch:
-                await sched.call(_each, fn, batch, priority=Priority.LOAD)
+                await sched.call(_each, fn, batch, streams, priority=Priority.LOAD)
             await sched.discard(known)
     return LoadResult(list(left), unexpected)
 
 
-def _each(fn: Fill, batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():  # per thread: set in the worker
+def _each(fn: Fill, batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]], streams: list[Any]) -> None:
+    with torch.no_grad(), cuda.on_streams(streams):  # per thread: set in the worker
         for names, dst, t in batch:
             fn(names, dst, t)
     batch.clear()  # the loaded tensors are freed here, not on the loop's thread

@@ -12,7 +12,7 @@ from .. import sources
 from .._io.assemble import read
 from .._io.read import close, layout_of, open_read, read_tensors, verify_tensors
 from .._io.tensors import Target, check_device, check_into, new_tensor
-from .._runtime import gil
+from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
@@ -75,11 +75,14 @@ async def _load(
         finally:
             await close(sched, fd)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
-    dest, targets, nbytes = await sched.call(_targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD)
+    streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
+    dest, targets, nbytes = await sched.call(
+        cuda.under, streams, _targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD
+    )
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
         await _read_passes(sched, folder, targets, passes)
-    state = await sched.call(_finish, m, dest, mpath, into, priority=Priority.LOAD)
+    state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, priority=Priority.LOAD)
     # the manifest's entries, the targets: tens of thousands of objects for a state of many
     # tensors, freed in a thread
     manifest = [m]

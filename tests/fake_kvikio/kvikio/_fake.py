@@ -18,6 +18,8 @@ class State:
         self.fail: Exception | None = None  # raised by the next CuFile.pread/pwrite
         self.calls: list[tuple[str, int, int, int]] = []  # (op, thread, offset, size)
         self.opened: list[Any] = []
+        if not hasattr(self, "imports"):
+            self.imports: list[int] = []  # threads `import kvikio.defaults` ran on (kept by reset: one import per fixture)
 
 
 state = State()

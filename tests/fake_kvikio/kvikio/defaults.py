@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from kvikio._fake import state
+
+state.imports.append(threading.get_ident())  # a test control: where and how often kvikio is set up
 
 _NAMES = {"compat_mode", "num_threads", "task_size", "gds_threshold", "bounce_buffer_size"}
 
