@@ -372,15 +372,15 @@ async def test_cuda_io_is_ordered_after_the_kernels_already_queued(tmp_path: Any
     """save sees, and load overwrites, the values as of after the work queued before the call."""
     x = torch.zeros(1 << 20, device="cuda")
     async with TensorStore(tmp_path, engine=PosixEngine()) as store:
-        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # keep the stream busy
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]  # keep the stream busy
         x.fill_(7.0)
         await store.save(1, {"x": x})
-        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
         x.add_(1.0)  # queued before the load: the load must land after it
         await store.load(1, into={"x": x})
         assert bool((x == 7.0).all())
     path = str(tmp_path / "x.safetensors")
-    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+    torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
     x.fill_(3.0)
     t = torch.arange(12.0, device="cuda").view(3, 4).t()  # made contiguous on the device first
     await save_file({"x": x, "t": t}, path, scheduler=Scheduler(PosixEngine()))  # bounced through pinned slots

@@ -1,0 +1,252 @@
+"""The GPU paths on a real GPU (issue 24): every test is marked ``gpu`` and skipped without CUDA.
+
+Written to fail on the code before issue 24's fixes; NOT YET RUN: no GPU was lent to the task that
+wrote them. Run them with ``python -m pytest -m gpu tests/test_gpu.py tests/test_cuda.py
+tests/test_kvikio.py`` on a CUDA machine, with ``kvikio-cu13`` (or ``-cu12``) installed for the
+cuFile paths.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from safetensors.torch import load_file as st_load_file
+
+import aiotensor
+from aiotensor import PosixEngine, Scheduler, TensorStore, load_file, save_file, stream
+from aiotensor.errors import SaveCancelledError
+
+from .conftest import assert_state_equal
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LONG = 2_000_000_000  # torch.cuda._sleep cycles: about a second on an H100, longer than any pinning
+
+
+class Counting(aiotensor.KvikioEngine):
+    """The kvikio engine, counting the bytes that really went through cuFile."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.device_bytes = {"pread": 0, "pwrite": 0}
+
+    def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:
+        n = super().pread_device(fd, dst, offset)
+        self.device_bytes["pread"] += n
+        return n
+
+    def pwrite_device(self, fd: int, src: torch.Tensor, offset: int) -> int:
+        n = super().pwrite_device(fd, src, offset)
+        self.device_bytes["pwrite"] += n
+        return n
+
+
+def _kvikio() -> Counting:
+    if not aiotensor.engines.kvikio_usable():
+        pytest.skip("needs kvikio")
+    return Counting()
+
+
+def _odd_state(seed: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """Multi-MB tensors of odd byte lengths (above kvikio's 16 KiB GDS threshold) in mixed dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.float16, torch.uint8]
+    sizes = [3_000_017, 1_234_567, 4_194_305, 777_777, 2_000_003, 9]
+    return {f"t{i}": torch.randint(-100, 100, (n,), generator=g).to(dtypes[i]).to(device) for i, n in enumerate(sizes)}
+
+
+@pytest.mark.parametrize("chunk_bytes,batch_bytes", [(None, None), (24 << 20, 40 << 20), (4096 * 3, 1 << 20)])
+async def test_cufile_writes_and_reads_of_odd_tensors_are_exact(tmp_path: Any, chunk_bytes: Any, batch_bytes: Any) -> None:
+    eng = kv = _kvikio()
+    kw = {k: v for k, v in (("chunk_bytes", chunk_bytes), ("batch_bytes", batch_bytes)) if v is not None}
+    for r in range(20):
+        state = _odd_state(r)
+        path = str(tmp_path / f"{r}.safetensors")
+        await save_file(state, path, scheduler=Scheduler(eng, **kw))
+        cpu = {k: v.cpu() for k, v in state.items()}
+        assert_state_equal(dict(sorted(st_load_file(path).items())), dict(sorted(cpu.items())))
+        back = await load_file(path, scheduler=Scheduler(PosixEngine()))
+        assert_state_equal(dict(sorted(back.items())), dict(sorted(cpu.items())))
+        into = {k: torch.empty_like(v) for k, v in state.items()}
+        await load_file(path, into=into, verify=True, scheduler=Scheduler(eng, **kw))
+        assert all(torch.equal(into[k], state[k]) for k in state)
+        async with TensorStore(tmp_path / "ck", engine=eng, keep_last=1, **kw) as store:
+            await store.save(r, state)
+            got = await store.load(r, device="cuda")
+            assert all(torch.equal(got[k], state[k]) for k in state)
+    assert kv.device_bytes["pwrite"] > 0 and kv.device_bytes["pread"] > 0, kv.device_bytes
+    assert sum(kv.file_modes.values()) > 0, "no file went through cuFile"
+    if kv.mode == "gds":
+        assert kv.file_modes["gds"] > 0, kv.file_modes
+    print(f"kvikio mode: {kv.mode}, files by mode: {dict(kv.file_modes)}")
+
+
+async def test_every_entry_point_under_a_busy_consumer_stream(tmp_path: Any) -> None:
+    """Saves see the values as of the call, loads land before the consumer's next kernel and
+    allocate on its stream; then freeing and reallocating on the default stream while the consumer
+    stream is busy must not hand the loaded memory out under it."""
+    src = {"a": torch.randn(3 << 20, device="cuda"), "b": torch.randn(1 << 20, device="cuda", dtype=torch.float64)}
+    path = str(tmp_path / "m.safetensors")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(LONG)  # type: ignore[no-untyped-call]
+        x = torch.full((4 << 20,), 7.0, device="cuda")  # queued behind the sleep
+        await save_file({"x": x, **src}, path)
+        assert torch.equal(st_load_file(path)["x"], torch.full((4 << 20,), 7.0))
+        for load in ("load_file", "stream", "store"):
+            torch.cuda._sleep(LONG)  # type: ignore[no-untyped-call]
+            if load == "load_file":
+                got = await load_file(path, device="cuda")
+            elif load == "stream":
+                got = {k: t async for k, t in stream(path, device="cuda")}
+            else:
+                async with TensorStore(tmp_path / "ck") as store:
+                    if not store.steps():
+                        await store.save(0, {"x": x, **src})
+                    got = await store.load(0, device="cuda")
+            segs = [seg for seg in torch.cuda.memory_snapshot() if seg["stream"] == s.cuda_stream]
+            assert any(seg["address"] <= got["x"].data_ptr() < seg["address"] + seg["total_size"] for seg in segs), (
+                f"{load}: allocated on another stream than the consumer's"
+            )
+            y = got["x"] * 2  # the consumer's next kernel, on s
+            del got
+            with torch.cuda.stream(torch.cuda.default_stream()):
+                junk = torch.zeros(8 << 20, device="cuda")  # a reuse on the default stream while s is busy
+            s.synchronize()
+            assert torch.equal(y.cpu(), torch.full((4 << 20,), 14.0)), load
+            del junk
+
+
+async def test_cancelled_saves_of_a_large_cuda_state_never_corrupt_the_next_one(tmp_path: Any) -> None:
+    big = torch.randn(512 << 20, device="cuda")  # 2 GB
+    rng = random.Random(0)
+    async with TensorStore(tmp_path, keep_last=2) as store:
+        pinned_max = 0
+        for step in range(8):
+            if step % 2:
+                layout = {"big": big, "cpu": torch.randn(rng.randrange(1, 1 << 20))}
+            else:
+                layout = {
+                    "small": torch.randn(rng.randrange(1, 1 << 22), device="cuda"),
+                    "big": big[: rng.randrange(1, 512 << 20)],
+                }
+            h = store.save(2 * step, layout)
+            await anyio.sleep(rng.uniform(0, 0.3))
+            h.cancel()
+            try:
+                await h
+            except SaveCancelledError:
+                pass
+            other = {"small": torch.randn(rng.randrange(1, 1 << 22), device="cuda"), "cpu": torch.randn(1000)}
+            await store.save(2 * step + 1, other)
+            got = await store.load(2 * step + 1)
+            assert all(torch.equal(got[k].cpu(), other[k].cpu()) for k in other)
+            assert store.staging.pinning is not None
+            pinned_max = max(pinned_max, store.staging.pinning.pinned_bytes)
+        # arenas are as large as the largest state (2 GB + headers and a CPU tensor), at most max_arenas
+        assert 0 < pinned_max <= store.staging.max_arenas * (big.nbytes + (80 << 20)), pinned_max
+
+
+def _child(code: str, env: dict[str, str] | None = None) -> str:
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | (env or {}),
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_a_round_trip_with_expandable_segments(tmp_path: Any) -> None:
+    out = _child(
+        f"""
+        import anyio, torch, aiotensor
+        async def main():
+            w = {{"w": torch.randn(3_000_017, device="cuda")}}
+            async with aiotensor.TensorStore({str(tmp_path)!r}) as s:
+                await s.save(1, w)
+                got = await s.load(1, device="cuda")
+            await aiotensor.save_file(w, {str(tmp_path / "f.safetensors")!r})
+            back = await aiotensor.load_file({str(tmp_path / "f.safetensors")!r}, device="cuda")
+            print(torch.equal(got["w"], w["w"]) and torch.equal(back["w"], w["w"]))
+        anyio.run(main)
+        """,
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    )
+    assert out.strip() == "True"
+
+
+def test_a_rank_on_gpu_k_makes_contexts_on_gpu_k_only(tmp_path: Any) -> None:
+    """Issues 24.1 and 24.4: in a fresh process that uses GPU k, a save, a load and a stream leave
+    a primary context on GPU k alone (each other context costs 0.3-0.5 GiB per GPU per rank)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    k = torch.cuda.device_count() - 1
+    out = _child(
+        f"""
+        import anyio, torch, aiotensor
+        async def main():
+            async with aiotensor.TensorStore({str(tmp_path)!r}) as s:  # built before set_device, as ranks often do
+                torch.cuda.set_device({k})
+                w = {{"w": torch.randn(1 << 22, device="cuda")}}
+                await s.save(1, w)
+                got = await s.load(1, device="cuda")
+                assert torch.equal(got["w"], w["w"])
+            await aiotensor.save_file(w, {str(tmp_path / "f.safetensors")!r})
+            await aiotensor.load_file({str(tmp_path / "f.safetensors")!r}, device="cuda")
+            async for _ in aiotensor.stream({str(tmp_path / "f.safetensors")!r}, device="cuda"):
+                pass
+            print([i for i in range(torch.cuda.device_count()) if torch._C._cuda_hasPrimaryContext(i)])
+        anyio.run(main)
+        """
+    )
+    assert out.strip() == f"[{k}]"
+
+
+async def test_a_failed_registration_leaves_no_stale_error_in_its_thread() -> None:
+    """cudaHostRegister of memory already registered fails (cudaErrorHostMemoryAlreadyRegistered);
+    the error must be cleared, or torch's next kernel launch in that thread reports it."""
+    from aiotensor._runtime.buffers import HostBuffer
+    from aiotensor._runtime.cuda import Pinning
+
+    def in_a_worker() -> float:
+        buf = HostBuffer(1 << 20)
+        a, b = Pinning(), Pinning()
+        a.pin(buf.address, buf.nbytes)
+        assert buf.tensor.is_pinned()
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            b.pin(buf.address, buf.nbytes)
+        value = float((torch.ones(4, device="cuda") * 3).sum())  # a kernel launch in the same thread
+        a.unpin(buf.address)
+        assert not buf.tensor.is_pinned()
+        buf.close()
+        return value
+
+    assert await anyio.to_thread.run_sync(in_a_worker) == 12.0
+
+
+async def test_arenas_and_slots_are_pinned_while_in_use_and_not_after_close(tmp_path: Any) -> None:
+    store = TensorStore(tmp_path)
+    async with store:
+        await store.save(1, {"w": torch.randn(1 << 22, device="cuda")})
+        arena = await store.staging.acquire(1 << 20)
+        assert arena.tensor.is_pinned()
+        t = arena.tensor
+        store.staging.release(arena)
+        await store.load(1, into={"w": torch.empty(1 << 22, device="cuda")})
+    assert not t.is_pinned()
