@@ -28,6 +28,7 @@ from aiotensor.root import step_dir_name
 from aiotensor.testing import FaultyEngine
 
 from .conftest import bits
+from .test_crash import killed_in_child
 from .test_powerloss import Disk, snapshot
 
 pytestmark = [
@@ -156,24 +157,7 @@ BEFORE = {"save_file": 1, "save_torch": 1, "dcp": 1, "convert": 0}
 
 def _run_killed(w: Writer, folder: str, kill_at: int) -> int:
     """Fork; the child writes version 2 and is SIGKILLed before its ``kill_at``-th engine op."""
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        code = 0
-        try:
-            count = 0
-
-            def hook(op: tuple[Any, ...]) -> None:
-                nonlocal count
-                count += 1
-                if count == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            anyio.run(w.write, folder, FaultyEngine(hook=hook))
-        except BaseException:
-            code = 1
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return status
+    return killed_in_child(lambda engine: w.write(folder, engine), kill_at)
 
 
 def _prepared(tmp_path: Any, w: Writer) -> tuple[str, str]:

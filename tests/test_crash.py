@@ -32,8 +32,9 @@ def state_for(step: int) -> dict[str, Any]:
     return {"w": torch.randn(40000, generator=g), "b": torch.randn(3000, generator=g).double(), "step": step}
 
 
-def save_in_child(root: str, step: int, kill_at: int | None = None, kill_after_s: float | None = None) -> int:
-    """Fork; the child saves ``step`` and is SIGKILLed before its ``kill_at``-th engine op."""
+def killed_in_child(work: Any, kill_at: int | None = None, kill_after_s: float | None = None) -> int:
+    """Fork; the child runs ``anyio.run(work, engine)`` and is SIGKILLed before its engine's
+    ``kill_at``-th op (or after ``kill_after_s``); returns its wait status."""
     pid = os.fork()
     if pid == 0:  # child: never returns
         code = 0
@@ -50,17 +51,22 @@ def save_in_child(root: str, step: int, kill_at: int | None = None, kill_after_s
                 import threading
 
                 threading.Timer(kill_after_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
-
-            async def main() -> None:
-                async with TensorStore(root, engine=FaultyEngine(hook=hook), chunk_bytes=4096, batch_bytes=4096) as s:
-                    await s.save(step, state_for(step))
-
-            anyio.run(main)
+            anyio.run(work, FaultyEngine(hook=hook))
         except BaseException:
             code = 1
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     return status
+
+
+def save_in_child(root: str, step: int, kill_at: int | None = None, kill_after_s: float | None = None) -> int:
+    """Fork; the child saves ``step`` and is SIGKILLed before its ``kill_at``-th engine op."""
+
+    async def main(engine: FaultyEngine) -> None:
+        async with TensorStore(root, engine=engine, chunk_bytes=4096, batch_bytes=4096) as s:
+            await s.save(step, state_for(step))
+
+    return killed_in_child(main, kill_at, kill_after_s)
 
 
 def count_ops(root: str) -> int:

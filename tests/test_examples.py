@@ -22,14 +22,14 @@ def test_the_training_demo_then_the_command_line_on_its_checkpoints(tmp_path: An
         assert r.returncode == 0 and expect in r.stdout, r.stdout + r.stderr
 
 
-def test_the_distributed_example(tmp_path: Any) -> None:
-    r = subprocess.run(
-        [sys.executable, "examples/distributed_dcp.py", "--root", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
+def _example(name: str, root: Any, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, f"examples/{name}", "--root", str(root)], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+def test_the_distributed_example(tmp_path: Any) -> None:
+    r = _example("distributed_dcp.py", tmp_path, 180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "every rank loaded its rows back: True" in r.stdout
     assert "model.w intact: True" in r.stdout and "`latest` names step-000000000100" in r.stdout
@@ -38,13 +38,7 @@ def test_the_distributed_example(tmp_path: Any) -> None:
 def test_resume_anywhere_matches_the_uninterrupted_run_exactly(tmp_path: Any) -> None:
     """2 ranks -> 1 process -> 3 ranks, AdamW and a schedule, a Snapshotter saving in the background
     while the trainer's DTensor all-gathers run (issue 23.3, and the store's own gloo group)."""
-    r = subprocess.run(
-        [sys.executable, "examples/resume_anywhere.py", "--root", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    r = _example("resume_anywhere.py", tmp_path, 240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "after resuming on 1 process, the next losses match the uninterrupted run exactly: True" in r.stdout, r.stdout
     assert "after resuming on 3 ranks, the next losses match the uninterrupted run exactly: True" in r.stdout, r.stdout
