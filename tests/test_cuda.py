@@ -17,7 +17,7 @@ import torch
 
 import aiotensor
 from aiotensor import PosixEngine, Scheduler, TensorStore, load_file, save_file
-from aiotensor._runtime.buffers import StagingPool
+from aiotensor._runtime.buffers import HostBuffer, StagingPool
 from aiotensor._runtime.cuda import EventBridge, Pinning
 
 from .conftest import assert_state_equal
@@ -131,7 +131,9 @@ async def test_close_stops_the_waiter_thread() -> None:
 
 async def test_staging_arenas_are_pinned_once_and_unpinned_when_unmapped() -> None:
     calls: list[tuple[str, int]] = []
-    pinning = Pinning(register=lambda a, n, d: calls.append(("pin", n)), unregister=lambda a, d: calls.append(("unpin", 0)))
+    pinning = Pinning(
+        register=lambda a, n, d: calls.append(("pin", n)), unregister=lambda a, d: calls.append(("unpin", 0)), device=0
+    )
     pool = StagingPool(1, pinning=pinning)
     for _ in range(5):  # reused: pinned once
         arena = await pool.acquire(10_000)
@@ -174,6 +176,7 @@ class _CopyStreams:
 
     def __init__(self) -> None:
         self.b = EventBridge()
+        self.pinning = Pinning(register=lambda a, n, d: None, unregister=lambda a, d: None, device=0)
 
     def bridge(self, device: Any) -> EventBridge:
         return self.b
@@ -211,7 +214,7 @@ async def test_a_save_cancelled_while_its_device_copies_are_queued_waits_for_the
 
     async def run() -> None:
         try:
-            await stage_module.stage(sched, None, {}, None, 0, {fake_dev: None})  # type: ignore[arg-type]
+            await stage_module.stage(sched, None, {}, HostBuffer(4096), 0, {fake_dev: None})  # type: ignore[arg-type]
         finally:
             returned_before_completion.append(not ev.query())
 
@@ -258,7 +261,10 @@ def test_pinning_picks_its_device_at_the_first_pin_not_when_built(monkeypatch: p
 
     registered: list[int] = []
     pinning = Pinning(register=lambda a, n, d: registered.append(d), unregister=lambda a, d: None)
-    monkeypatch.setattr(cuda, "live_devices", lambda: [2])  # the rank's set_device(2), then its first save
+    monkeypatch.setattr(cuda, "live_devices", lambda: [])  # no context anywhere yet: pinning would make one on GPU 0
+    pinning.pin(4096, 4096)
+    assert registered == [] and pinning.device is None and pinning.pinned_bytes == 0
+    monkeypatch.setattr(cuda, "live_devices", lambda: [2])  # the rank's set_device(2), then its first CUDA save
     pinning.pin(4096, 4096)
     assert registered == [2] and pinning.device == 2
 

@@ -348,3 +348,26 @@ async def test_kvikio_single_files_to_and_from_cuda(tmp_path: Any) -> None:
             got = await load_file(path, device="cuda", scheduler=Scheduler(reader))
             assert all(t.is_cuda for t in got.values())
             assert_state_equal({k: got[k].cpu() for k in tensors}, {k: v.cpu() for k, v in tensors.items()})
+
+
+def test_device_write_units_cover_the_range_in_whole_pages() -> None:
+    """Every split of a device range: exact cover, in order; cuFile pieces on page boundaries and at
+    most a chunk; bounced pieces under a page, so that they fit any bounce slot."""
+    import random
+
+    from aiotensor._io.write import _device_units
+
+    rng = random.Random(7)
+    for _ in range(20_000):
+        off, n = rng.randrange(0, 40_000), rng.randrange(1, 40_000)
+        chunk = rng.choice([4096, 4096 * 3 + 512, 65536])
+        units = _device_units(off, torch.empty(n, dtype=torch.uint8), chunk)
+        at = off
+        for start, src, bounced in units:
+            assert start == at and len(src) > 0, (off, n, chunk, units)
+            at += len(src)
+            if bounced:
+                assert len(src) < 4096, (off, n, chunk)  # fits any bounce slot
+            else:
+                assert start % 4096 == 0 and len(src) % 4096 == 0 and len(src) <= max(4096, chunk // 4096 * 4096)
+        assert at == off + n

@@ -59,7 +59,8 @@ async def stage(
         await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=batch, budget=False)
 
     async def device() -> None:
-        assert producers is not None
+        assert producers is not None and sched.cuda is not None
+        await sched.call(_pin, arena, sched.cuda.pinning, priority=priority)  # if no device had a context when mapped
         for dev, copies in gpu.items():
             await device_copies(sched, dev, producers[dev], copies, priority)
 
@@ -81,13 +82,21 @@ async def device_copies(
     assert sched.cuda is not None
     keep = [src for _, src in copies]
     with anyio.CancelScope(shield=True):
-        event, resolved = await sched.call(cuda.d2h, sched.cuda, producer, copies, priority=priority, cleanup=_synchronize)
+        event, resolved = await sched.call(
+            cuda.d2h, sched.cuda, producer, copies, priority=priority, cleanup=lambda made: _synchronize(dev, made)
+        )
         await sched.cuda.bridge(dev).wait(event, keep=[*keep, *resolved], through_cancel=True)
 
 
-def _synchronize(made: tuple[Any, list[torch.Tensor]]) -> None:
+def _synchronize(dev: torch.device, made: tuple[Any, list[torch.Tensor]]) -> None:
     """A worker's clean-up of a :func:`cuda.d2h` whose caller was cancelled: wait for its copies."""
-    made[0].synchronize()
+    with torch.cuda.device(dev):
+        made[0].synchronize()
+
+
+def _pin(arena: HostBuffer, pinning: Any) -> None:
+    arena.keep_from_children()
+    pinning.pin(arena.address, arena.nbytes)
 
 
 def _stage_units(

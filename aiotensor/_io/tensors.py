@@ -178,9 +178,15 @@ async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) ->
     cuFile reads are not ordered after that work otherwise."""
     if sched.cuda is None:
         return
-    events = list(cuda.record_producers(tensors).values())
+    events = cuda.record_producers(tensors)
     if events:
-        await sched.call(lambda: [e.synchronize() for e in events], priority=Priority.LOAD)
+        await sched.call(_synchronize_all, events, priority=Priority.LOAD)
+
+
+def _synchronize_all(events: dict[torch.device, Any]) -> None:
+    for dev, e in events.items():
+        with torch.cuda.device(dev):  # a runtime call in a worker whose device has no context would make one
+            e.synchronize()
 
 
 @dataclass(frozen=True)

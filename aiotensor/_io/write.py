@@ -150,9 +150,8 @@ def _device_units(off: int, src: torch.Tensor, chunk: int) -> list[_WriteUnit]:
     the whole page: two threads doing that to one page lose one's bytes). The partial pages at
     either end, which a neighbour shares, go through a bounce slot and the page cache."""
     end = off + len(src)
-    first, last = min(round_up(off), end), max(end // PAGE * PAGE, round_up(off))
-    if first >= last:  # within one page, or across one boundary: no whole page to write
-        return [(off, src, True)]
+    first = min(round_up(off), end)
+    last = max(end // PAGE * PAGE, first)  # == first: no whole page, a head and a tail under a page each
     step = max(PAGE, chunk // PAGE * PAGE)
     units: list[_WriteUnit] = [(off, src[: first - off], True)] if first > off else []
     units += [(first + a, src[first - off + a : first - off + b], False) for a, b in spans(last - first, step, start=first)]

@@ -60,8 +60,9 @@ class EventBridge:
     the waiting task's ``anyio.Event`` from that thread. Use one bridge per copy stream.
     """
 
-    def __init__(self, name: str = "aiotensor-cuda-events") -> None:
+    def __init__(self, name: str = "aiotensor-cuda-events", device: int | None = None) -> None:
         self._name = name
+        self._device = device  # made current in the waiter thread: a device that has a context
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -99,6 +100,8 @@ class EventBridge:
                 self._thread.start()
 
     def _run(self) -> None:
+        if self._device is not None:  # else a runtime call in this new thread could make a context on GPU 0
+            torch.cuda.set_device(self._device)
         while True:
             item = self._queue.get()
             if item is None:
@@ -148,23 +151,26 @@ class Pinning:
         self._lock = threading.Lock()
 
     @property
-    def device(self) -> int:
-        """The device registrations run under (fixed by the first use)."""
+    def device(self) -> int | None:
+        """The device registrations run under: fixed by the first pin made while some device had
+        a context (None until then: pinning then would create one, and :meth:`pin` waits)."""
         if self._device is None:
-            self._device = next(iter(live_devices()), 0)
+            self._device = next(iter(live_devices()), None)
         return self._device
 
     def pin(self, address: int, nbytes: int) -> None:
         """Register ``[address, address + nbytes)`` unless it is already (blocks: worker threads only)."""
         with self._lock:
-            if address not in self._pinned:
-                self._register(address, nbytes, self.device)
+            device = self.device
+            if address not in self._pinned and device is not None:  # else pinned before its first CUDA copy
+                self._register(address, nbytes, device)
                 self._pinned[address] = nbytes
 
     def unpin(self, address: int) -> None:
         with self._lock:
             if self._pinned.pop(address, None) is not None:
-                self._unregister(address, self.device)
+                assert self._device is not None  # fixed by the pin
+                self._unregister(address, self._device)
 
     @property
     def pinned_bytes(self) -> int:
@@ -210,7 +216,7 @@ class CopyStreams:
         i = device.index if device.index is not None else torch.cuda.current_device()
         if i not in self._streams:
             self._streams[i] = torch.cuda.Stream(device=i)  # type: ignore[no-untyped-call]
-            self._bridges[i] = EventBridge(f"aiotensor-cuda{i}-events")
+            self._bridges[i] = EventBridge(f"aiotensor-cuda{i}-events", device=i)
         return i
 
     def stream(self, device: torch.device) -> Any:
@@ -260,7 +266,11 @@ def record_current_streams(devices: Iterable[torch.device] | None = None) -> dic
 def caller_streams() -> list[Any]:
     """On the caller's thread: the current stream of every device with a context (what a worker
     then allocates and copies under, with :func:`on_streams`, as if the caller had done it)."""
-    return [torch.cuda.current_stream(i) for i in live_devices()]
+    live = live_devices()
+    if not live:
+        return []
+    current = torch.cuda.current_device()  # entered last: a worker's plain "cuda" is the caller's device
+    return [torch.cuda.current_stream(i) for i in sorted(live, key=lambda i: i == current)]
 
 
 def under(streams: list[Any], fn: Callable[..., T], *args: Any) -> T:
@@ -298,11 +308,16 @@ def d2h(streams: CopyStreams, producer: Any, copies: list[tuple[torch.Tensor, to
     keep: list[torch.Tensor] = []
     with on_streams([stream]):
         stream.wait_event(producer)
-        for dst, src in copies:
-            if src.is_conj() or src.is_neg():
-                src = src.resolve_conj().resolve_neg()
-                keep.append(src)
-            dst.copy_(src, non_blocking=True)
+        try:
+            for dst, src in copies:
+                if src.is_conj() or src.is_neg():
+                    src = src.resolve_conj().resolve_neg()
+                    keep.append(src)
+                dst.copy_(src, non_blocking=True)
+        except BaseException:  # an allocation failed: the copies already queued still write the arena
+            done.record(stream)
+            done.synchronize()
+            raise
         done.record(stream)
     return done, keep
 

@@ -278,6 +278,11 @@ _CONFIGURING = threading.Lock()
 
 
 def forget_setup() -> None:
-    """Set kvikio up again on next use (for tests that swap the kvikio package)."""
+    """Set kvikio up again on next use (for tests that swap the kvikio package, and in a forked
+    child, where a set-up thread that was running is gone)."""
     global _SETUP
     _SETUP = _Setup()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: forget_setup() if not _SETUP._done.is_set() else None)
