@@ -51,7 +51,7 @@ async def test_a_bigger_state_replaces_an_idle_arena_instead_of_adding_one() -> 
 
 def test_slots_are_taken_given_back_pinned_once_and_never_over_handed() -> None:
     calls: list[str] = []
-    pinning = Pinning(register=lambda a, n, d: calls.append("pin"), unregister=lambda a, d: calls.append("unpin"))
+    pinning = Pinning(register=lambda a, n, d: calls.append("pin"), unregister=lambda a, d: calls.append("unpin"), device=0)
     slots = SlotPool(2, 5000)
     i, j = slots.take(), slots.take()
     assert {i, j} == {0, 1} and len(slots.view(i)) == 2 * PAGE
