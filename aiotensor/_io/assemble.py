@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._runtime import cuda
 from .._runtime.scheduler import Priority, Scheduler
 from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import torch_shape
 from .read import close, open_read, read_tensors
-from .tensors import Target, new_tensor, on_stream
+from .tensors import Target, new_tensor
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,11 @@ async def read(
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def start() -> Assembly:
-        with on_stream(stream):
+        with cuda.on_streams([stream]):
             return prepare(entries, device, verify, into)
 
     def end(a: Assembly) -> list[torch.Tensor]:
-        with on_stream(stream):
+        with cuda.on_streams([stream]):
             return finish(a, [e.names[0] for e in entries], dtype)
 
     a = await sched.call(start, priority=Priority.LOAD)

@@ -60,7 +60,8 @@ async def stage(
 
     async def device() -> None:
         assert producers is not None and sched.cuda is not None
-        await sched.call(_pin, arena, sched.cuda.pinning, priority=priority)  # if no device had a context when mapped
+        if not sched.cuda.pinning.pinned(arena.address):  # no device had a context when it was mapped
+            await sched.call(arena.pin, sched.cuda.pinning, priority=priority)
         for dev, copies in gpu.items():
             await device_copies(sched, dev, producers[dev], copies, priority)
 
@@ -83,20 +84,9 @@ async def device_copies(
     keep = [src for _, src in copies]
     with anyio.CancelScope(shield=True):
         event, resolved = await sched.call(
-            cuda.d2h, sched.cuda, producer, copies, priority=priority, cleanup=lambda made: _synchronize(dev, made)
+            cuda.d2h, sched.cuda, producer, copies, priority=priority, cleanup=lambda made: cuda.synchronize({dev: made[0]})
         )
         await sched.cuda.bridge(dev).wait(event, keep=[*keep, *resolved], through_cancel=True)
-
-
-def _synchronize(dev: torch.device, made: tuple[Any, list[torch.Tensor]]) -> None:
-    """A worker's clean-up of a :func:`cuda.d2h` whose caller was cancelled: wait for its copies."""
-    with torch.cuda.device(dev):
-        made[0].synchronize()
-
-
-def _pin(arena: HostBuffer, pinning: Any) -> None:
-    arena.keep_from_children()
-    pinning.pin(arena.address, arena.nbytes)
 
 
 def _stage_units(

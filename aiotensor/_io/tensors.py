@@ -7,7 +7,6 @@ copy is done) and run in worker threads.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,12 +155,6 @@ def _few(keys: list[str]) -> str:
     return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
 
 
-def on_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    """Inside: ``stream`` (a CUDA stream, or None: nothing changes) is this thread's current one
-    (see :func:`aiotensor._runtime.cuda.on_streams`)."""
-    return cuda.on_streams([stream])
-
-
 def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
     """``device`` as a torch.device, or ValueError where this machine cannot load to it."""
     dev = torch.device(device)
@@ -180,13 +173,7 @@ async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) ->
         return
     events = cuda.record_producers(tensors)
     if events:
-        await sched.call(_synchronize_all, events, priority=Priority.LOAD)
-
-
-def _synchronize_all(events: dict[torch.device, Any]) -> None:
-    for dev, e in events.items():
-        with torch.cuda.device(dev):  # a runtime call in a worker whose device has no context would make one
-            e.synchronize()
+        await sched.call(cuda.synchronize, events, priority=Priority.LOAD)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,14 @@ class HostBuffer:
         if advice is not None:
             self._mm.madvise(advice)
 
+    def pin(self, pinning: Any) -> bool:
+        """Pin this mapping with ``pinning`` (a cuda.Pinning; once, from a worker: pinning blocks),
+        kept from forked children first; False where no device has a context to pin it under yet."""
+        if not pinning.pinned(self.address):
+            self.keep_from_children()
+            pinning.pin(self.address, self.nbytes)
+        return bool(pinning.pinned(self.address))
+
     def close(self) -> None:
         del self.tensor, self.array
         self.view.release()
@@ -121,8 +129,7 @@ class StagingPool:
     def _map(self, nbytes: int) -> HostBuffer:
         arena = HostBuffer(nbytes)
         if self.pinning is not None:
-            arena.keep_from_children()
-            self.pinning.pin(arena.address, arena.nbytes)
+            arena.pin(self.pinning)
         return arena
 
     def _unmap(self, arena: HostBuffer) -> None:
@@ -175,9 +182,7 @@ class SlotPool:
 
     def pin(self, pinning: Any) -> None:
         """Pin the slots (once; from a worker thread: pinning blocks)."""
-        if self._buf is not None and self._pinning is None:
-            self._buf.keep_from_children()
-            pinning.pin(self._buf.address, self._buf.nbytes)
+        if self._buf is not None and self._pinning is None and self._buf.pin(pinning):
             self._pinning = pinning
 
     def close(self) -> None:

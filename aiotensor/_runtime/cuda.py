@@ -172,6 +172,10 @@ class Pinning:
                 assert self._device is not None  # fixed by the pin
                 self._unregister(address, self._device)
 
+    def pinned(self, address: int) -> bool:
+        with self._lock:
+            return address in self._pinned
+
     @property
     def pinned_bytes(self) -> int:
         return sum(self._pinned.values())
@@ -261,6 +265,14 @@ def record_current_streams(devices: Iterable[torch.device] | None = None) -> dic
         ev.record(torch.cuda.current_stream(dev))
         events[dev] = ev
     return events
+
+
+def synchronize(events: dict[torch.device, Any]) -> None:
+    """In a worker: wait for each event, under its device (a runtime call in a thread whose current
+    device has no context would make one there)."""
+    for dev, e in events.items():
+        with torch.cuda.device(dev):
+            e.synchronize()
 
 
 def caller_streams() -> list[Any]:

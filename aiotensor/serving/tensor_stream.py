@@ -16,8 +16,8 @@ import torch
 from .. import knobs, sources
 from .._io.assemble import Assembly, DtypeRule, Entry, finish, prepare, stored_bytes
 from .._io.read import close, open_read, read_tensors
-from .._io.tensors import check_device, on_stream
-from .._runtime import threads
+from .._io.tensors import check_device
+from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, batched
 from ..engines import Engine
 from ..errors import MismatchError
@@ -59,14 +59,14 @@ def _planned(
 def _prepare(entries: list[Entry], device: torch.device, verify: bool, stream: Any) -> Assembly:
     """What ``entries`` are read into (CUDA memory allocated on the consumer's ``stream``, which the
     caching allocator ties it to, as if the consumer had made it)."""
-    with on_stream(stream):
+    with cuda.on_streams([stream]):
         return prepare(entries, device, verify)
 
 
 def _finish(a: Assembly, names: list[str], dtype: DtypeRule, stream: Any) -> list[torch.Tensor]:
     """The tensors handed out, ``dtype`` applied, on the consumer's CUDA ``stream`` (its own work is
     then ordered after them)."""
-    with on_stream(stream):
+    with cuda.on_streams([stream]):
         return finish(a, names, dtype)
 
 
