@@ -441,3 +441,28 @@ def test_a_single_process_step_with_optimizer_state_loads_through_dcp(tmp_path: 
         assert into["optim"]["param_groups"] == saved["optim"]["param_groups"]
         assert_state_equal(saved["optim"]["state"], into["optim"]["state"])
         assert_state_equal(saved["model"], into["model"])
+
+
+@pytest.mark.anyio
+async def test_a_turn_cancelled_while_waiting_for_the_side_group_gives_its_lock_back() -> None:
+    """A store of this process waiting for the side group's lock (another store's save holds it)
+    is cancelled: the thread that was taking the lock still takes it, and must give it back, or
+    every later save and load of every store on those ranks waits forever."""
+    import threading
+
+    import anyio
+
+    from aiotensor.store.distributed import Group, Side
+
+    g = Group.__new__(Group)
+    g.lock, g.side = anyio.Lock(), Side(None, threading.Lock())
+    g.side.lock.acquire()  # another store's collectives
+    threading.Timer(0.1, g.side.lock.release).start()
+    with anyio.move_on_after(0.02) as scope:
+        async with g.turn():
+            pass
+    assert scope.cancelled_caught
+    with anyio.fail_after(5):
+        async with g.turn():
+            pass
+    assert not g.side.lock.locked()

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from .._runtime import threads
 from .._runtime.scheduler import Scheduler
 from ..errors import DistributedError
 from .handle import SaveHandle
@@ -56,12 +57,14 @@ class Group:
         """This store's turn (its calls in call order), then the side group's: another store of this
         process on the same ranks waits, so their collectives never interleave either."""
         assert self.side is not None, "the store opened"
+        lock = self.side.lock
         async with self.lock:
-            await anyio.to_thread.run_sync(self.side.lock.acquire)
+            # cancelled while waiting, the thread still takes the lock: the clean-up gives it back
+            await threads.run_sync(lock.acquire, cleanup=lambda _: lock.release())
             try:
                 yield
             finally:
-                self.side.lock.release()
+                lock.release()
 
     async def opened(self, problem: BaseException | None, root: str) -> None:
         """Join the side group (every rank of the user's takes part), then every rank learns
