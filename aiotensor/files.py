@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ._io.read import close, open_read, read_layout, read_tensors
-from ._io.tensors import Target, check_device, check_into, check_tensor, io_bytes, materialize, new_tensor, wait_for_streams
+from ._io.tensors import Block, Target, carve, check_device, check_into, check_tensor, io_bytes, materialize, wait_for_streams
 from ._io.write import crcs_of, write_file
 from ._runtime import cuda
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
@@ -277,11 +277,19 @@ def _targets(
     crcs = st.crc_table(layout, path) if verify else None
     if keys is not None and not keys <= {s.key for s in layout.tensors}:
         raise MismatchError(f"{path} holds no tensor {sorted(keys - {s.key for s in layout.tensors})[:5]}")
+    blocks: dict[str, Block | None] = {}
     if into is None:
-        dest = {s.key: new_tensor(s, dev) for s in layout.tensors if keys is None or s.key in keys}
+        chosen = [s for s in layout.tensors if keys is None or s.key in keys]
+        made = carve(chosen, dev)
+        dest = {s.key: t for s, (t, _) in zip(chosen, made, strict=True)}
+        blocks = {s.key: b for s, (_, b) in zip(chosen, made, strict=True)}
     else:
         specs = {s.key: s for s in layout.tensors}
         check_into(into, specs, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
         dest = dict(into)
-    targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
+    targets = [
+        Target(s, dest[s.key], None if crcs is None else crcs[s.key], block=blocks.get(s.key))
+        for s in layout.tensors
+        if s.key in dest
+    ]
     return dest, targets, sum(t.spec.nbytes for t in targets)

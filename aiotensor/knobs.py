@@ -26,6 +26,13 @@ BATCH_BYTES = 64 * MiB
 # The largest read into host memory: a kernel copying from the page cache holds its core that long
 # on kernels without preemption, the loop's thread waiting (bench_stall_cause.py).
 HOST_READ_BYTES = 1 * MiB
+# With a descriptor that bypasses the page cache (O_DIRECT), what the cache does not hold is read
+# in pieces of this (cold 1 GB: 1.5-1.9 GB/s against 0.5-0.7 GB/s buffered in 1 MiB pieces on the
+# development VM; no kernel copy holds a core, so the piece can be big: bench_serving.py). What the
+# cache holds is still copied in pieces of HOST_READ_BYTES.
+DIRECT_READ_BYTES = 8 * MiB
+# Reads smaller than this stay buffered: the kernel's read-ahead serves neighbouring small reads.
+DIRECT_MIN_BYTES = 256 * 1024
 # A map over more units than this is cut into batches and joined in a worker, not on the loop
 # (bench_loop.py).
 INLINE_UNITS = 256
@@ -49,6 +56,13 @@ TOUCH_BYTES = 16 * MiB
 # A single file of at least this many bytes (of few, large tensors) is assembled in page-aligned
 # bounce slots and written with O_DIRECT (bench_cpu.py: durable save_file).
 IMAGE_MIN_BYTES = 4 * MiB
+
+# New CPU tensors read from one file (load_file, stream, a store's load()) are carved from
+# page-aligned allocations, read in few big calls: tensors of at most CARVE_TENSOR_BYTES that are
+# neighbours in the file share one of at most CARVE_BLOCK_BYTES (views of it); a bigger tensor has
+# one of its own (bench_serving.py: 20,000 tensors).
+CARVE_TENSOR_BYTES = 1 * MiB
+CARVE_BLOCK_BYTES = 16 * MiB
 
 # --- saves (aiotensor.store) --------------------------------------------------------------------
 # The largest shard file of a checkpoint (a tensor is never split).

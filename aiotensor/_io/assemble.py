@@ -19,7 +19,7 @@ from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import torch_shape
 from .read import close, open_read, read_tensors
-from .tensors import Target, new_tensor
+from .tensors import Block, Target, carve
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class Assembly:
     out: list[torch.Tensor] = field(default_factory=list)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, view), after the reads
 
-    def add(self, span: Span, tensor: torch.Tensor, verify: bool) -> None:
-        self.targets.setdefault(span.path, []).append(Target(span.spec, tensor, span.crc if verify else None, span.kind))
+    def add(self, span: Span, tensor: torch.Tensor, verify: bool, block: Block | None = None) -> None:
+        target = Target(span.spec, tensor, span.crc if verify else None, span.kind, block)
+        self.targets.setdefault(span.path, []).append(target)
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +106,7 @@ def prepare(
     """Allocate what ``entries`` are read into (``into[i]``: entry ``i``'s destination, of its dtype
     and shape, or None: a new tensor on ``device``) and list the reads."""
     a = Assembly()
+    made = _carved(entries, device, into)
     buffers: dict[Span, torch.Tensor] = {}  # spans read into a buffer, read once whatever shares them
 
     def buffer(span: Span) -> torch.Tensor:
@@ -117,9 +119,12 @@ def prepare(
     for i, e in enumerate(entries):
         dest = into[i] if into is not None else None
         whole = e.whole
-        if whole is not None:
-            t = dest if dest is not None else new_tensor(whole.spec, device)
-            a.add(whole, t, verify)
+        if whole is not None and dest is not None:
+            a.add(whole, dest, verify)
+            t = dest
+        elif whole is not None:
+            t, block = made[whole]
+            a.add(whole, t, verify, block)
         elif len(e.parts) == 1 and e.parts[0].at is None:  # a view of a storage
             assert e.parts[0].view is not None
             view = ts.view_of(buffer(e.parts[0].span), e.parts[0].view)
@@ -136,6 +141,22 @@ def prepare(
                     a.copies.append((place, ts.view_of(buffer(p.span), p.view)))
         a.out.append(t)
     return a
+
+
+def _carved(
+    entries: Sequence[Entry], device: torch.device, into: Sequence[torch.Tensor | None] | None
+) -> dict[Span, tuple[torch.Tensor, Block | None]]:
+    """New tensors for the entries that are a span each, carved file by file
+    (:func:`~aiotensor._io.tensors.carve`). A torch.save storage stays an allocation of its own, as
+    ``torch.load`` makes it: its views' ``untyped_storage()`` is that storage alone."""
+    by_file: dict[str, dict[Span, None]] = {}
+    for i, e in enumerate(entries):
+        if (into is None or into[i] is None) and e.whole is not None:
+            by_file.setdefault(e.whole.path, {})[e.whole] = None
+    made: dict[Span, tuple[torch.Tensor, Block | None]] = {}
+    for spans in by_file.values():
+        made |= zip(spans, carve([s.spec for s in spans], device), strict=True)
+    return made
 
 
 def finish(a: Assembly, names: Sequence[str] = (), dtype: DtypeRule = None) -> list[torch.Tensor]:

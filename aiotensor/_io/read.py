@@ -4,7 +4,8 @@ contiguous CPU block), verifying their checksums."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import errno
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -12,13 +13,14 @@ import numpy as np
 import torch
 
 from .. import knobs
+from .._runtime.buffers import PAGE, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
 from ..formats import checksum
 from ..formats import safetensors as st
 from ..formats.dtypes import SAFETENSORS_TO_TORCH
-from .tensors import Target, copy_tensor, crc_of_pieces, direct, io_bytes, spans, wait_for_streams
+from .tensors import Block, Target, byte_view, copy_tensor, crc_of_pieces, direct, io_bytes, spans, wait_for_streams
 
 
 async def open_read(sched: Scheduler, path: str) -> int:
@@ -67,18 +69,25 @@ async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
 
 @dataclass(frozen=True)
 class _ReadUnit:
-    target: int
     offset: int  # file offset
-    # the destination bytes: host memory, or device memory the engine reads into (checksummed
-    # through a bounce slot); None: read into a bounce slot, then copy rows [row0, row1)
+    # the destination bytes: host memory (``nbytes`` of it; for a block's piece, up to a page
+    # boundary after), or device memory the engine reads into (checksummed through a bounce slot);
+    # None: read into a bounce slot, then copy rows [row0, row1) of ``target``
     dest: memoryview | torch.Tensor | None
     nbytes: int
+    # (target, a, b): bytes [a, b) of this unit are bytes of that target, in order (its crc's pieces)
+    parts: tuple[tuple[int, int, int], ...]
+    aligned: bool = False  # a block's piece: page-aligned memory at a page-aligned offset
+    target: int = -1
     row0: int = 0
     row1: int = 0
 
 
 async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
-    """Read every target from the open file ``fd``, in parallel pieces, and verify checksums.
+    """Read every target from the open file ``fd``, in parallel pieces, and verify checksums. What
+    the page cache holds is copied from it; the rest is read with O_DIRECT where the engine offers
+    it (:meth:`~aiotensor.engines.Engine.open_direct`): straight into the blocks of carved tensors,
+    through page-aligned bounce slots into other memory.
 
     Raises:
         ChecksumError: naming the file and the tensor whose bytes differ from the recorded crc32c.
@@ -90,61 +99,215 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     Cancellation: returns only once no thread writes into any target tensor.
     """
     await wait_for_streams(sched, (t.tensor for t in targets))
-    units, nbytes = await sched.call(_read_units, sched, targets, priority=priority)
+    eng = sched.engine
+    units, nbytes, dfd = await sched.call(_plan, sched, fd, targets, priority=priority, cleanup=_close_direct(eng))
+    try:
 
-    def run(slot: memoryview, u: _ReadUnit) -> int:
-        t = targets[u.target]
-        what = f"tensor {t.spec.key!r}"
-        if u.dest is not None:
-            _read_exact(sched.engine, fd, u.dest, u.offset, path, what)
-            if t.crc is None:
-                return 0
-            if isinstance(u.dest, memoryview):
-                return checksum.of(t.kind, u.dest)
-            # device memory: read back through the slot to checksum it
-            copy_tensor(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
-            return checksum.of(t.kind, slot[: u.nbytes])
-        buf = slot if u.nbytes <= len(slot) else memoryview(bytearray(u.nbytes))
-        _read_exact(sched.engine, fd, buf[: u.nbytes], u.offset, path, what)
-        dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
-        src = torch.from_numpy(np.frombuffer(buf, np.uint8, u.nbytes)).view(dtype)
-        target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
-        dst = target[u.row0 : u.row1] if target.dim() else target
-        src = src.view((u.row1 - u.row0, *t.tensor.shape[1:])) if t.tensor.dim() else src.view(())
-        copy_tensor(sched, dst, src)
-        return checksum.of(t.kind, buf[: u.nbytes]) if t.crc is not None else 0
+        def run(slot: memoryview, u: _ReadUnit) -> tuple[list[int], int]:
+            what = f"tensor {targets[u.parts[0][0] if u.parts else u.target].spec.key!r}"
+            if isinstance(u.dest, torch.Tensor):  # device memory the engine reads into
+                _read_exact(eng, fd, u.dest, u.offset, path, what)
+                if not u.parts:
+                    return [], 0
+                copy_tensor(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
+                return _crcs(targets, u, slot), 0
+            if u.dest is not None:
+                direct = _fill(eng, fd, dfd, u.dest, u.offset, u.nbytes, u.aligned, slot, path, what)
+                return _crcs(targets, u, u.dest), direct
+            t = targets[u.target]
+            bounce = u.nbytes + 2 * PAGE <= len(slot)
+            room = slot if bounce else memoryview(bytearray(u.nbytes))
+            data, direct = _fetch(eng, fd, dfd if bounce else None, room, u.offset, u.nbytes, path, what)
+            dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
+            src = torch.from_numpy(np.frombuffer(data, np.uint8, u.nbytes)).view(dtype)
+            target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
+            dst = target[u.row0 : u.row1] if target.dim() else target
+            src = src.view((u.row1 - u.row0, *t.tensor.shape[1:])) if t.tensor.dim() else src.view(())
+            copy_tensor(sched, dst, src)
+            return _crcs(targets, u, data), direct
 
-    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, io=True)
-    await _checked(sched, path, targets, units, nbytes, crcs, priority)
+        got = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, io=True)
+    finally:
+        if dfd is not None:
+            await close(sched, dfd)
+    await _checked(sched, path, targets, units, nbytes, got, priority)
 
 
-def _read_units(sched: Scheduler, targets: Sequence[Target]) -> tuple[list[_ReadUnit], int]:
-    """The pieces to read (straight into each target's memory, or through bounce slots by rows)
-    and their bytes."""
+def _plan(sched: Scheduler, fd: int, targets: Sequence[Target]) -> tuple[list[_ReadUnit], int, int | None]:
+    """The pieces to read (:func:`_read_units`) and a descriptor of ``fd`` that reads with O_DIRECT
+    (None: there is none, or the bounce slots are too small to read through)."""
+    dfd = None
+    if sched.slots.slot_bytes - 2 * PAGE >= knobs.DIRECT_MIN_BYTES:
+        dfd = sched.engine.open_direct(fd)
+    try:
+        return (*_read_units(sched, targets, dfd is not None), dfd)
+    except BaseException:
+        if dfd is not None:
+            sched.engine.close(dfd)
+        raise
+
+
+def _close_direct(engine: Engine) -> Callable[[tuple[list[_ReadUnit], int, int | None]], None]:
+    def cleanup(planned: tuple[list[_ReadUnit], int, int | None]) -> None:
+        if planned[2] is not None:
+            engine.close(planned[2])
+
+    return cleanup
+
+
+def _crcs(targets: Sequence[Target], u: _ReadUnit, data: memoryview) -> list[int]:
+    return [checksum.of(targets[i].kind, data[a:b]) for i, a, b in u.parts]
+
+
+def _fill(
+    engine: Engine,
+    fd: int,
+    dfd: int | None,
+    dest: memoryview,
+    off: int,
+    need: int,
+    aligned: bool,
+    slot: memoryview,
+    path: str,
+    what: str,
+) -> int:
+    """Fill ``dest[:need]`` with the file's bytes at ``off``; return how many were read with O_DIRECT.
+    Without ``dfd``: buffered reads. With it: what the page cache holds is copied, the rest read
+    with O_DIRECT, straight into ``dest`` if ``aligned``, else through ``slot``."""
+    if dfd is None or need < knobs.DIRECT_MIN_BYTES:
+        _read_exact(engine, fd, dest[:need], off, path, what)
+        return 0
+    got = _cached(engine, fd, dest[:need], off, path, what)
+    if got == need:
+        return 0
+    if aligned:  # from the page the cache's part ends in: the bytes before it in that page are the same
+        start = got // PAGE * PAGE
+        _read_direct(engine, fd, dfd, dest[start:], off + start, need - start, path, what)
+        return need - start
+    if need - got + 2 * PAGE > len(slot):  # no room to bounce: buffered
+        _read_exact(engine, fd, dest[got:need], off + got, path, what)
+        return 0
+    data, n = _fetch(engine, fd, dfd, slot, off + got, need - got, path, what, cached=False)
+    _copy(dest[got:need], data)
+    return n
+
+
+def _fetch(
+    engine: Engine, fd: int, dfd: int | None, room: memoryview, off: int, need: int, path: str, what: str, cached: bool = True
+) -> tuple[memoryview, int]:
+    """The file's bytes ``[off, off + need)`` read into ``room`` (page-aligned, with two pages to
+    spare when ``dfd`` is given), as a view of it, and how many were read with O_DIRECT. With
+    ``dfd`` the view starts ``off % PAGE`` into ``room``, so that O_DIRECT reads land aligned."""
+    if dfd is None or need < knobs.DIRECT_MIN_BYTES:
+        _read_exact(engine, fd, room[:need], off, path, what)
+        return room[:need], 0
+    skip = off % PAGE
+    data = room[skip : skip + need]
+    got = _cached(engine, fd, data, off, path, what) if cached else 0
+    if got < need:
+        start = (skip + got) // PAGE * PAGE
+        _read_direct(engine, fd, dfd, room[start:], off - skip + start, skip + need - start, path, what)
+    return data, need - got
+
+
+def _cached(engine: Engine, fd: int, buf: memoryview, off: int, path: str, what: str) -> int:
+    """Copy what the page cache holds of ``buf``'s bytes at ``off``, from the first on (buffered
+    reads of at most :data:`knobs.HOST_READ_BYTES`); return the count."""
+    got = engine.cached(fd, off, len(buf))
+    for a, b in spans(got, knobs.HOST_READ_BYTES):
+        _read_exact(engine, fd, buf[a:b], off + a, path, what)
+    return got
+
+
+def _read_direct(engine: Engine, fd: int, dfd: int, buf: memoryview, off: int, need: int, path: str, what: str) -> None:
+    """Read at least ``need`` bytes at the page-aligned ``off`` into the page-aligned ``buf`` with
+    O_DIRECT, in whole pages (``buf`` has room up to the page boundary after them); a file system
+    that refuses it mid-way (EINVAL) gets buffered reads of the rest."""
+    done, room = 0, round_up(need)
+    while done < need:
+        try:
+            n = engine.pread(dfd, buf[done:room], off + done)
+        except OSError as e:
+            if e.errno != errno.EINVAL or done % PAGE:
+                raise annotate_oserror(e, f"reading {what} from {path}") from e
+            _read_exact(engine, fd, buf[done:need], off + done, path, what)
+            return
+        if n <= 0 or (n % PAGE and done + n < need):
+            raise FormatError(f"file ends at byte {off + done + max(n, 0)}, inside {what}", path)
+        done += n
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` with the GIL released (torch's copy; a memoryview assignment keeps it)."""
+    torch.from_numpy(np.frombuffer(dst, np.uint8)).copy_(torch.from_numpy(np.frombuffer(src, np.uint8)))
+
+
+def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> tuple[list[_ReadUnit], int]:
+    """The pieces to read (straight into each target's memory, a block's pieces into its memory, or
+    through bounce slots by rows) and their bytes. ``direct``: O_DIRECT reads are offered, so host
+    pieces are :data:`knobs.DIRECT_READ_BYTES` (what the cache holds is still copied in pieces of
+    :data:`knobs.HOST_READ_BYTES`)."""
     units: list[_ReadUnit] = []
+    host = _read_piece(sched, odirect)
+    blocks: dict[Block, list[int]] = {}
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
             continue
+        if t.block is not None and not sched.engine.handles_device(dst):
+            blocks.setdefault(t.block, []).append(i)
+            continue
+        part = (i,) if t.crc is not None else ()
         if sched.engine.handles_device(dst) or direct(dst):
             whole = io_bytes(sched.engine, dst)
-            piece = sched.chunk_bytes if isinstance(whole, torch.Tensor) else _read_piece(sched)
-            units += [_ReadUnit(i, spec.offset + a, whole[a:b], b - a) for a, b in spans(spec.nbytes, piece)]
+            piece = sched.chunk_bytes if isinstance(whole, torch.Tensor) else host
+            units += [
+                _ReadUnit(spec.offset + a, whole[a:b], b - a, tuple((j, 0, b - a) for j in part))
+                for a, b in spans(spec.nbytes, piece)
+            ]
             continue
         rows = dst.shape[0] if dst.dim() else 1
         row_bytes = spec.nbytes // rows
-        per = max(1, _read_piece(sched) // row_bytes)
+        per = max(1, host // row_bytes)
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
-            units.append(_ReadUnit(i, spec.offset + r0 * row_bytes, None, (r1 - r0) * row_bytes, r0, r1))
+            n = (r1 - r0) * row_bytes
+            parts = tuple((j, 0, n) for j in part)
+            units.append(_ReadUnit(spec.offset + r0 * row_bytes, None, n, parts, target=i, row0=r0, row1=r1))
+    for block, members in blocks.items():
+        units += _block_units(block, [(i, targets[i]) for i in members], host, odirect)
     return units, sum(u.nbytes for u in units)
+
+
+def _block_units(block: Block, members: list[tuple[int, Target]], piece: int, odirect: bool) -> list[_ReadUnit]:
+    """A block's pieces, each with the parts of the tensors it holds that have a crc; from its
+    page-aligned start for O_DIRECT reads, else from its first tensor's first byte."""
+    members.sort(key=lambda m: m[1].spec.offset)
+    odirect = odirect and block.end - block.offset >= knobs.DIRECT_MIN_BYTES
+    mem = byte_view(block.memory)
+    base = block.offset if odirect else members[0][1].spec.offset
+    out = []
+    k = 0
+    for a, b in spans(block.end - base, piece):
+        lo, hi = base + a, base + b
+        parts = []
+        while k < len(members) and members[k][1].spec.offset + members[k][1].spec.nbytes <= lo:
+            k += 1
+        j = k
+        while j < len(members) and members[j][1].spec.offset < hi:
+            i, t = members[j]
+            if t.crc is not None:
+                parts.append((i, max(t.spec.offset, lo) - lo, min(t.spec.offset + t.spec.nbytes, hi) - lo))
+            j += 1
+        out.append(_ReadUnit(lo, mem[lo - block.offset :], b - a, tuple(parts), aligned=odirect))
+    return out
 
 
 def _verify_units(sched: Scheduler, targets: Sequence[Target]) -> tuple[list[_ReadUnit], int]:
     """The pieces to read through bounce slots to check every target that has a crc, and their bytes."""
-    step = _read_piece(sched)
+    step = _read_piece(sched, False)
     units = [
-        _ReadUnit(i, t.spec.offset + a, None, b - a)
+        _ReadUnit(t.spec.offset + a, None, b - a, ((i, 0, b - a),), target=i)
         for i, t in enumerate(targets)
         if t.crc is not None
         for a, b in spans(t.spec.nbytes, step)
@@ -153,23 +316,34 @@ def _verify_units(sched: Scheduler, targets: Sequence[Target]) -> tuple[list[_Re
 
 
 async def _checked(
-    sched: Scheduler, path: str, targets: Sequence[Target], units: list[_ReadUnit], nbytes: int, crcs: list[int], priority: int
+    sched: Scheduler,
+    path: str,
+    targets: Sequence[Target],
+    units: list[_ReadUnit],
+    nbytes: int,
+    got: list[tuple[list[int], int]],
+    priority: int,
 ) -> None:
     """After a read or verify pass: count the bytes, compare the crcs, and free the units (tens
     of thousands of views, for a state of many tensors) in a thread."""
     sched.stats.bytes_read += nbytes
-    await sched.call(_check_crcs, path, targets, units, crcs, priority=priority)
-    await sched.discard(units, crcs)
+    sched.stats.bytes_direct += sum(n for _, n in got)
+    await sched.call(_check_crcs, path, targets, units, got, priority=priority)
+    await sched.discard(units, got)
 
 
-def _read_piece(sched: Scheduler) -> int:
-    """The largest read into host memory (:data:`aiotensor.knobs.HOST_READ_BYTES`)."""
+def _read_piece(sched: Scheduler, odirect: bool) -> int:
+    """The largest read into host memory: :data:`knobs.DIRECT_READ_BYTES` where O_DIRECT reads are
+    offered (at most a bounce slot less two pages), else :data:`aiotensor.knobs.HOST_READ_BYTES`."""
+    if odirect:
+        return min(sched.slots.slot_bytes - 2 * PAGE, knobs.DIRECT_READ_BYTES)
     return min(sched.slots.slot_bytes, knobs.HOST_READ_BYTES)
 
 
 async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
     """Check the crc32c of every target that has one by reading its bytes through bounce slots;
-    writes into no target (the first pass of an all-or-nothing load).
+    writes into no target (the first pass of an all-or-nothing load). Buffered reads: the pass
+    that follows finds the bytes in the page cache.
 
     Raises:
         ChecksumError, FormatError, OSError: as :func:`read_tensors`.
@@ -178,28 +352,29 @@ async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence
     """
     units, nbytes = await sched.call(_verify_units, sched, targets, priority=priority)
 
-    def run(slot: memoryview, u: _ReadUnit) -> int:
+    def run(slot: memoryview, u: _ReadUnit) -> tuple[list[int], int]:
         t = targets[u.target]
         _read_exact(sched.engine, fd, slot[: u.nbytes], u.offset, path, f"tensor {t.spec.key!r}")
-        return checksum.of(t.kind, slot[: u.nbytes])
+        return _crcs(targets, u, slot), 0
 
-    crcs = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
-    await _checked(sched, path, targets, units, nbytes, crcs, priority)
+    got = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True)
+    await _checked(sched, path, targets, units, nbytes, got, priority)
 
 
-def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit], crcs: Sequence[int]) -> None:
+def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit], got: Sequence[tuple[list[int], int]]) -> None:
     """Combine the crcs of the pieces read and compare each target's with its recorded one."""
     pieces: dict[int, list[tuple[int, int]]] = {}
-    for u, c in zip(units, crcs, strict=True):
-        pieces.setdefault(u.target, []).append((c, u.nbytes))
+    for u, (crcs, _) in zip(units, got, strict=True):
+        for (i, a, b), c in zip(u.parts, crcs, strict=True):
+            pieces.setdefault(i, []).append((c, b - a))
     for i, t in enumerate(targets):
         if t.crc is None:
             continue
-        got = crc_of_pieces(pieces.get(i, []), t.kind)
-        if got != t.crc:
+        got_crc = crc_of_pieces(pieces.get(i, []), t.kind)
+        if got_crc != t.crc:
             s = t.spec
             raise ChecksumError(
-                f"tensor {s.key!r} is corrupt: {t.kind} of bytes [{s.offset}, {s.offset + s.nbytes}) is {got:#010x}, "
+                f"tensor {s.key!r} is corrupt: {t.kind} of bytes [{s.offset}, {s.offset + s.nbytes}) is {got_crc:#010x}, "
                 f"{t.crc:#010x} was recorded when it was written",
                 path,
                 s.key,

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from .. import knobs
 from .._runtime import cuda
+from .._runtime.buffers import PAGE, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import MismatchError, StateError
 from ..formats import checksum
@@ -176,12 +178,79 @@ async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) ->
         await sched.call(cuda.synchronize, events, priority=Priority.LOAD)
 
 
+@dataclass(eq=False)
+class Block:
+    """New tensors of one file carved from one page-aligned allocation (:func:`carve`): ``memory``
+    holds the file's bytes from ``offset`` (page-aligned) to ``end`` and beyond, up to a page
+    boundary; the tensors are views of it. Read in few big pieces, with O_DIRECT straight in where
+    the engine can."""
+
+    offset: int
+    end: int
+    memory: torch.Tensor  # uint8, page-aligned, its length a multiple of the page
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor of ``nbytes`` (rounded up to a page) at a page-aligned address."""
+    n = round_up(max(nbytes, 1))
+    raw = torch.empty(n + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + n]
+
+
+def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[torch.Tensor, Block | None]]:
+    """New tensors to read ``specs`` (of one file) into, in their order, each with the block it is
+    carved from. On the CPU, neighbours in the file of at most :data:`knobs.CARVE_TENSOR_BYTES`
+    share a page-aligned allocation of at most :data:`knobs.CARVE_BLOCK_BYTES` (views of it, as the
+    tensors of ``safetensors.load_file`` share their file's mapping); a bigger tensor has one of
+    its own. Elsewhere, and for a tensor whose offset is not a multiple of its item size, a plain
+    new tensor."""
+    out: list[tuple[torch.Tensor, Block | None]] = [(_EMPTY, None)] * len(specs)
+    if device.type != "cpu":
+        return [(new_tensor(s, device), None) for s in specs]
+    run: list[int] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        lo, end = specs[run[0]].offset // PAGE * PAGE, specs[run[-1]].offset + specs[run[-1]].nbytes
+        block = Block(lo, end, aligned_empty(end - lo))
+        for i in run:
+            s = specs[i]
+            mem = block.memory[s.offset - lo : s.offset - lo + s.nbytes]
+            out[i] = (mem.view(SAFETENSORS_TO_TORCH[s.dtype]).view(torch_shape(s.dtype, s.shape)), block)
+        run.clear()
+
+    for i in sorted(range(len(specs)), key=lambda i: specs[i].offset):
+        s = specs[i]
+        dtype = SAFETENSORS_TO_TORCH[s.dtype]
+        if s.nbytes == 0 or s.offset % dtype.itemsize or s.nbytes % dtype.itemsize:
+            out[i] = (new_tensor(s, device), None)
+            continue
+        big = s.nbytes > knobs.CARVE_TENSOR_BYTES
+        if run:
+            last = specs[run[-1]]
+            gap = s.offset - (last.offset + last.nbytes)
+            if big or not 0 <= gap <= PAGE or s.offset + s.nbytes - specs[run[0]].offset > knobs.CARVE_BLOCK_BYTES:
+                flush()
+        run.append(i)
+        if big:
+            flush()
+    flush()
+    return out
+
+
+_EMPTY = torch.empty(0)
+
+
 @dataclass(frozen=True)
 class Target:
     """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given (a
-    crc32c, or zlib's crc32 with ``kind="crc32"``: a zip entry's)."""
+    crc32c, or zlib's crc32 with ``kind="crc32"``: a zip entry's). ``block``: the tensor was carved
+    from it (:func:`carve`); the block's pieces are read instead of the tensor's."""
 
     spec: st.TensorSpec
     tensor: torch.Tensor
     crc: int | None
     kind: str = "crc32c"
+    block: Block | None = None

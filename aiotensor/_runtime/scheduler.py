@@ -143,6 +143,7 @@ class Stats:
     """Counters of a scheduler (bytes moved by the engine, calls run)."""
 
     bytes_read: int = 0
+    bytes_direct: int = 0  # of bytes_read, read with O_DIRECT
     bytes_written: int = 0
     calls: int = 0
 

@@ -41,6 +41,17 @@ class Engine(abc.ABC):
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; return the count (0 at end of file)."""
 
+    def open_direct(self, fd: int) -> int | None:
+        """A second descriptor of the open file ``fd`` that reads past the page cache (O_DIRECT:
+        memory, offset and length page-aligned, a short read only at the file's end), or None where
+        the engine or the file system has none. Read it with :meth:`pread`; close it with :meth:`close`."""
+        return None
+
+    def cached(self, fd: int, offset: int, nbytes: int) -> int:
+        """How many of the ``nbytes`` bytes at ``offset`` the page cache holds, from the first on
+        (0: none, or the engine cannot tell). Asking reads nothing and starts no read-ahead."""
+        return 0
+
     @abc.abstractmethod
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
         """Write ``buf`` at ``offset``; return how many bytes were written (may be short)."""

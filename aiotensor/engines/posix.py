@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import stat
+from typing import Any
 
 from ..errors import UnsafePathError
 from .base import Engine
@@ -20,11 +23,11 @@ class PosixEngine(Engine):
     """Posix I/O. Chunking and parallelism are the scheduler's job.
 
     Args:
-        direct: honour ``create(direct=True)`` with O_DIRECT (where the file system supports it).
-            Reads stay buffered: they land in the caller's tensors, which are not page-aligned, and
-            measured no faster with O_DIRECT through bounce buffers. Aligned writes from staging
-            arenas skip the page cache: 2.9 to 3.7 GB/s against 0.5 to 2 GB/s buffered (1.4 GB
-            written and fdatasync'ed, on the development VM).
+        direct: honour ``create(direct=True)`` with O_DIRECT and offer :meth:`open_direct` (where
+            the file system supports it). Aligned writes from staging arenas skip the page cache:
+            2.9 to 3.7 GB/s against 0.5 to 2 GB/s buffered (1.4 GB written and fdatasync'ed, on the
+            development VM). Reads take what the page cache holds from it (``mincore``) and the
+            rest with O_DIRECT in big pieces: 1.5 to 1.9 GB/s cold against 0.5 to 0.7 buffered.
     """
 
     name = "posix"
@@ -55,6 +58,17 @@ class PosixEngine(Engine):
 
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.preadv(fd, [buf], offset)
+
+    def open_direct(self, fd: int) -> int | None:
+        if not self.direct:
+            return None
+        try:  # the open file itself, by its descriptor: no path is looked up again
+            return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | _O_CLOEXEC)
+        except OSError:  # no /proc, or a file system without O_DIRECT (tmpfs: EINVAL)
+            return None
+
+    def cached(self, fd: int, offset: int, nbytes: int) -> int:
+        return resident(fd, offset, nbytes)
 
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.pwritev(fd, [buf], offset)
@@ -122,3 +136,54 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+_PAGE = mmap.PAGESIZE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets the low bit of a resident page's byte
+
+
+def resident(fd: int, offset: int, nbytes: int) -> int:
+    """How many of the ``nbytes`` bytes of ``fd`` at ``offset`` are in the page cache, from the
+    first on: ``mincore`` of a mapping that is never touched (a read with ``RWF_NOWAIT`` would
+    start read-ahead of what is missing, reading it twice). 0 where it cannot be told."""
+    if _LIBC is None or nbytes <= 0:
+        return 0
+    start = offset // _PAGE * _PAGE
+    length = offset + nbytes - start
+    addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if addr is None or addr == _MAP_FAILED:
+        return 0
+    try:
+        pages = -(-length // _PAGE)
+        vec = ctypes.create_string_buffer(pages)
+        # the first, middle and last page first: a range is nearly always all in or all out, and
+        # asking for every page costs ~70 ns each (a tenth of copying them from the cache)
+        base = ctypes.addressof(vec)
+        probe = sorted({0, pages // 2, pages - 1})
+        if any(_LIBC.mincore(addr + i * _PAGE, _PAGE, base + i) for i in probe):
+            return 0
+        seen = {vec.raw[i] & 1 for i in probe}
+        if len(seen) == 1:
+            cold = pages if seen == {1} else 0
+        elif _LIBC.mincore(addr, length, base) != 0:
+            return 0
+        else:
+            cold = vec.raw.translate(_LOW_BIT).find(0)  # the first page that is not resident
+            cold = pages if cold < 0 else cold
+    finally:
+        _LIBC.munmap(addr, length)
+    return max(0, min(nbytes, cold * _PAGE - (offset - start)))

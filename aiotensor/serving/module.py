@@ -15,11 +15,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import knobs
+from .. import knobs, sources
+from .._io.assemble import Entry, read
+from .._io.tensors import check_device
 from .._runtime import cuda
-from .._runtime.scheduler import Priority, Scheduler
+from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
-from .tensor_stream import stream
 
 
 class LoadResult(NamedTuple):
@@ -48,9 +49,16 @@ def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
         raise MismatchError(f"{source}: missing keys {got.missing_keys[:10]}, unexpected keys {got.unexpected_keys[:10]}")
 
 
+# where an entry is read straight to (the module's tensor, or a new one of its dtype and device),
+# given the names it fills and the module's tensor; None: into a new tensor, then Fill
+Place = Callable[[tuple[str, ...], torch.Tensor, Entry], torch.Tensor | None]
+_Batch = tuple[list[Entry], list[torch.Tensor | None], list[tuple[tuple[str, ...], torch.Tensor, int]]]
+
+
 async def _matched(
     module: torch.nn.Module,
     source: str | os.PathLike[str],
+    place: Place,
     fn: Fill,
     *,
     strict: bool,
@@ -59,43 +67,77 @@ async def _matched(
     scheduler: Scheduler | None,
     no_meta: bool = False,
 ) -> LoadResult:
-    """Stream ``source`` and call ``fn(names, module's tensor, loaded tensor)`` for each tensor the
-    module has, of its shape, in worker threads, batches of up to :data:`knobs.STREAM_BATCH_TENSORS`
-    tensors or :data:`knobs.STREAM_BATCH_BYTES` at a time (one call per tensor made a 20,000-tensor
-    load_into take 7 s). A name is missing only if neither it nor a name tied to it was loaded;
-    ``strict``: a name the module lacks is an error at once (else it is reported)."""
+    """Match ``source``'s tensors to the module's by name (and shape: a mismatch is an error before
+    anything is read), then read each where ``place`` says, straight into its final memory, once;
+    the others into new tensors on ``device``, up to ``window_bytes`` of them at a time, handed to
+    ``fn(names, module's tensor, loaded tensor)`` in worker threads. A name is missing only if
+    neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
+    (else it is reported)."""
+    async with own_scheduler(scheduler) as sched:
+        src = await sched.call(sources.resolve, sched.engine, os.fspath(source), priority=Priority.LOAD)
+        dev = check_device(sched, device)
+        known, ties = await sched.run_sync(_module_tensors, module)
+        if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):
+            raise MismatchError(f"the module has tensors on the meta device ({meta[:5]}); load_into materializes them")
+        streams = cuda.caller_streams()  # new CUDA tensors and copies on the caller's streams
+        batches, left, unexpected = await sched.call(
+            cuda.under, streams, _plan, src.entries, known, ties, place, strict, str(source), window_bytes, priority=Priority.LOAD
+        )
+        for entries, into, fills in batches:
+            got = await read(sched, entries, dev, into=into)
+            await sched.call(_each, fn, [(names, dst, got[i]) for names, dst, i in fills], streams, priority=Priority.LOAD)
+        await sched.discard(known, batches)
+    return LoadResult(left, unexpected)
+
+
+def _plan(
+    entries: tuple[Entry, ...],
+    known: dict[str, torch.Tensor],
+    ties: dict[str, tuple[str, ...]],
+    place: Place,
+    strict: bool,
+    source: str,
+    window_bytes: int,
+) -> tuple[list[_Batch], list[str], list[str]]:
+    """The reads, in batches of at most ``window_bytes`` of new tensors (an entry read straight to
+    its place counts nothing), with the module's names left unfilled and the file's unexpected ones."""
+    left = dict.fromkeys(known)
     unexpected: list[str] = []
-    async with stream(source, device=device, window_bytes=window_bytes, scheduler=scheduler) as s:
-        with s.scheduler.operation():
-            sched = s.scheduler
-            known, ties = await sched.run_sync(_module_tensors, module)
-            if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):
-                raise MismatchError(f"the module has tensors on the meta device ({meta[:5]}); load_into materializes them")
-            left = dict.fromkeys(known)  # not filled yet
-            streams = cuda.caller_streams()  # copies into the module's CUDA tensors ordered on the caller's streams
-            batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]] = []
-            size = 0
-            async for name, t in s:
-                dst = known.get(name)
-                if dst is None:
-                    if strict:
-                        raise MismatchError(f"{source} has a tensor {name!r} the module does not")
-                    unexpected.append(name)
+    batches: list[_Batch] = []
+    batch: _Batch = ([], [], [])
+    size = 0
+    for e in entries:
+        dest: torch.Tensor | None = None
+        filled: set[int] = set()
+        for name in e.names:
+            dst = known.get(name)
+            if dst is None:
+                if strict:
+                    raise MismatchError(f"{source} has a tensor {name!r} the module does not")
+                unexpected.append(name)
+                continue
+            if tuple(dst.shape) != tuple(e.shape):
+                raise MismatchError(f"tensor {name!r}: {source} has {list(e.shape)}, the module {list(dst.shape)}")
+            names = ties.get(name, (name,))
+            for n in names:
+                left.pop(n, None)
+            if id(dst) in filled:  # a name tied to one already filled
+                continue
+            filled.add(id(dst))
+            if dest is None:
+                dest = place(names, dst, e)
+                batch[0].append(e)
+                batch[1].append(dest)
+                if dest is not None:
                     continue
-                if tuple(dst.shape) != tuple(t.shape):
-                    raise MismatchError(f"tensor {name!r}: {source} has {list(t.shape)}, the module {list(dst.shape)}")
-                names = ties.get(name, (name,))
-                for n in names:
-                    left.pop(n, None)
-                batch.append((names, dst, t))
-                size += t.nbytes
-                if len(batch) >= knobs.STREAM_BATCH_TENSORS or size >= knobs.STREAM_BATCH_BYTES:
-                    await sched.call(_each, fn, batch, streams, priority=Priority.LOAD)
-                    batch, size = [], 0
-            if batch:
-                await sched.call(_each, fn, batch, streams, priority=Priority.LOAD)
-            await sched.discard(known)
-    return LoadResult(list(left), unexpected)
+                size += e.nbytes
+            batch[2].append((names, dst, len(batch[0]) - 1))  # after the read: fn(names, dst, what was read)
+        if size >= window_bytes:
+            batches.append(batch)
+            batch, size = ([], [], []), 0
+    if batch[0]:
+        batches.append(batch)
+    return batches, list(left), unexpected
 
 
 def _each(fn: Fill, batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]], streams: list[Any]) -> None:
@@ -103,6 +145,11 @@ def _each(fn: Fill, batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tenso
         for names, dst, t in batch:
             fn(names, dst, t)
     batch.clear()  # the loaded tensors are freed here, not on the loop's thread
+
+
+def _itself(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
+    """Read straight into the module's tensor where it has the stored dtype (not on the meta device)."""
+    return dst.detach() if not dst.is_meta and dst.dtype == e.dtype else None
 
 
 def _in_place(module: torch.nn.Module) -> Fill:
@@ -137,9 +184,10 @@ async def load_into(
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
 ) -> LoadResult:
-    """Load ``source`` in place into ``module``'s parameters and buffers, a batch of tensors at a
-    time (memory: the module, the stream's window and a batch of up to :data:`knobs.STREAM_BATCH_BYTES`),
-    converting dtypes on the fly to the module's.
+    """Load ``source`` in place into ``module``'s parameters and buffers: read straight into their
+    memory, once, where the module's tensor has the stored dtype; converted on the fly to the
+    module's dtype otherwise, through new tensors of up to ``window_bytes`` at a time (memory: the
+    module, and that window). Names and shapes are matched before anything is read.
 
     Tied parameters (one tensor under several names) are filled by whichever name the file has.
     Tensors on the meta device are materialized on ``device`` (where the stream reads to; tensors
@@ -148,15 +196,16 @@ async def load_into(
     meta module's stay on the meta device.
 
     Raises:
-        MismatchError: a shape differs (named), or with ``strict``, missing or unexpected keys
-            (after the file has been read: the module then holds what was loaded).
+        MismatchError: a shape differs (named; before anything is read), or with ``strict``,
+            missing or unexpected keys (after the file has been read: the module then holds
+            what was loaded).
         What :func:`stream` raises.
 
-    Cancellation: the stream is closed; the module may hold a mix of old and new values (load into
-    a copy, or use :func:`prepare_swap`, to switch only once everything is in).
+    Cancellation: returns once no thread writes into the module; it may hold a mix of old and new
+    values (load into a copy, or use :func:`prepare_swap`, to switch only once everything is in).
     """
     got = await _matched(
-        module, source, _in_place(module), strict=False, device=device, window_bytes=window_bytes, scheduler=scheduler
+        module, source, _itself, _in_place(module), strict=False, device=device, window_bytes=window_bytes, scheduler=scheduler
     )
     _raise_if(strict, f"load_into {source}", got)
     return got
@@ -193,7 +242,8 @@ async def prepare_swap(
     scheduler: Scheduler | None = None,
 ) -> Swap:
     """Load ``source`` for ``module`` into new tensors (one extra copy of the weights, on the
-    module's devices and dtypes) while the module keeps serving; returns a :class:`Swap` whose
+    module's devices and dtypes, read straight into them where the dtype is the stored one) while
+    the module keeps serving; returns a :class:`Swap` whose
     ``apply()`` switches between two requests. If the load fails (a corrupt file: ChecksumError;
     other shapes, or with ``strict`` other keys: MismatchError), nothing of the new version is
     visible. Tied parameters count as :func:`load_into` counts them; with ``strict=False``, what
@@ -203,11 +253,17 @@ async def prepare_swap(
     """
     new: dict[str, torch.Tensor] = {}
 
+    def beside(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
+        if dst.dtype != e.dtype:
+            return None
+        t = new[names[0]] = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        return t
+
     def keep(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
         new[names[0]] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
 
     got = await _matched(
-        module, source, keep, strict=strict, device="cpu", window_bytes=window_bytes, scheduler=scheduler, no_meta=True
+        module, source, beside, keep, strict=strict, device="cpu", window_bytes=window_bytes, scheduler=scheduler, no_meta=True
     )
     _raise_if(strict, f"prepare_swap {source}", got)
     return Swap(module, new, got)

@@ -11,7 +11,7 @@ from .. import root as _root
 from .. import sources
 from .._io.assemble import read
 from .._io.read import close, layout_of, open_read, read_tensors, verify_tensors
-from .._io.tensors import Target, check_device, check_into, new_tensor
+from .._io.tensors import Target, carve, check_device, check_into
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
@@ -158,11 +158,20 @@ def _targets(
     devices: tuple[str, ...],
     verify: bool,
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[Target]], int]:
-    dest = _destinations(m, into, device, devices)
-    targets = {
-        shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
-        for shard, entries in by_shard.items()
-    }
+    if into is None:  # new tensors, carved shard by shard
+        dest: dict[str, torch.Tensor] = {}
+        targets: dict[str, list[Target]] = {}
+        for shard, entries in by_shard.items():
+            made = carve([e.spec for e in entries], device)
+            crcs = [e.crc32c if verify else None for e in entries]
+            targets[shard] = [Target(e.spec, t, c, block=b) for e, (t, b), c in zip(entries, made, crcs, strict=True)]
+            dest |= {e.spec.key: t for e, (t, _) in zip(entries, made, strict=True)}
+    else:
+        dest = _destinations(m, into, devices)
+        targets = {
+            shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
+            for shard, entries in by_shard.items()
+        }
     return dest, targets, sum(e.spec.nbytes for e in m.entries.values())
 
 
@@ -189,10 +198,8 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
-def _destinations(m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors to read into: ``into``'s (checked against the manifest), or new ones."""
-    if into is None:
-        return {k: new_tensor(e.spec, device) for k, e in m.entries.items()}
+def _destinations(m: mf.Manifest, into: Any, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``into``'s tensors to read into, checked against the manifest."""
     _, tensors = flatten(into)
     given = dict(tensors)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}

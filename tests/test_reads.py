@@ -1,0 +1,234 @@
+"""Reads at the disk's limit (issue 26): what the page cache holds is copied from it, the rest read
+with O_DIRECT in big pieces, straight into page-aligned blocks the library allocates or through
+bounce slots; new CPU tensors of one file carved from few allocations. Every path gives the same
+bytes, checked against the checksums, cold, warm and half-warm."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import aiotensor
+from aiotensor import knobs
+from aiotensor.engines import PosixEngine
+from aiotensor.engines.posix import resident
+from aiotensor.errors import ChecksumError, MismatchError
+
+pytestmark = pytest.mark.anyio
+
+
+def evict(path: Any) -> None:
+    """Drop the file's pages from the page cache (they are clean: written and fsync'ed). Pages
+    still in another core's LRU batch survive one DONTNEED: ask again until none is left."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        size = os.fstat(fd).st_size
+        for _ in range(50):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if not any(resident(fd, a, 1 << 20) for a in range(0, size, 1 << 20)):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{path} stays in the page cache")
+    finally:
+        os.close(fd)
+
+
+def warm(path: Any, upto: int | None = None) -> None:
+    with open(path, "rb") as f:
+        f.read(upto if upto is not None else -1)
+
+
+def direct_reads(tmp_path: Any) -> bool:
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 4096)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        d = PosixEngine().open_direct(fd)
+    finally:
+        os.close(fd)
+    if d is None:
+        return False
+    os.close(d)
+    return True
+
+
+def mixed() -> dict[str, torch.Tensor]:
+    """Big tensors at offsets that are not page multiples, of several dtypes, and small ones."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "big": torch.randn(3 << 20, generator=g),  # 12 MiB
+        "odd": torch.randn(1_000_003, generator=g, dtype=torch.float64),
+        "half": torch.randn(777, 1111, generator=g).to(torch.bfloat16),
+        "ints": torch.randint(-(2**31), 2**31 - 1, (2_000_001,), dtype=torch.int32, generator=g),
+        "byte": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        **{f"small.{i}": torch.full((i + 1,), float(i)) for i in range(50)},
+    }
+
+
+def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k], want[k]), k
+
+
+async def test_cold_reads_go_past_the_cache_warm_ones_come_from_it(tmp_path: Any) -> None:
+    if not direct_reads(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    w = mixed()
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(w, path)
+    for cache in ("cold", "warm", "half"):
+        evict(path)
+        if cache == "warm":
+            warm(path)
+        elif cache == "half":
+            warm(path, os.path.getsize(path) // 2 + 12345)
+        sched = aiotensor.Scheduler()
+        equal(await aiotensor.load_file(path, scheduler=sched), w)
+        into = {k: torch.empty_like(v) for k, v in w.items()}  # the caller's memory: not page-aligned
+        evict(path) if cache == "cold" else None
+        await aiotensor.load_file(path, into=into, scheduler=sched)
+        equal(into, w)
+        direct = sched.stats.bytes_direct
+        sched.close()
+        total = sum(v.nbytes for v in w.values())
+        if cache == "cold":
+            assert direct >= 1.5 * total, direct  # both loads: nearly every byte read past the cache
+        elif cache == "warm":
+            assert direct == 0
+        else:
+            assert 0 < direct < 1.5 * total
+
+
+async def test_store_loads_and_streams_read_cold_shards_exactly(tmp_path: Any) -> None:
+    w = mixed()
+    async with aiotensor.TensorStore(tmp_path / "ck") as store:
+        await store.save(1, w)
+        for p in (tmp_path / "ck").rglob("*.safetensors"):
+            evict(p)
+        equal(await store.load(1), w)
+    for p in (tmp_path / "ck").rglob("*.safetensors"):
+        evict(p)
+    got = {}
+    async with aiotensor.stream(tmp_path / "ck", window_bytes=4 << 20) as s:
+        async for name, t in s:
+            got[name] = t
+    equal(got, w)
+
+
+async def test_a_flipped_bit_is_caught_on_the_direct_path(tmp_path: Any) -> None:
+    if not direct_reads(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    w = mixed()
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(w, path)
+    info = await aiotensor.read_header(path)
+    data = bytearray(path.read_bytes())
+    data[os.path.getsize(path) - info.tensors["byte"].nbytes - 7_000_000] ^= 0x10  # inside a big tensor
+    path.write_bytes(bytes(data))
+    evict(path)
+    with pytest.raises(ChecksumError) as e:
+        await aiotensor.load_file(path)
+    assert str(path) in str(e.value)
+
+
+async def test_a_file_system_refusing_o_direct_mid_read_gets_buffered_reads(tmp_path: Any) -> None:
+    class Refusing(PosixEngine):
+        def open_direct(self, fd: int) -> int | None:
+            d = super().open_direct(fd)
+            if d is not None:
+                self.direct_fds.add(d)
+            return d
+
+        def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+            if fd in self.direct_fds:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().pread(fd, buf, offset)
+
+    if not direct_reads(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    eng = Refusing()
+    eng.direct_fds = set()  # type: ignore[attr-defined]
+    w = mixed()
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(w, path)
+    evict(path)
+    equal(await aiotensor.load_file(path, scheduler=aiotensor.Scheduler(eng)), w)
+
+
+async def test_small_tensors_are_carved_from_few_allocations(tmp_path: Any) -> None:
+    w = {f"t.{i}": torch.randn(i % 7 + 1, 3).to([torch.float32, torch.float16, torch.float64][i % 3]) for i in range(3000)}
+    w["big"] = torch.randn(2 << 20)
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(w, path)
+    got = await aiotensor.load_file(path)
+    equal(got, w)
+    storages = {t.untyped_storage().data_ptr() for k, t in got.items() if k != "big"}
+    small = sum(v.nbytes for k, v in w.items() if k != "big")
+    assert len(storages) <= small // knobs.CARVE_BLOCK_BYTES + 3  # one per dtype run, at most
+    assert got["big"].untyped_storage().data_ptr() not in storages  # a big tensor keeps its own
+    for t in got.values():  # views at page-aligned bases: every tensor aligned to its item size
+        assert t.data_ptr() % t.element_size() == 0
+    got["t.0"].add_(1)  # writing one changes no other
+    equal({k: v for k, v in got.items() if k != "t.0"}, {k: v for k, v in w.items() if k != "t.0"})
+    # a torch.save file's storages stay their own (torch.load's sharing), carved or not
+    torch.save(w, tmp_path / "m.pt")
+    got = await aiotensor.load_torch(tmp_path / "m.pt")
+    equal(got, w)
+    assert got["t.1"].untyped_storage().nbytes() == w["t.1"].nbytes
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.LayerNorm(500), torch.nn.Linear(500, 7)).to(dtype)
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+async def test_load_into_reads_straight_into_the_module_once(tmp_path: Any, monkeypatch: Any, cache: str) -> None:
+    from aiotensor.serving import module as m
+
+    filled: list[str] = []
+    each = m._each
+    monkeypatch.setattr(
+        m, "_each", lambda fn, batch, streams: (filled.extend(n[0] for n, _, _ in batch), each(fn, batch, streams))
+    )
+    src = mlp()
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(src.state_dict(), path)
+    evict(path) if cache == "cold" else warm(path)
+    dst = torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.LayerNorm(500), torch.nn.Linear(500, 7))
+    where = {k: v.data_ptr() for k, v in dst.state_dict().items()}
+    await aiotensor.load_into(dst, path)
+    assert filled == []  # nothing went through a new tensor and a second copy
+    assert {k: v.data_ptr() for k, v in dst.state_dict().items()} == where
+    equal(dst.state_dict(), src.state_dict())
+    # another dtype: converted through new tensors, each copied once into the module
+    half = mlp(torch.bfloat16)
+    await aiotensor.load_into(half, path)
+    assert sorted(filled) == sorted(src.state_dict())
+    equal(half.state_dict(), mlp().to(torch.bfloat16).state_dict())
+    # a swap's new tensors are read into directly too; the module is untouched until apply()
+    swap = await aiotensor.prepare_swap(mlp(), path)
+    assert all(t.dtype == torch.float32 for t in swap.tensors.values())
+    equal(swap.tensors, src.state_dict())
+
+
+async def test_a_shape_mismatch_is_found_before_anything_is_read_into_the_module(tmp_path: Any) -> None:
+    path = tmp_path / "m.safetensors"
+    state = mlp().state_dict()
+    state["2.weight"] = torch.randn(8, 500)
+    await aiotensor.save_file(state, path)
+    dst = torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.LayerNorm(500), torch.nn.Linear(500, 7))
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(MismatchError, match="2.weight"):
+        await aiotensor.load_into(dst, path)
+    equal(dst.state_dict(), before)
