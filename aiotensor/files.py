@@ -8,13 +8,15 @@ Files written here carry a crc32c per tensor in their ``__metadata__`` under ``a
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ._io.read import close, open_read, read_layout, read_tensors
+from ._io.read import close, open_read, read_layout, read_tensors, verify_mapped
 from ._io.tensors import Block, Target, carve, check_device, check_into, check_tensor, io_bytes, materialize, wait_for_streams
 from ._io.write import crcs_of, write_file
 from ._runtime import cuda
@@ -190,6 +192,7 @@ async def load_file(
     strict: bool = True,
     scheduler: Scheduler | None = None,
     progress: ProgressCallback | None = None,
+    mmap: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
     ``into`` (whose tensors may be on CUDA; parameters that require grad are filled in place).
@@ -203,6 +206,15 @@ async def load_file(
     values. CUDA tensors are filled through cuFile by the kvikio engine, or through pinned bounce
     slots and a copy stream; either way they are complete when this returns. ``progress(done,
     total)`` is called on the loop thread as bytes are read.
+
+    ``mmap=True`` (CPU, without ``into``) copies nothing: the tensors are views of the file's pages,
+    mapped copy-on-write as ``safetensors.load_file`` maps them (writing into one changes this
+    process's copy, never the file), and the page cache holds the bytes once however many
+    processes map them. The checksums are verified by reading the mapped pages (``verify=False``
+    skips that, and the load then reads nothing until a tensor is used). The mapping lives as long
+    as any of its tensors, and with it the file's inode: a step retired or deleted meanwhile keeps
+    its disk space until they are gone. A tensor at an offset that is not a multiple of its item
+    size (other writers may put one there) is copied.
 
     Raises:
         HeaderError: a malformed header, or not a safetensors file (a torch.save zip is named as
@@ -219,6 +231,10 @@ async def load_file(
     path = os.fspath(path)
     async with own_scheduler(scheduler) as sched:
         real = await user_path(sched, path)
+        if mmap:
+            if into is not None or torch.device(device).type != "cpu":
+                raise ValueError("mmap=True maps the file into new CPU tensors: it takes neither into= nor another device")
+            return await map_file(sched, real, verify, name=path)
         ok = not strict
         return await read_file(
             sched, real, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, name=path
@@ -261,6 +277,37 @@ async def read_file(
     del layout
     await sched.discard(targets, big)  # tens of thousands of objects: freed in a thread
     return dest
+
+
+async def map_file(sched: Scheduler, path: str, verify: bool = True, name: str | None = None) -> dict[str, torch.Tensor]:
+    """:func:`load_file` with ``mmap=True`` of a file at a path that is never resolved (links
+    refused); errors name the file as ``name``."""
+    name = name or path
+    fd, layout = await _open_layout(sched, path, name)
+    try:
+        targets = await sched.call(_mapped, fd, layout, name, verify, priority=Priority.LOAD)
+    finally:
+        await close(sched, fd)
+    await verify_mapped(sched, name, targets, Priority.LOAD)
+    return {t.spec.key: t.tensor for t in targets}
+
+
+def _mapped(fd: int, layout: st.Layout, path: str, verify: bool) -> list[Target]:
+    """A copy-on-write mapping of the file and a view of it for each tensor (with its crc)."""
+    crcs = st.crc_table(layout, path) if verify else None
+    whole = torch.empty(0, dtype=torch.uint8)
+    if layout.file_size:
+        # numpy keeps the mapping alive for as long as any tensor over it (torch.frombuffer would not)
+        whole = torch.from_numpy(np.frombuffer(mmap.mmap(fd, layout.file_size, access=mmap.ACCESS_COPY), np.uint8))
+    targets = []
+    for s in layout.tensors:
+        dtype, shape = SAFETENSORS_TO_TORCH[s.dtype], torch_shape(s.dtype, s.shape)
+        raw = whole[s.offset : s.offset + s.nbytes]
+        if s.offset % dtype.itemsize:
+            raw = raw.clone()
+        t = raw.view(dtype).view(shape) if s.nbytes else torch.empty(shape, dtype=dtype)
+        targets.append(Target(s, t, None if crcs is None else crcs[s.key]))
+    return targets
 
 
 def _targets(

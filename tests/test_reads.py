@@ -232,3 +232,34 @@ async def test_a_shape_mismatch_is_found_before_anything_is_read_into_the_module
     with pytest.raises(MismatchError, match="2.weight"):
         await aiotensor.load_into(dst, path)
     equal(dst.state_dict(), before)
+
+
+async def test_mmap_loads_copy_nothing_and_verify_the_mapped_pages(tmp_path: Any) -> None:
+    w = mixed()
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(w, path)
+    got = await aiotensor.load_file(path, mmap=True)
+    equal(got, w)
+    # views of one mapping, copy-on-write: writing changes this process's copy, never the file
+    assert len({t.untyped_storage().data_ptr() for t in got.values() if t.numel()}) == 1
+    got["big"].mul_(0)
+    equal(await aiotensor.load_file(path), w)
+    # a file from the real safetensors writer maps too (no checksums to verify)
+    from safetensors.torch import save_file as st_save
+
+    st_save(w, tmp_path / "st.safetensors")
+    equal(await aiotensor.load_file(tmp_path / "st.safetensors", mmap=True), w)
+    # a flipped bit: ChecksumError unless verify=False
+    info = await aiotensor.read_header(path)
+    data = bytearray(path.read_bytes())
+    data[os.path.getsize(path) - info.tensors["byte"].nbytes - 7_000_000] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        await aiotensor.load_file(path, mmap=True)
+    assert (await aiotensor.load_file(path, mmap=True, verify=False)).keys() == w.keys()
+    with pytest.raises(ValueError, match="mmap"):
+        await aiotensor.load_file(path, mmap=True, into={})
+    # the mapping outlives the file's name: tensors stay readable after it is deleted
+    ok = await aiotensor.load_file(tmp_path / "st.safetensors", mmap=True)
+    os.unlink(tmp_path / "st.safetensors")
+    equal(ok, w)

@@ -379,3 +379,28 @@ def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit]
                 path,
                 s.key,
             )
+
+
+async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:
+    """Check the crc of every target that has one by reading its memory (the mapped pages of a
+    file: :func:`aiotensor.files.load_file` with ``mmap=True``), in parallel pieces.
+
+    Raises: ChecksumError, as :func:`read_tensors`. Cancellation: returns once no thread reads."""
+    step = knobs.CHUNK_BYTES
+
+    def plan() -> list[_ReadUnit]:
+        return [
+            _ReadUnit(t.spec.offset + a, byte_view(t.tensor)[a:b], b - a, ((i, 0, b - a),))
+            for i, t in enumerate(targets)
+            if t.crc is not None
+            for a, b in spans(t.spec.nbytes, step)
+        ]
+
+    units = await sched.call(plan, priority=priority)
+
+    def run(u: _ReadUnit) -> tuple[list[int], int]:
+        assert isinstance(u.dest, memoryview)
+        return _crcs(targets, u, u.dest), 0
+
+    got = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority)
+    await _checked(sched, path, targets, units, 0, got, priority)
