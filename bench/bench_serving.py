@@ -259,6 +259,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     big = transformer_state(layers=a.layers, d=1024, vocab=32000)
     small = {f"blocks.{i}.p": torch.randn(1280 + i % 7) for i in range(a.small)}
     layouts: dict[str, dict[str, Any]] = {}
+    res_notes: list[str] = []
     for name, state in (("one file", big), ("4 HF shards", big), (f"{a.small} tensors", small)):
         d = os.path.join(a.dir, name.replace(" ", "_"))
         os.makedirs(d)
@@ -282,18 +283,28 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             from tensorizer import TensorSerializer
 
             tz = os.path.join(d, "model.tensors")
-            ser = TensorSerializer(tz)
-            ser.write_state_dict(state)
-            ser.close()
+            try:
+                ser = TensorSerializer(tz)
+                ser.write_state_dict(state)
+                ser.close()
+            except RuntimeError as e:  # tensorizer 2.12 cannot write 20,000 tensors: "Metadata overflow"
+                print(f"tensorizer cannot write {name}: {e}", flush=True)
+                res_notes.append(f"tensorizer could not write the {name} layout ({e}): left out there.")
+                tz = None
             store = os.path.join(d, "store")
             async with aiotensor.TensorStore(store) as s:
                 await s.save(1, state)
-            paths = [src, pt, tz, *[str(p) for p in sorted(__import__("pathlib").Path(store).rglob("*.safetensors"))]]
+            paths = [
+                src,
+                pt,
+                *([tz] if tz else []),
+                *[str(p) for p in sorted(__import__("pathlib").Path(store).rglob("*.safetensors"))],
+            ]
         layouts[name] = {"src": src, "pt": pt, "tz": tz, "store": store, "paths": paths,
                          "bytes": sum(t.nbytes for t in state.values()), "state": state}  # fmt: skip
     os.sync()
     res: dict[str, Any] = {"fio": fio_reads(layouts["one file"]["src"]), "memcpy": memcpy_limits(layouts["one file"]["bytes"]),
-                           "layouts": {}}  # fmt: skip
+                           "layouts": {}, "notes": res_notes}  # fmt: skip
     for name, lay in layouts.items():
         tools: dict[str, Tool] = {}
         for k, fn in peers(lay["src"], lay["pt"], lay["tz"]).items():
@@ -330,6 +341,7 @@ def report(res: dict[str, Any]) -> str:
         "mmap modes, safetensors' mmap (no copy, no page touched) over ours.",
         "",
     ]
+    lines += [f"Note: {n}" for n in res.get("notes", [])] + [""] if res.get("notes") else []
     for name, lay in res["layouts"].items():
         gb = lay["bytes"] / 1e9
         lines += [f"## {name} ({gb:.2f} GB)", "", "| tool | cache | GB/s | ratio | peak extra RSS (MB) | loop worst / p99 (ms) |",
