@@ -3,19 +3,23 @@
 eng = FaultyEngine(fail={"sync": (2, errno.EIO)})     # the 2nd sync raises EIO
 async with TensorStore(root, engine=eng) as store: ...
 eng.ops   # [("mkdir", path), ("create", path, direct), ("pwrite", path, offset, n), ("sync", path), ...]
+
+evict(path)   # a file's pages dropped from the page cache: the next read of it is cold
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
+import time
 from collections import Counter
 from typing import Any
 
 import torch
 
 from .engines.base import Engine
-from .engines.posix import PosixEngine
+from .engines.posix import PosixEngine, resident
 
 
 class FaultyEngine(Engine):
@@ -141,3 +145,23 @@ class FaultyEngine(Engine):
     def open_fds(self) -> list[str]:
         """Paths of files this engine opened and has not closed (a leak check for tests)."""
         return sorted(self._paths.values())
+
+
+def evict(path: str | os.PathLike[str]) -> None:
+    """Drop a file's pages from the page cache (blocking), asking again until ``mincore`` finds
+    none: pages still in another core's LRU batch survive one ``POSIX_FADV_DONTNEED``. Dirty pages
+    are written first (fsync).
+
+    Raises: RuntimeError if pages stay (the file is mapped and in use elsewhere)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        size = os.fstat(fd).st_size
+        for _ in range(100):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if not any(resident(fd, a, 1 << 20) for a in range(0, size, 1 << 20)):
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"{os.fspath(path)} stays in the page cache")
+    finally:
+        os.close(fd)

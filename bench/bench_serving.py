@@ -44,26 +44,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_cpu import PeakRSS, Ticker, parser, transformer_state, write_results
 
 import aiotensor
-from aiotensor.engines.posix import resident
+from aiotensor.testing import evict as evict_pages
 
 Tool = Callable[[], Awaitable[dict[str, torch.Tensor]]]
 
 
 def evict(paths: list[str]) -> None:
-    """Drop every page of ``paths`` from the cache, asking again until mincore finds none."""
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            for _ in range(100):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                if not any(resident(fd, a, 1 << 20) for a in range(0, size, 1 << 20)):
-                    break
-                time.sleep(0.01)
-            else:
-                raise RuntimeError(f"{p} stays in the page cache")
-        finally:
-            os.close(fd)
+        evict_pages(p)
 
 
 def warm(paths: list[str]) -> None:

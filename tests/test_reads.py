@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from typing import Any
 
 import pytest
@@ -16,27 +15,10 @@ import torch
 import aiotensor
 from aiotensor import knobs
 from aiotensor.engines import PosixEngine
-from aiotensor.engines.posix import resident
 from aiotensor.errors import ChecksumError, MismatchError
+from aiotensor.testing import evict
 
 pytestmark = pytest.mark.anyio
-
-
-def evict(path: Any) -> None:
-    """Drop the file's pages from the page cache (they are clean: written and fsync'ed). Pages
-    still in another core's LRU batch survive one DONTNEED: ask again until none is left."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        size = os.fstat(fd).st_size
-        for _ in range(50):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if not any(resident(fd, a, 1 << 20) for a in range(0, size, 1 << 20)):
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"{path} stays in the page cache")
-    finally:
-        os.close(fd)
 
 
 def warm(path: Any, upto: int | None = None) -> None:
