@@ -55,6 +55,23 @@ def mixed() -> dict[str, torch.Tensor]:
     }
 
 
+async def saved(tmp_path: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """:func:`mixed` saved by aiotensor (checksummed), on a file system with O_DIRECT (else skip)."""
+    if not direct_reads(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    w = mixed()
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(w, path)
+    return w, path
+
+
+async def flip_a_bit_in_a_big_tensor(path: Any) -> None:
+    info = await aiotensor.read_header(path)
+    data = bytearray(path.read_bytes())
+    data[os.path.getsize(path) - info.tensors["byte"].nbytes - 7_000_000] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -63,11 +80,7 @@ def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
 
 
 async def test_cold_reads_go_past_the_cache_warm_ones_come_from_it(tmp_path: Any) -> None:
-    if not direct_reads(tmp_path):
-        pytest.skip("this file system has no O_DIRECT")
-    w = mixed()
-    path = tmp_path / "m.safetensors"
-    await aiotensor.save_file(w, path)
+    w, path = await saved(tmp_path)
     for cache in ("cold", "warm", "half"):
         evict(path)
         if cache == "warm":
@@ -108,15 +121,8 @@ async def test_store_loads_and_streams_read_cold_shards_exactly(tmp_path: Any) -
 
 
 async def test_a_flipped_bit_is_caught_on_the_direct_path(tmp_path: Any) -> None:
-    if not direct_reads(tmp_path):
-        pytest.skip("this file system has no O_DIRECT")
-    w = mixed()
-    path = tmp_path / "m.safetensors"
-    await aiotensor.save_file(w, path)
-    info = await aiotensor.read_header(path)
-    data = bytearray(path.read_bytes())
-    data[os.path.getsize(path) - info.tensors["byte"].nbytes - 7_000_000] ^= 0x10  # inside a big tensor
-    path.write_bytes(bytes(data))
+    _, path = await saved(tmp_path)
+    await flip_a_bit_in_a_big_tensor(path)
     evict(path)
     with pytest.raises(ChecksumError) as e:
         await aiotensor.load_file(path)
@@ -136,13 +142,9 @@ async def test_a_file_system_refusing_o_direct_mid_read_gets_buffered_reads(tmp_
                 raise OSError(errno.EINVAL, "Invalid argument")
             return super().pread(fd, buf, offset)
 
-    if not direct_reads(tmp_path):
-        pytest.skip("this file system has no O_DIRECT")
+    w, path = await saved(tmp_path)
     eng = Refusing()
     eng.direct_fds = set()  # type: ignore[attr-defined]
-    w = mixed()
-    path = tmp_path / "m.safetensors"
-    await aiotensor.save_file(w, path)
     evict(path)
     equal(await aiotensor.load_file(path, scheduler=aiotensor.Scheduler(eng)), w)
 
@@ -232,10 +234,7 @@ async def test_mmap_loads_copy_nothing_and_verify_the_mapped_pages(tmp_path: Any
     st_save(w, tmp_path / "st.safetensors")
     equal(await aiotensor.load_file(tmp_path / "st.safetensors", mmap=True), w)
     # a flipped bit: ChecksumError unless verify=False
-    info = await aiotensor.read_header(path)
-    data = bytearray(path.read_bytes())
-    data[os.path.getsize(path) - info.tensors["byte"].nbytes - 7_000_000] ^= 0x10
-    path.write_bytes(bytes(data))
+    await flip_a_bit_in_a_big_tensor(path)
     with pytest.raises(ChecksumError):
         await aiotensor.load_file(path, mmap=True)
     assert (await aiotensor.load_file(path, mmap=True, verify=False)).keys() == w.keys()

@@ -173,17 +173,13 @@ def _fill(
 ) -> int:
     """Fill ``dest[:need]`` with the file's bytes at ``off``; return how many were read with O_DIRECT.
     Without ``dfd``: buffered reads. With it: what the page cache holds is copied, the rest read
-    with O_DIRECT, straight into ``dest`` if ``aligned``, else through ``slot``."""
-    if dfd is None or need < knobs.DIRECT_MIN_BYTES:
-        _read_exact(engine, fd, dest[:need], off, path, what)
-        return 0
+    with O_DIRECT, straight into ``dest`` if ``aligned`` (a block's piece: :func:`_fetch` lands it
+    in place), else through ``slot``."""
+    if aligned or dfd is None or need < knobs.DIRECT_MIN_BYTES:
+        return _fetch(engine, fd, dfd, dest, off, need, path, what)[1]
     got = _cached(engine, fd, dest[:need], off, path, what)
     if got == need:
         return 0
-    if aligned:  # from the page the cache's part ends in: the bytes before it in that page are the same
-        start = got // PAGE * PAGE
-        _read_direct(engine, fd, dfd, dest[start:], off + start, need - start, path, what)
-        return need - start
     if need - got + 2 * PAGE > len(slot):  # no room to bounce: buffered
         _read_exact(engine, fd, dest[got:need], off + got, path, what)
         return 0
@@ -195,9 +191,10 @@ def _fill(
 def _fetch(
     engine: Engine, fd: int, dfd: int | None, room: memoryview, off: int, need: int, path: str, what: str, cached: bool = True
 ) -> tuple[memoryview, int]:
-    """The file's bytes ``[off, off + need)`` read into ``room`` (page-aligned, with two pages to
-    spare when ``dfd`` is given), as a view of it, and how many were read with O_DIRECT. With
-    ``dfd`` the view starts ``off % PAGE`` into ``room``, so that O_DIRECT reads land aligned."""
+    """The file's bytes ``[off, off + need)`` read into ``room`` (page-aligned, with room up to the
+    page boundary after ``off % PAGE + need`` when ``dfd`` is given), as a view of it, and how many
+    were read with O_DIRECT. With ``dfd`` the view starts ``off % PAGE`` into ``room``, so that
+    O_DIRECT reads land aligned; what the page cache holds is copied first unless ``cached=False``."""
     if dfd is None or need < knobs.DIRECT_MIN_BYTES:
         _read_exact(engine, fd, room[:need], off, path, what)
         return room[:need], 0

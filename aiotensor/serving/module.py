@@ -190,7 +190,7 @@ async def load_into(
     module, and that window). Names and shapes are matched before anything is read.
 
     Tied parameters (one tensor under several names) are filled by whichever name the file has.
-    Tensors on the meta device are materialized on ``device`` (where the stream reads to; tensors
+    Tensors on the meta device are materialized on ``device`` (where new tensors are read to; tensors
     already on a device are copied where they are), as ``load_state_dict(assign=True)`` would, but
     keeping ties. Buffers the module does not save (``persistent=False``) are not in any file: a
     meta module's stay on the meta device.
