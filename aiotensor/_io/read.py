@@ -62,6 +62,15 @@ def layout_of(engine: Engine, fd: int, path: str) -> st.Layout:
     return st.parse(bytes(header), size, path)
 
 
+def begins_with(engine: Engine, fd: int, data: bytes, path: str) -> bool:
+    """Whether an open file begins with exactly ``data`` (blocking: in a worker thread)."""
+    if engine.size(fd) < len(data):
+        return False
+    buf = bytearray(len(data))
+    _read_exact(engine, fd, memoryview(buf), 0, path, "the header")
+    return buf == data
+
+
 async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
     """Read and validate the safetensors header of an open file, in one worker-thread call."""
     return await sched.call(layout_of, sched.engine, fd, path, priority=Priority.LOAD)

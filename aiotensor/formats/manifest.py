@@ -134,7 +134,7 @@ _FIELDS = frozenset({"shard", "dtype", "shape", "offset", "nbytes", "crc32c"})
 
 
 def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestError]) -> Entry:
-    if not (isinstance(t, dict) and set(t) == _FIELDS):
+    if not (type(t) is dict and t.keys() == _FIELDS):
         raise bad(f"tensor {key!r}: entry must have exactly {sorted(_FIELDS)}")
     if not (isinstance(t["shard"], str) and t["shard"] in shards):
         raise bad(f"tensor {key!r}: shard {t['shard']!r} is not listed in shards")

@@ -10,12 +10,13 @@ import torch
 from .. import root as _root
 from .. import sources
 from .._io.assemble import read
-from .._io.read import close, layout_of, open_read, read_tensors, verify_tensors
+from .._io.read import begins_with, close, layout_of, open_read, read_tensors, verify_tensors
 from .._io.tensors import Target, carve, check_device, check_into
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
+from ..formats import safetensors as st
 from ..formats.tree import flatten, leaves, unflatten, update
 
 
@@ -188,6 +189,13 @@ def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str, into: Any
 
 
 def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
+    # A shard the store wrote begins with exactly the header its manifest entries make: equal byte
+    # for byte, that proves what parsing it would (a third of a 20,000-tensor load's time)
+    specs = tuple(sorted((e.spec for e in entries), key=lambda s: s.offset))
+    header, made = st.build([(s.key, s.dtype, s.shape) for s in specs], {"format": "pt"})
+    if made.tensors == specs and made.file_size == size == sched.engine.size(fd):
+        if begins_with(sched.engine, fd, header, path):
+            return
     layout = layout_of(sched.engine, fd, path)
     listed = {e.spec.key: e.spec for e in entries}
     if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
