@@ -27,6 +27,7 @@ from .engines import default_engine
 from .errors import CheckpointNotFoundError
 from .files import save_file, write_safetensors
 from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
+from .location import local_path
 from .serving import save_torch
 from .store import TensorStore
 
@@ -54,6 +55,13 @@ def _size(text: str) -> int:
         return int(float(t[: len(t) - len(unit)]) * units[unit])
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 512M)") from None
+
+
+def _path(text: str) -> str:
+    try:
+        return local_path(text)
+    except errors.UnsupportedLocationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _human(n: float) -> str:
@@ -410,24 +418,24 @@ def parser() -> argparse.ArgumentParser:
         help="committed steps of a store root, and what else is in it (read-only)",
         epilog="example: aiotensor ls ckpts/ --json",
     )
-    ls.add_argument("root")
+    ls.add_argument("root", type=_path)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_ls)
     ins = sub.add_parser("inspect", help="tensors (name, dtype, shape, bytes) from headers only",
                          epilog="example: aiotensor inspect model.safetensors --json")  # fmt: skip
-    ins.add_argument("path")
+    ins.add_argument("path", type=_path)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(fn=cmd_inspect)
     ver = sub.add_parser("verify", help="re-read everything and check structure and every checksum (exit 1 if bad)",
                          epilog="example: aiotensor verify ckpts/ && python train.py --resume")  # fmt: skip
-    ver.add_argument("path")
+    ver.add_argument("path", type=_path)
     ver.set_defaults(fn=cmd_verify)
     conv = sub.add_parser("convert", help="any readable format to safetensors (sharded + index), a checkpoint or torch.save",
                           epilog="examples:\n  aiotensor convert model.pt model.safetensors\n"
                                  "  aiotensor convert hf-folder/ ckpts/ --to checkpoint --step 0",
                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    conv.add_argument("src")
-    conv.add_argument("dst")
+    conv.add_argument("src", type=_path)
+    conv.add_argument("dst", type=_path)
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
     conv.add_argument("--step", type=int, help="the step, for --to checkpoint (default 0)")
@@ -435,7 +443,7 @@ def parser() -> argparse.ArgumentParser:
     conv.set_defaults(fn=cmd_convert)
     bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
                            epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md")  # fmt: skip
-    bench.add_argument("--dir", default="/tmp", help="where to write (the disk to measure)")
+    bench.add_argument("--dir", type=_path, default="/tmp", help="where to write (the disk to measure)")
     bench.add_argument("--size", type=_size, default=_size("512MB"), help="state size (default 512MB)")
     bench.add_argument("--reps", type=int, default=2, help="repetitions (medians)")
     bench.add_argument("--out", default="aiotensor-bench.md", help="the Markdown report (a PNG plot beside it)")

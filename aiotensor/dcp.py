@@ -51,6 +51,7 @@ from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 from .formats import torchsave as ts
 from .formats import tree
+from .location import local_path
 
 METADATA = dm.JSON_NAME
 FORMAT = dm.FORMAT
@@ -165,7 +166,7 @@ class AiotensorWriter(StorageWriter):
         token: Any = None,
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)
         self.latest = latest
         self.runner = _Runner(engine, scheduler, token)
         self.is_coordinator = False
@@ -179,7 +180,7 @@ class AiotensorWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -308,14 +309,14 @@ class AiotensorReader(_MetadataOnce, StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None, token: Any = None) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)
         self.runner = _Runner(None, scheduler, token)
         self.storage_data: dict[md.MetadataIndex, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._forget(checkpoint_id)
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
 
     def _read_metadata(self) -> md.Metadata:
         if not os.path.lexists(os.path.join(self.path, METADATA)) and os.path.lexists(os.path.join(self.path, _root.MANIFEST)):
@@ -389,7 +390,7 @@ class AiotensorReader(_MetadataOnce, StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        folder = os.fspath(checkpoint_id)
+        folder = local_path(checkpoint_id)
         return any(os.path.lexists(os.path.join(folder, n)) for n in (METADATA, _root.MANIFEST))
 
 
@@ -472,7 +473,7 @@ class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
         super().reset(checkpoint_id)
 
     def _read_metadata(self) -> md.Metadata:
-        folder, eng = os.fspath(self.path), PosixEngine()
+        folder, eng = local_path(self.path), PosixEngine()
         path = os.path.join(folder, dm.PICKLE_NAME)
         m, d = dm.loads_pickle(_root.read_small(eng, path, dm.MAX_BYTES, errors.ManifestError, "the metadata"), path)
         dm.check(d, lambda name: sources.file_size(eng, os.path.join(folder, name)), path)
@@ -481,7 +482,7 @@ class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
         return m  # type: ignore[no-any-return]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        folder = os.fspath(self.path)
+        folder = local_path(self.path)
         safe = _SafeBytes(planner, folder)
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
@@ -509,7 +510,7 @@ class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
 
 def reader_for(path: str | os.PathLike[str]) -> StorageReader:
     """The reader for a DCP checkpoint folder: aiotensor's, or DCP's own without its pickle."""
-    path = os.fspath(path)
+    path = local_path(path)
     if os.path.lexists(os.path.join(path, METADATA)):
         return AiotensorReader(path)
     if os.path.lexists(os.path.join(path, dm.PICKLE_NAME)):
@@ -518,7 +519,7 @@ def reader_for(path: str | os.PathLike[str]) -> StorageReader:
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return any(os.path.lexists(os.path.join(os.fspath(path), n)) for n in (METADATA, dm.PICKLE_NAME))
+    return any(os.path.lexists(os.path.join(local_path(path), n)) for n in (METADATA, dm.PICKLE_NAME))
 
 
 def load_full(path: str | os.PathLike[str], *, verify: bool = True) -> Any:
@@ -532,7 +533,7 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True) -> Any:
         FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
             reading, naming the file and the item.
     """
-    folder = os.fspath(path)
+    folder = local_path(path)
 
     async def load(sched: Scheduler) -> Any:
         src = await sched.call(sources.step, sched.engine, folder)

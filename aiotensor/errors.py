@@ -11,6 +11,7 @@ Every error the library raises on purpose is an :class:`AiotensorError`::
     │   └── ChecksumError                  tensor bytes differ from the recorded crc32c
     ├── StateError (TypeError)             a state_dict that cannot be saved (leaf type, device, layout)
     ├── MismatchError (ValueError)         ``load(into=...)`` target has another shape/dtype/key set
+    ├── UnsupportedLocationError (ValueError)  a URL (``s3://...``) where this version reads local paths only
     ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
     ├── CheckpointExistsError (FileExistsError)   the step is already committed or being saved
     ├── StaleStepError (ValueError)        retention would delete the step at once (newer steps exist)
@@ -45,6 +46,7 @@ __all__ = [
     "StateError",
     "StoreClosedError",
     "UnsafeFileError",
+    "UnsupportedLocationError",
 ]
 
 
@@ -97,6 +99,12 @@ class StateError(AiotensorError, TypeError):
 
 class MismatchError(AiotensorError, ValueError):
     """A ``load(into=...)`` target does not match what the checkpoint holds."""
+
+
+class UnsupportedLocationError(AiotensorError, ValueError):
+    """A URL with a scheme this library does not serve (``s3://``, ``gs://``, ``http://``...) where a
+    path was expected: refused before anything is created (a local folder named ``s3:`` would
+    otherwise be made in the working directory)."""
 
 
 class CheckpointNotFoundError(AiotensorError, LookupError, FileNotFoundError):

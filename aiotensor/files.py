@@ -25,6 +25,7 @@ from .commit import Publication
 from .errors import MismatchError, StateError
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
+from .location import local_path
 
 CRC_KEY = st.CRC_KEY
 
@@ -83,7 +84,7 @@ async def save_file(
     Cancellation: the temporary file is removed and ``path`` is untouched; returns after the
     writing threads stopped.
     """
-    path = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - getcwd, no disk access
+    path = os.path.abspath(local_path(path))  # noqa: ASYNC240 - getcwd, no disk access
     async with own_scheduler(scheduler) as sched, Publication(sched, path, folder=False) as pub:
         await write_safetensors(sched, pub.tmp, tensors, metadata)
         await pub.publish()
@@ -174,7 +175,7 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
 
     Cancellation: returns once the header read has stopped; nothing is left open.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     async with own_scheduler(scheduler) as sched:
         fd, layout = await _open_layout(sched, await user_path(sched, path), path)
         await close(sched, fd)
@@ -228,7 +229,7 @@ async def load_file(
 
     Cancellation: returns once no worker thread writes into the tensors.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     async with own_scheduler(scheduler) as sched:
         real = await user_path(sched, path)
         if mmap:

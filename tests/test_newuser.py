@@ -234,3 +234,50 @@ async def test_the_final_step_can_be_forced_and_drain_reports_skips(tmp_path: An
         with caplog.at_level(logging.WARNING, logger="aiotensor"):
             assert await snap.drain() == [7]
         assert "step 7" in caplog.text and "force=True" in caplog.text
+
+
+URLS = ["s3://bucket/run1/", "gs://b/w.safetensors", "https://host/w.safetensors", "file:///tmp/x"]
+
+
+@pytest.mark.parametrize("url", URLS)
+async def test_a_url_is_refused_before_anything_is_made(url: str, tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    """A URL taken as a relative path made a folder named ``s3:`` in the working directory, and a
+    save seemed to reach the bucket: every entry point refuses it, naming the scheme."""
+    from aiotensor.dcp import AiotensorReader, AiotensorWriter
+    from aiotensor.errors import UnsupportedLocationError
+
+    monkeypatch.chdir(tmp_path)
+    state = {"w": torch.ones(3)}
+    calls: list[Any] = [
+        lambda: TensorStore(url),
+        lambda: save_file(state, url),
+        lambda: load_file(url),
+        lambda: read_header(url),
+        lambda: aiotensor.load_torch(url),
+        lambda: aiotensor.save_torch(state, url),
+        lambda: aiotensor.load_into(torch.nn.Linear(1, 1), url),
+        lambda: aiotensor.prepare_swap(torch.nn.Linear(1, 1), url),
+        lambda: aiotensor.stream(url),
+        lambda: AiotensorWriter(url),
+        lambda: AiotensorReader(url),
+    ]
+    for call in calls:
+        with pytest.raises(UnsupportedLocationError, match=url.split(":")[0] + "://"):
+            made = call()
+            if hasattr(made, "__await__"):
+                await made
+    from aiotensor.cli import main
+
+    for args in (["ls", url], ["convert", "x.safetensors", url]):
+        with pytest.raises(SystemExit) as exit_:  # the CLI says it as a usage error
+            main(args)
+        assert exit_.value.code == 2 and "is a URL" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["run:1", "C:\\ckpt", "a/b:c", "s3:"])
+async def test_names_with_a_colon_are_still_paths(name: str, tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with TensorStore(name) as store:
+        await store.save(0, {"w": torch.ones(2)})
+    assert (tmp_path / name).is_dir()

@@ -21,6 +21,7 @@ from .._io.tensors import check_device
 from .._runtime import cuda
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
+from ..location import local_path
 
 
 class LoadResult(NamedTuple):
@@ -74,7 +75,7 @@ async def _matched(
     neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
     (else it is reported)."""
     async with own_scheduler(scheduler) as sched:
-        src = await sched.call(sources.resolve, sched.engine, os.fspath(source), priority=Priority.LOAD)
+        src = await sched.call(sources.resolve, sched.engine, local_path(source), priority=Priority.LOAD)
         dev = check_device(sched, device)
         known, ties = await sched.run_sync(_module_tensors, module)
         if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):

@@ -21,6 +21,7 @@ from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, batched
 from ..engines import Engine
 from ..errors import MismatchError
+from ..location import local_path
 
 Keys = Iterable[str] | str | Callable[[str], bool] | None
 _Batch = tuple[list[Entry], list[tuple[str, ...]], int, list[str]]  # entries, their names, bytes, files
@@ -117,7 +118,7 @@ class TensorStream:
     ) -> None:
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
-        self.source = os.fspath(source)
+        self.source = local_path(source)
         self.dtype = dtype
         self.window_bytes = window_bytes
         self.verify = verify

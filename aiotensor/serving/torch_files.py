@@ -18,6 +18,7 @@ from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
 from ..errors import UnsafeFileError, annotate_oserror
+from ..location import local_path
 
 
 async def load_torch(
@@ -40,7 +41,7 @@ async def load_torch(
 
     Cancellation: every read stops; nothing is returned.
     """
-    path = os.fspath(path)
+    path = local_path(path)
     async with own_scheduler(scheduler) as sched:
         dev = check_device(sched, device)
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
@@ -123,7 +124,7 @@ async def save_torch(state: Any, path: str | os.PathLike[str], *, scheduler: Sch
 
     Cancellation: the write finishes in its thread, then the temporary file is removed.
     """
-    path = os.path.abspath(os.fspath(path))  # noqa: ASYNC240 - getcwd, no disk access
+    path = os.path.abspath(local_path(path))  # noqa: ASYNC240 - getcwd, no disk access
     async with own_scheduler(scheduler) as sched, Publication(sched, path, folder=False) as pub:
         try:
             await sched.call(_write_torch, sched.engine, pub.tmp, state, priority=Priority.SAVE)

@@ -18,6 +18,7 @@ from ..errors import ManifestError
 from ..formats import manifest as mf
 from ..formats import safetensors as st
 from ..formats.tree import flatten, leaves, unflatten, update
+from ..location import local_path
 
 
 async def load_checkpoint(
@@ -48,7 +49,7 @@ async def load_checkpoint(
     ``atomic`` was still running: then they are untouched).
     """
     with sched.operation():  # the whole load
-        return await _load(sched, os.fspath(folder), into, verify, check_device(sched, device), atomic, step, progress)
+        return await _load(sched, local_path(folder), into, verify, check_device(sched, device), atomic, step, progress)
 
 
 async def _load(

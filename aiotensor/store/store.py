@@ -33,6 +33,7 @@ from ..errors import (
     StoreClosedError,
 )
 from ..files import TensorInfo
+from ..location import local_path
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
@@ -96,7 +97,7 @@ class TensorStore:
             raise ValueError(f"lock_timeout must be >= 0 or None, got {lock_timeout}")
         if distributed is not False and readonly:
             raise ValueError("a distributed store writes: readonly=True and distributed= do not go together")
-        self.root = os.fspath(root)
+        self.root = local_path(root)
         self.keep_last, self.readonly, self.lock_timeout = keep_last, readonly, lock_timeout
         self.shard_bytes, self.verify, self.reserve, self.distributed = shard_bytes, verify, reserve, distributed
         self.scheduler = Scheduler(
