@@ -25,7 +25,7 @@ from .commit import Publication
 from .errors import MismatchError, StateError
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
-from .location import local_path
+from .location import engine_for, is_object, local_path
 
 CRC_KEY = st.CRC_KEY
 
@@ -161,6 +161,8 @@ async def user_path(sched: Scheduler, path: str) -> str:
     """The file a user named, with links resolved: the user chose it (a Hugging Face cache links its
     files to blobs). Files inside a checkpoint folder are never resolved: a link there could lead
     out of it, so opening one is refused (see :func:`aiotensor.engines.posix.open_regular`)."""
+    if is_object(path):
+        return path
     return await sched.call(os.path.realpath, path, priority=Priority.LOAD)
 
 
@@ -175,8 +177,8 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
 
     Cancellation: returns once the header read has stopped; nothing is left open.
     """
-    path = local_path(path)
-    async with own_scheduler(scheduler) as sched:
+    path = local_path(path, objects=True)
+    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched:
         fd, layout = await _open_layout(sched, await user_path(sched, path), path)
         await close(sched, fd)
         crcs = st.crc_table(layout, path)
@@ -229,8 +231,8 @@ async def load_file(
 
     Cancellation: returns once no worker thread writes into the tensors.
     """
-    path = local_path(path)
-    async with own_scheduler(scheduler) as sched:
+    path = local_path(path, objects=True)
+    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched:
         real = await user_path(sched, path)
         if mmap:
             if into is not None or torch.device(device).type != "cpu":

@@ -1,6 +1,9 @@
 """Where data lives: every path a public API takes goes through :func:`local_path` first.
 
-Only local paths are served. A URL (``scheme://...``) is refused with
+Local paths are served everywhere; ``s3://bucket/key`` objects by the entry points that read one
+file (``load_file``, ``read_header``, ``stream``, ``load_into``, ``prepare_swap``: one
+safetensors object), through :class:`~aiotensor.engines.objects.ObjectEngine`.
+Any other URL (``scheme://...``), and ``s3://`` where it is not served yet, is refused with
 :class:`~aiotensor.errors.UnsupportedLocationError` before anything is touched: taken as a relative
 path, ``TensorStore("s3://bucket/run1/")`` would save into a folder named ``s3:`` in the working
 directory, and a user would believe the checkpoint was in the bucket.
@@ -10,7 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
+from .engines import Engine
+from .engines.objects import ObjectEngine
 from .errors import UnsupportedLocationError
 
 # RFC 3986 scheme, then "://": what object stores, fsspec and HTTP name; a Windows drive ("C:\\")
@@ -18,8 +24,8 @@ from .errors import UnsupportedLocationError
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def local_path(path: str | os.PathLike[str], what: str = "path") -> str:
-    """``os.fspath(path)``, refusing a URL.
+def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: bool = False) -> str:
+    """``os.fspath(path)``, refusing a URL (but ``s3://`` ones where ``objects``).
 
     Raises:
         UnsupportedLocationError: ``path`` is a URL (the message names its scheme).
@@ -29,7 +35,7 @@ def local_path(path: str | os.PathLike[str], what: str = "path") -> str:
     if not isinstance(p, str):
         raise TypeError(f"{what} must be a str or os.PathLike[str], got {type(p).__name__}")
     m = _URL.match(p)
-    if m is not None:
+    if m is not None and not (objects and m.group(1) == "s3"):
         raise UnsupportedLocationError(
             f"{what} {p!r} is a URL ({m.group(1)}://): this version of aiotensor reads and writes local paths only "
             "(a local folder of that name would be made instead); mount the storage, or copy the files to a local folder"
@@ -37,4 +43,19 @@ def local_path(path: str | os.PathLike[str], what: str = "path") -> str:
     return p
 
 
-__all__ = ["local_path"]
+def is_object(path: str) -> bool:
+    """An ``s3://`` URL (as :func:`local_path` passed it)."""
+    return path.startswith("s3://")
+
+
+def engine_for(path: str, scheduler: Any = None) -> Engine | None:
+    """The engine a scheduler of the library's own needs to read ``path``: an
+    :class:`~aiotensor.engines.objects.ObjectEngine` for an object, None (the default) otherwise."""
+    if not is_object(path):
+        return None
+    if scheduler is not None:
+        raise UnsupportedLocationError(f"{path}: s3:// objects are read by a scheduler of aiotensor's own; pass no scheduler=")
+    return ObjectEngine()
+
+
+__all__ = ["engine_for", "is_object", "local_path"]

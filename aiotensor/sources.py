@@ -38,12 +38,13 @@ from . import root as _root
 from ._io.assemble import Entry, Part, Span, stored_bytes
 from ._io.read import layout_of
 from .engines import Engine
-from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError
+from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError, UnsupportedLocationError
 from .formats import dcp_metadata as dm
 from .formats import safetensors as st
 from .formats import torchsave as ts
 from .formats.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, file_shape, torch_shape
 from .formats.tree import unflatten
+from .location import is_object
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -88,6 +89,10 @@ def resolve(engine: Engine, path: str) -> Source:
         UnsafePathError: a link inside a checkpoint folder, a FIFO, a device.
         OSError: a file cannot be read.
     """
+    if is_object(path):  # one object: a safetensors file
+        if _is_torch_zip(engine, path):
+            raise UnsupportedLocationError(f"{path}: torch.save files on s3:// are not read yet (safetensors objects are)")
+        return _file(engine, path)
     real = os.path.realpath(path)  # the user chose it
     try:
         mode = os.stat(real).st_mode

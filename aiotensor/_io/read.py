@@ -340,10 +340,11 @@ async def _checked(
 
 def _read_piece(sched: Scheduler, odirect: bool) -> int:
     """The largest read into host memory: :data:`knobs.DIRECT_READ_BYTES` where O_DIRECT reads are
-    offered (at most a bounce slot less two pages), else :data:`aiotensor.knobs.HOST_READ_BYTES`."""
+    offered (at most a bounce slot less two pages), else the engine's own size or
+    :data:`aiotensor.knobs.HOST_READ_BYTES`."""
     if odirect:
         return min(sched.slots.slot_bytes - 2 * PAGE, knobs.DIRECT_READ_BYTES)
-    return min(sched.slots.slot_bytes, knobs.HOST_READ_BYTES)
+    return min(sched.slots.slot_bytes, sched.engine.read_bytes or knobs.HOST_READ_BYTES)
 
 
 async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:

@@ -11,6 +11,7 @@ import anyio
 import numpy as np
 import torch
 
+from .. import knobs
 from .._runtime import cuda
 from .._runtime.buffers import HostBuffer
 from .._runtime.scheduler import Scheduler, run_concurrently
@@ -54,8 +55,10 @@ async def stage(
         else:  # plain memcpy, one thread each, GIL released
             np.copyto(arena.array[u.start : u.start + u.nbytes], np.frombuffer(byte_view(u.src), np.uint8))
 
-    async def host() -> None:  # the caller waits for these copies: every core makes them
-        batch = _per_cpu(sched, cpu_bytes, spare=0)
+    async def host() -> None:
+        # the caller waits for these copies: every core makes them, unless they are small ones,
+        # whose Python work per copy (the GIL) a second thread only contends for
+        batch = _per_cpu(sched, cpu_bytes, spare=0 if cpu_bytes >= len(cpu) * knobs.MiB else 1)
         await sched.map(copy, cpu, nbytes=lambda u: u.nbytes, priority=priority, batch_bytes=batch, budget=False)
 
     async def device() -> None:

@@ -21,6 +21,7 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     mode: str = ""  # how the engine moves device memory, where it has modes (kvikio: gds/compat)
+    read_bytes: int | None = None  # the size of read it wants (an object store: a request per read)
 
     @abc.abstractmethod
     def open_read(self, path: str) -> int: ...

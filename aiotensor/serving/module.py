@@ -21,7 +21,7 @@ from .._io.tensors import check_device
 from .._runtime import cuda
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
-from ..location import local_path
+from ..location import engine_for, local_path
 
 
 class LoadResult(NamedTuple):
@@ -74,8 +74,9 @@ async def _matched(
     ``fn(names, module's tensor, loaded tensor)`` in worker threads. A name is missing only if
     neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
     (else it is reported)."""
-    async with own_scheduler(scheduler) as sched:
-        src = await sched.call(sources.resolve, sched.engine, local_path(source), priority=Priority.LOAD)
+    path = local_path(source, objects=True)
+    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched:
+        src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         dev = check_device(sched, device)
         known, ties = await sched.run_sync(_module_tensors, module)
         if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):

@@ -21,7 +21,7 @@ from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, batched
 from ..engines import Engine
 from ..errors import MismatchError
-from ..location import local_path
+from ..location import engine_for, local_path
 
 Keys = Iterable[str] | str | Callable[[str], bool] | None
 _Batch = tuple[list[Entry], list[tuple[str, ...]], int, list[str]]  # entries, their names, bytes, files
@@ -118,14 +118,15 @@ class TensorStream:
     ) -> None:
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
-        self.source = local_path(source)
+        self.source = local_path(source, objects=True)
         self.dtype = dtype
         self.window_bytes = window_bytes
         self.verify = verify
         self._keys = keys
         self._rows = dict(rows or {})
         self._own = scheduler is None
-        self.scheduler = scheduler if scheduler is not None else Scheduler()
+        engine = engine_for(self.source, scheduler)  # an object needs an engine of its own
+        self.scheduler = scheduler if scheduler is not None else Scheduler(engine)
         self.device = check_device(self.scheduler, device)
         # the stream CUDA tensors are made and finished on, in worker threads: the caller's
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
