@@ -66,7 +66,7 @@ class ObjectEngine(Engine):
             if store is None:
                 from obstore.store import S3Store
 
-                store = self._stores[bucket] = S3Store(bucket, config=self._options or None)
+                store = self._stores[bucket] = S3Store(bucket, config=self._options or None)  # type: ignore[arg-type]
             return store
 
     @staticmethod
@@ -101,7 +101,7 @@ class ObjectEngine(Engine):
         if etag:
             options["if_match"] = etag
         try:
-            data = self._obstore.get(store, key, options=options).bytes()
+            data = self._obstore.get(store, key, options=options).bytes()  # type: ignore[arg-type]
         except Exception as e:
             raise self._fail(e) from None
         n = len(data)

@@ -151,7 +151,9 @@ def _reject_constant(name: str) -> Any:
 _WS = re.compile(r"[ \t\n\r]*")
 _SPACE = frozenset(" \t\n\r")
 # the C scanner itself (``raw_decode`` is a Python wrapper of it): one call per member
-_DECODE = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant).scan_once
+_DECODE: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
+    object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
+).scan_once  # type: ignore[attr-defined]
 Member = Callable[[str, Any], None]
 
 
@@ -189,7 +191,10 @@ def _decoder(hook: Callable[[list[tuple[str, Any]]], Any]) -> Callable[[str, int
     def pairs(items: list[tuple[str, Any]]) -> Any:
         return hook(list(_no_duplicates(items).items()))
 
-    return json.JSONDecoder(object_pairs_hook=pairs, parse_constant=_reject_constant).scan_once
+    scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
+        object_pairs_hook=pairs, parse_constant=_reject_constant
+    ).scan_once  # type: ignore[attr-defined]
+    return scan
 
 
 def _member(doc: str, key: str, j: int, member: Member, nested: Mapping[str, Member], decoders: Mapping[str, Any]) -> int:
