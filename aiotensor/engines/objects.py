@@ -79,6 +79,8 @@ class ObjectEngine(Engine):
 
     def open_read(self, path: str) -> int:
         bucket, key = split(path)
+        if not key or key.endswith("/"):
+            self.listdir(path)  # refused: a prefix is a folder
         store = self._store(bucket)
         try:
             meta = self._obstore.head(store, key)
