@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from .engines import Engine
-from .engines.objects import ObjectEngine
+from .engines.objects import SCHEME, ObjectEngine
 from .errors import UnsupportedLocationError
 
 # RFC 3986 scheme, then "://": what object stores, fsspec and HTTP name; a Windows drive ("C:\\")
@@ -35,7 +35,7 @@ def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: boo
     if not isinstance(p, str):
         raise TypeError(f"{what} must be a str or os.PathLike[str], got {type(p).__name__}")
     m = _URL.match(p)
-    if m is not None and not (objects and m.group(1) == "s3"):
+    if m is not None and not (objects and is_object(p)):
         raise UnsupportedLocationError(
             f"{what} {p!r} is a URL ({m.group(1)}://): this version of aiotensor reads and writes local paths only "
             "(a local folder of that name would be made instead); mount the storage, or copy the files to a local folder"
@@ -45,7 +45,7 @@ def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: boo
 
 def is_object(path: str) -> bool:
     """An ``s3://`` URL (as :func:`local_path` passed it)."""
-    return path.startswith("s3://")
+    return path.startswith(SCHEME)
 
 
 def engine_for(path: str, scheduler: Any = None) -> Engine | None:

@@ -16,6 +16,8 @@ from ..formats.dtypes import file_shape
 from ..formats.tree import flatten
 from .tensors import check_tensor
 
+SHARD_METADATA = {"format": "pt"}  # a shard's header ``__metadata__`` (as safetensors' torch writer)
+
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -82,7 +84,7 @@ def plan_save(
     arena = 0
     for i, group in enumerate(groups):
         group.sort(key=lambda x: -x[2].element_size())  # stable: state order within an itemsize
-        header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], {"format": "pt"})
+        header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
         shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena))
         arena += round_up(layout.file_size)
     nbytes = sum(s.nbytes for sh in shards for s in sh.layout.tensors)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime.buffers import PAGE, round_up
+from .._runtime.buffers import PAGE, copy_bytes, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
@@ -193,7 +193,7 @@ def _fill(
         _read_exact(engine, fd, dest[got:need], off + got, path, what)
         return 0
     data, n = _fetch(engine, fd, dfd, slot, off + got, need - got, path, what, cached=False)
-    _copy(dest[got:need], data)
+    copy_bytes(dest[got:need], data)
     return n
 
 
@@ -241,11 +241,6 @@ def _read_direct(engine: Engine, fd: int, dfd: int, buf: memoryview, off: int, n
         if n <= 0 or (n % PAGE and done + n < need):
             raise FormatError(f"file ends at byte {off + done + max(n, 0)}, inside {what}", path)
         done += n
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` with the GIL released (torch's copy; a memoryview assignment keeps it)."""
-    torch.from_numpy(np.frombuffer(dst, np.uint8)).copy_(torch.from_numpy(np.frombuffer(src, np.uint8)))
 
 
 def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> tuple[list[_ReadUnit], int]:

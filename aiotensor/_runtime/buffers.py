@@ -24,6 +24,13 @@ def round_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
+def copy_bytes(dst: Any, src: Any) -> None:
+    """``dst[:] = src`` for two buffers of bytes (``src`` may be read-only), with the GIL released
+    (numpy's plain copy, as the staging copies make; a memoryview assignment keeps the GIL for the
+    whole copy, and the event loop's thread waits)."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
 class HostBuffer:
     """One anonymous mapping, seen as a memoryview and as a uint8 tensor (both share its pages).
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from .._runtime.buffers import copy_bytes
 from ..errors import UnsupportedLocationError
 from .base import Engine
 
@@ -40,6 +41,10 @@ def split(url: str) -> tuple[str, str]:
 def _short(e: BaseException) -> str:
     """obstore's message without its multi-line debug dump."""
     return str(e).split("\n", 1)[0][:500]
+
+
+def _no_folders(path: str) -> UnsupportedLocationError:
+    return UnsupportedLocationError(f"{path}: s3:// folders (stores, Hugging Face folders) are not built yet; name one object")
 
 
 class ObjectEngine(Engine):
@@ -80,7 +85,7 @@ class ObjectEngine(Engine):
     def open_read(self, path: str) -> int:
         bucket, key = split(path)
         if not key or key.endswith("/"):
-            self.listdir(path)  # refused: a prefix is a folder
+            raise _no_folders(path)
         store = self._store(bucket)
         try:
             meta = self._obstore.head(store, key)
@@ -107,7 +112,7 @@ class ObjectEngine(Engine):
         except Exception as e:
             raise self._fail(e) from None
         n = len(data)
-        buf[:n] = memoryview(data)  # type: ignore[arg-type]
+        copy_bytes(buf[:n], data)
         return n
 
     def close(self, fd: int) -> None:
@@ -130,7 +135,7 @@ class ObjectEngine(Engine):
     create = pwrite = truncate = sync = mkdir = rename = sync_dir = remove_tree = remove_file = _read_only  # type: ignore[assignment]
 
     def listdir(self, path: str) -> list[str]:
-        raise UnsupportedLocationError(f"{path}: s3:// folders (stores, Hugging Face folders) are not built yet; name one object")
+        raise _no_folders(path)
 
 
 __all__ = ["ObjectEngine", "SCHEME", "split"]

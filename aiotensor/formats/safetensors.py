@@ -51,9 +51,12 @@ class Layout:
 def shape_problem(shape: object, dtype: str) -> str | None:
     """Why ``shape`` of ``dtype`` is not one torch can make (None if it is): a short message."""
     # set/min/max: C loops (a 20,000-tensor header or manifest checks 20,000 shapes)
-    if type(shape) is not list or len(shape) > MAX_DIMS or not _INT.issuperset(map(type, shape)):
-        return f"shape must be a list of at most {MAX_DIMS} integers in [0, 2**63)"
-    if shape and (min(shape) < 0 or max(shape) >= 2**63):
+    if (
+        type(shape) is not list
+        or len(shape) > MAX_DIMS
+        or not _INT.issuperset(map(type, shape))
+        or (shape and (min(shape) < 0 or max(shape) >= 2**63))
+    ):
         return f"shape must be a list of at most {MAX_DIMS} integers in [0, 2**63)"
     if math.prod(d for d in shape if d) >= 2**63:  # torch counts elements in int64, zero-size or not
         return "shape has more than 2**63 elements"
@@ -263,12 +266,10 @@ def _text(text: bytes, path: object, what: str, error: type[FormatError]) -> str
 
 def is_count(x: object) -> bool:
     """A non-negative JSON integer (bool is not an integer here)."""
-    return type(x) is int and x >= 0  # JSON gives exact ints: no subclass but bool to tell apart
+    return type(x) is int and x >= 0  # JSON and the restricted unpickler make exact ints: only bool to tell apart
 
 
 _INT = frozenset({int})
-
-
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
