@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -23,11 +24,11 @@ from . import commit, errors, knobs, serving, sources
 from . import root as _root
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .commit import Publication
-from .engines import default_engine
+from .engines import Engine, default_engine
 from .errors import CheckpointNotFoundError
 from .files import save_file, write_safetensors
 from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
-from .location import local_path
+from .location import engine_for, local_path
 from .serving import save_torch
 from .store import TensorStore
 
@@ -57,11 +58,27 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 512M)") from None
 
 
-def _path(text: str) -> str:
+def _path(text: str, objects: bool = False) -> str:
     try:
-        return local_path(text)
+        return local_path(text, objects=objects)
     except errors.UnsupportedLocationError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _where(text: str) -> str:
+    """A path to read: local, or ``s3://``."""
+    return _path(text, objects=True)
+
+
+def _engine(path: str) -> Engine:
+    return engine_for(path) or default_engine()
+
+
+def _isdir(engine: Engine, path: str) -> bool:
+    try:
+        return stat.S_ISDIR(engine.stat(path).st_mode if not engine.renames else os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def _human(n: float) -> str:
@@ -100,7 +117,7 @@ class Progress:
 
 def _resolve(path: str) -> sources.Source:
     """What ``path`` is and holds (blocking: the command runs no event loop while it asks)."""
-    return sources.resolve(default_engine(), path)
+    return sources.resolve(_engine(path), path)
 
 
 def _row(e: sources.Entry) -> dict[str, Any]:
@@ -150,7 +167,7 @@ def _values(src: sources.Source) -> list[str]:
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
-    engine = default_engine()
+    engine = _engine(a.root)
     names = engine.listdir(a.root)
     if not _root.is_store(names):
         raise CheckpointNotFoundError(
@@ -160,7 +177,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for step, name in sorted(listing.committed.items()):
         src = sources.step(engine, os.path.join(a.root, name), step)
-        mtime = os.stat(src.files[0] if src.files else src.path).st_mtime
+        mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
         count = sum(len(e.names) for e in src.entries)
         rows.append({"step": step, "time": when, "bytes": src.stored_bytes, "tensors": count, "state": "committed"})
@@ -220,8 +237,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
     a changed value cannot be seen), 1 if anything is bad."""
     bad: list[str] = []
     checked: list[sources.Source] = []
-    engine = default_engine()
-    names = engine.listdir(a.path) if os.path.isdir(a.path) else []
+    engine = _engine(a.path)
+    names = engine.listdir(a.path) if _isdir(engine, a.path) else []
     if names and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names):
         listing = _root.scan(engine, a.path, {})
         paths = [os.path.join(a.path, n) for _, n in sorted(listing.committed.items())]
@@ -418,23 +435,23 @@ def parser() -> argparse.ArgumentParser:
         help="committed steps of a store root, and what else is in it (read-only)",
         epilog="example: aiotensor ls ckpts/ --json",
     )
-    ls.add_argument("root", type=_path)
+    ls.add_argument("root", type=_where)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_ls)
     ins = sub.add_parser("inspect", help="tensors (name, dtype, shape, bytes) from headers only",
                          epilog="example: aiotensor inspect model.safetensors --json")  # fmt: skip
-    ins.add_argument("path", type=_path)
+    ins.add_argument("path", type=_where)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(fn=cmd_inspect)
     ver = sub.add_parser("verify", help="re-read everything and check structure and every checksum (exit 1 if bad)",
                          epilog="example: aiotensor verify ckpts/ && python train.py --resume")  # fmt: skip
-    ver.add_argument("path", type=_path)
+    ver.add_argument("path", type=_where)
     ver.set_defaults(fn=cmd_verify)
     conv = sub.add_parser("convert", help="any readable format to safetensors (sharded + index), a checkpoint or torch.save",
                           epilog="examples:\n  aiotensor convert model.pt model.safetensors\n"
                                  "  aiotensor convert hf-folder/ ckpts/ --to checkpoint --step 0",
                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    conv.add_argument("src", type=_path)
+    conv.add_argument("src", type=_where)
     conv.add_argument("dst", type=_path)
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")

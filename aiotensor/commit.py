@@ -15,16 +15,22 @@ any of them (the kill sweep and the power-cut replay run over the store, ``save_
 5. **Retire** (:func:`retire`): a committed folder is renamed to a leftover name, durably (it stops
    being a checkpoint at once: a half-deleted folder never looks like one), then deleted at leisure.
 
-A storage without rename (an object store: put, ranged get, list, delete; each object atomic) keeps
-the same five steps with other means: objects are put under their final keys, a manifest object
-written last is the commit record (a conditional create, so one writer wins), ``latest`` is one
-put, and retiring deletes the manifest first. :class:`Publication` is the interface the writers
-hold; it is the seam where such a storage would plug in.
+On an object store (``engine.renames`` False: put, ranged get, list, delete; each object
+atomic), the same steps by other means:
+
+1. No temporary name: objects are put under their final keys; the folder is marked as the
+   library's by a conditionally created marker (:meth:`Engine.mkdir`), so two writers cannot
+   write one folder.
+2. Each object is durable when its PUT returns.
+3. The **commit record** (:data:`RECORDS`: a store's ``manifest.json``, DCP's metadata), put last
+   and conditionally, is the commit point: a folder without one is no checkpoint, and a writer
+   removes it (a marked folder without a record is a leftover).
+4. ``latest`` is one PUT (atomic).
+5. Retiring deletes the record first (the step stops being a checkpoint at once), then the rest.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -36,9 +42,12 @@ import anyio
 
 from ._runtime.scheduler import Priority, Scheduler
 from .engines import Engine
-from .errors import annotate_oserror
+from .errors import UnsupportedLocationError, annotate_oserror
 
 log = logging.getLogger("aiotensor")
+MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata.json"
+RECORDS = (MANIFEST, DCP_METADATA)  # the files whose presence commits a folder
 _LEFTOVER = re.compile(r"(step-[0-9]{12}\.tmp-(del)?|latest\.tmp-)[0-9a-f]{8}")
 
 
@@ -65,23 +74,16 @@ def hidden_temp(path: str) -> str:
 
 def write_small(engine: Engine, path: str, data: bytes) -> None:
     """Create ``path`` (it must not exist) holding ``data``, durably."""
-    fd = engine.create(path)
-    try:
-        view, off = memoryview(data), 0
-        while off < len(view):
-            n = engine.pwrite(fd, view[off:], off)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, f"no progress writing {path} (disk full?)")
-            off += n
-        engine.sync(fd)
-    finally:
-        engine.close(fd)
+    engine.put(path, [memoryview(data)])
 
 
 def publish(engine: Engine, tmp: str, final: str, *, folder: bool) -> None:
     """The commit point of a file or folder written, and made durable, at ``tmp``: the folder's
     entries fsync'ed, ``tmp`` renamed to ``final``, ``final``'s parent fsync'ed. If that fsync
-    fails the rename is undone (it may not be durable: nothing is committed) and the error raised."""
+    fails the rename is undone (it may not be durable: nothing is committed) and the error raised.
+    On an object store ``tmp`` is ``final``, and the writer's record was the commit point."""
+    if not engine.renames:
+        return
     parent = os.path.dirname(final) or "."
     if folder:
         engine.sync_dir(tmp)
@@ -104,13 +106,7 @@ def replace_small(engine: Engine, path: str, data: bytes | None, foreign: Callab
     if data is None:
         engine.remove_file(path)
     else:
-        tmp = os.path.join(folder, temp_name(os.path.basename(path)))
-        try:
-            write_small(engine, tmp, data)
-            engine.rename(tmp, path)
-        except BaseException:
-            engine.remove_file(tmp)
-            raise
+        engine.replace(path, os.path.join(folder, temp_name(os.path.basename(path))), data)
     engine.sync_dir(folder)
     return ""
 
@@ -118,11 +114,29 @@ def replace_small(engine: Engine, path: str, data: bytes | None, foreign: Callab
 def retire(engine: Engine, path: str) -> str:
     """Rename the committed folder ``path`` to a leftover name and fsync its parent: from then on it
     is no checkpoint, and a crash leaves a leftover the next writer removes. Returns the new path,
-    to delete (``engine.remove_tree``) whenever convenient."""
+    to delete (``engine.remove_tree``) whenever convenient. On an object store: its records are
+    deleted instead (a marked folder without one is a leftover); ``path`` is returned."""
+    if not engine.renames:
+        drop_records(engine, path)
+        return path
     doomed = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), "del"))
     engine.rename(path, doomed)
     engine.sync_dir(os.path.dirname(path) or ".")
     return doomed
+
+
+def drop_records(engine: Engine, folder: str) -> None:
+    """Delete a folder's commit records (on an object store: it stops being a checkpoint)."""
+    for name in RECORDS:
+        engine.remove_file(os.path.join(folder, name))
+
+
+def remove(engine: Engine, path: str) -> None:
+    """Remove a file or a folder that may be committed: on an object store its records go first,
+    so that no reader takes what is left of it for a checkpoint."""
+    if not engine.renames:
+        drop_records(engine, path)
+    engine.remove_tree(path)
 
 
 # --- a publication, on a scheduler --------------------------------------------------------------
@@ -138,7 +152,8 @@ class Publication:
     Leaving the block without :meth:`publish` (an error, a cancellation) removes ``tmp``; a failure
     to remove it is added to the error as a note (the leftover is a store writer's to clean).
 
-    A file replaces what is at ``final`` (atomically); a folder must not exist there.
+    A file replaces what is at ``final`` (atomically); a folder must not exist there. On an object
+    store (see the module's text) ``tmp`` is ``final``: the writer puts its commit record last.
 
     Args:
         tmp: the temporary path (default: :func:`temp_name` beside ``final`` for a folder,
@@ -152,7 +167,11 @@ class Publication:
         self, sched: Scheduler, final: str, *, folder: bool, tmp: str | None = None, priority: int = Priority.SAVE
     ) -> None:
         self.sched, self.final, self.folder, self.priority = sched, final, folder, priority
-        if tmp is None:
+        if not sched.engine.renames:
+            if not folder:
+                raise UnsupportedLocationError(f"{final}: writing one file to object storage is not built yet")
+            tmp = final
+        elif tmp is None:
             tmp = os.path.join(os.path.dirname(final), temp_name(os.path.basename(final))) if folder else hidden_temp(final)
         self.tmp = tmp
         self.published = False
@@ -182,7 +201,7 @@ class Publication:
             return
         with anyio.CancelScope(shield=True):
             try:
-                await self._call(self.engine.remove_tree, self.tmp, what=f"removing {self.tmp}")
+                await self._call(remove, self.engine, self.tmp, what=f"removing {self.tmp}")
             except OSError as cleanup:
                 if e is None:
                     raise
@@ -197,4 +216,17 @@ class Publication:
             raise annotate_oserror(err, what) from err
 
 
-__all__ = ["Publication", "hidden_temp", "is_leftover", "publish", "replace_small", "retire", "temp_name", "write_small"]
+__all__ = [
+    "MANIFEST",
+    "RECORDS",
+    "Publication",
+    "drop_records",
+    "hidden_temp",
+    "is_leftover",
+    "publish",
+    "remove",
+    "replace_small",
+    "retire",
+    "temp_name",
+    "write_small",
+]

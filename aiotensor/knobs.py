@@ -67,10 +67,26 @@ CARVE_BLOCK_BYTES = 16 * MiB
 # --- saves (aiotensor.store) --------------------------------------------------------------------
 # The largest shard file of a checkpoint (a tensor is never split).
 SHARD_BYTES = 4 << 30
+# The largest shard on an object store: each is one PUT (nothing to orphan if interrupted), and
+# several shards upload at once.
+OBJECT_SHARD_BYTES = 256 * MiB
 # Staging arenas, so saves staged or writing at once: one stages while the last writes (bench_cpu.py).
 MAX_STAGED = 2
 # Seconds between two tries of a lock another writer holds.
 LOCK_POLL_S = 0.05
+# Seconds an object store's writer lease lasts: renewed every third of it, taken over by another
+# writer once not renewed for all of it (so a crashed writer's store is free after this long).
+LEASE_S = 30.0
+# Seconds between two tries of a lease another writer holds (each costs two requests).
+LEASE_POLL_S = 1.0
+# Requests to an object store: 5xx answers (503 SlowDown), dropped connections and timeouts are
+# retried with exponential backoff (0.1 s doubling, at most 5 s apart) up to OBJECT_RETRIES times
+# within OBJECT_RETRY_S seconds, then the operation fails; one request may take OBJECT_TIMEOUT_S
+# (a 256 MiB shard at 1 MB/s would not make it: raise it for slow links).
+OBJECT_RETRIES = 5
+OBJECT_RETRY_S = 60.0
+OBJECT_TIMEOUT_S = 300.0
+OBJECT_CONNECT_S = 5.0
 
 # --- streams and module loads (aiotensor.serving) -----------------------------------------------
 # Bytes of tensors a stream reads ahead of its consumer.

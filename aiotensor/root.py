@@ -21,13 +21,14 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import commit
+from . import commit, knobs
 from .commit import is_leftover
 from .engines import Engine
+from .engines.objects import FOLDER_MARKER, ObjectEngine, ObjectLease
 from .errors import FormatError, ManifestError, UnsafePathError
 from .formats import manifest as mf
 
-MANIFEST = "manifest.json"
+MANIFEST, DCP_METADATA = commit.MANIFEST, commit.DCP_METADATA
 LATEST = "latest"
 LOCK = ".aiotensor.lock"
 _STEP = re.compile(r"step-([0-9]{12})")
@@ -63,9 +64,14 @@ class WriterLock:
     hard link to another file would have that file written into, a FIFO would block).
     """
 
+    poll_s = knobs.LOCK_POLL_S
+
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, LOCK)
         self._fd: int | None = None
+
+    def check(self) -> None:
+        """Nothing to do: a ``flock`` is never taken from its holder."""
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free; False if another writer holds it.
@@ -110,6 +116,14 @@ class WriterLock:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)  # closing the file drops the flock
+
+
+def writer_lock(engine: Engine, root: str) -> WriterLock | ObjectLease:
+    """The one-writer rule of ``root``: a :class:`WriterLock`, or on an object store an
+    :class:`~aiotensor.engines.objects.ObjectLease` of ``knobs.LEASE_S`` seconds."""
+    if isinstance(engine, ObjectEngine):
+        return ObjectLease(engine, os.path.join(root, LOCK), knobs.LEASE_S)
+    return WriterLock(root)
 
 
 _LOCK_MAX = 32
@@ -188,7 +202,7 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
         if name == LOCK:
             continue
         if name == LATEST:
-            out.latest, foreign = read_latest(root)
+            out.latest, foreign = read_latest(engine, root)
             if foreign:
                 out.ignored[name] = foreign
             continue
@@ -205,6 +219,8 @@ def scan(engine: Engine, root: str, known: dict[str, tuple[tuple[int, int, int, 
             continue  # retired (or deleted) since the folder was listed: nothing to say about it
         if why is None:
             out.committed[step] = name
+        elif why is _NO_RECORD and not engine.renames and engine.exists(os.path.join(root, name, FOLDER_MARKER)):
+            out.leftovers.append(name)  # an object store's step folder that never got (or lost) its record
         elif isinstance(why, Exception):
             out.ignored[name] = f"not a valid checkpoint: {_short(str(why))}"
             out.errors[name] = why
@@ -226,7 +242,7 @@ def _why_not_committed(
     """None if ``root/name`` is a committed step, else why not (the error its manifest raised)."""
     folder = os.path.join(root, name)
     try:
-        meta = os.lstat(folder)
+        meta = engine.stat(folder)
     except FileNotFoundError:
         return _GONE
     except OSError as e:
@@ -234,10 +250,10 @@ def _why_not_committed(
     if not stat.S_ISDIR(meta.st_mode):
         return "a symbolic link, not a folder (never followed)" if stat.S_ISLNK(meta.st_mode) else "not a folder"
     try:
-        mst = os.lstat(os.path.join(folder, MANIFEST))
+        mst = engine.stat(os.path.join(folder, MANIFEST))
     except FileNotFoundError:
         why = _check_dcp_step(engine, folder)
-        return _GONE if why is not None and not os.path.lexists(folder) else why
+        return _GONE if why is not None and not engine.exists(folder) else why
 
     except OSError as e:
         return f"cannot be read ({e.strerror})"
@@ -255,15 +271,12 @@ def _why_not_committed(
     return None
 
 
-DCP_METADATA = ".metadata.json"
-
-
 def _check_dcp_step(engine: Engine, folder: str) -> str | Exception | None:
     """None if ``folder`` is a checkpoint committed by :class:`aiotensor.dcp.AiotensorWriter` (its
     sealed metadata is intact), else why not."""
     path = os.path.join(folder, DCP_METADATA)
-    if not os.path.lexists(path):
-        return "no manifest.json (not a checkpoint)"
+    if not engine.exists(path):
+        return _NO_RECORD
     try:
         data = read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the DCP metadata")
         mf.check_seal(data, path)
@@ -272,8 +285,11 @@ def _check_dcp_step(engine: Engine, folder: str) -> str | Exception | None:
     return None
 
 
-def is_dcp_step(folder: str) -> bool:
-    return not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isfile(os.path.join(folder, DCP_METADATA))
+_NO_RECORD = "no manifest.json (not a checkpoint)"
+
+
+def is_dcp_step(engine: Engine, folder: str) -> bool:
+    return not engine.exists(os.path.join(folder, MANIFEST)) and engine.exists(os.path.join(folder, DCP_METADATA))
 
 
 def read_manifest(engine: Engine, folder: str, step: int | None = None) -> mf.Manifest:
@@ -317,11 +333,21 @@ def read_range(engine: Engine, fd: int, offset: int, nbytes: int, path: str, err
 _LATEST_TEXT = re.compile(rb"step-[0-9]{12}\n")
 
 
-def read_latest(root: str) -> tuple[str | None, str]:
+def read_latest(engine: Engine, root: str) -> tuple[str | None, str]:
     """``(name, "")``: the step folder ``root/latest`` names, or None when there is no such file;
     ``(None, why)`` when something else has that name (a folder, a link, a file of other contents):
     it is the user's, and the library never replaces or removes it."""
     path = os.path.join(root, LATEST)
+    if not engine.renames:  # an object: no links, no special files; only its contents can be foreign
+        try:
+            data = read_small(engine, path, 64, FormatError, "latest")
+        except FileNotFoundError:
+            return None, ""
+        except FormatError:
+            data = b""  # too big to be ours
+        if not _LATEST_TEXT.fullmatch(data):
+            return None, _foreign_latest("an object of other contents")
+        return data.decode().strip(), ""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC)
     except FileNotFoundError:
@@ -345,11 +371,11 @@ def point_latest(engine: Engine, root: str, name: str | None) -> str:
     """Make ``root/latest`` name the step folder ``name`` (None: remove it), durably, unless
     something other than the library's own file has that name: then nothing is touched and the
     reason is returned ("" when done). Blocking: a worker thread."""
-    found, why = read_latest(root)
+    found, why = read_latest(engine, root)
     if why or found == name:
         return why
     data = None if name is None else f"{name}\n".encode()
-    return commit.replace_small(engine, os.path.join(root, LATEST), data, lambda: read_latest(root)[1])
+    return commit.replace_small(engine, os.path.join(root, LATEST), data, lambda: read_latest(engine, root)[1])
 
 
 def _short(text: str, n: int = 300) -> str:
@@ -371,4 +397,5 @@ __all__ = [
     "read_small",
     "scan",
     "step_dir_name",
+    "writer_lock",
 ]

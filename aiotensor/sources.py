@@ -89,17 +89,15 @@ def resolve(engine: Engine, path: str) -> Source:
         UnsafePathError: a link inside a checkpoint folder, a FIFO, a device.
         OSError: a file cannot be read.
     """
-    if is_object(path):  # one object: a safetensors file
-        if _is_torch_zip(engine, path):
-            raise UnsupportedLocationError(f"{path}: torch.save files on s3:// are not read yet (safetensors objects are)")
-        return _file(engine, path)
-    real = os.path.realpath(path)  # the user chose it
+    real = path.rstrip("/") if is_object(path) else os.path.realpath(path)  # the user chose it
     try:
-        mode = os.stat(real).st_mode
+        mode = engine.stat(real).st_mode if is_object(path) else os.stat(real).st_mode
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
+    if is_object(path) and _is_torch_zip(engine, path):
+        raise UnsupportedLocationError(f"{path}: torch.save files on s3:// are not read yet (safetensors objects are)")
     return _file(engine, real)
 
 
@@ -119,7 +117,7 @@ def _folder(engine: Engine, folder: str) -> Source:
 def step(engine: Engine, folder: str, number: int | None = None) -> Source:
     """A checkpoint folder, of either kind (an aiotensor manifest step, or a DCP checkpoint); with
     ``number``, its manifest must name that step."""
-    if os.path.lexists(os.path.join(folder, _root.MANIFEST)):
+    if engine.exists(os.path.join(folder, _root.MANIFEST)):
         return _manifest_step(engine, folder, number)
     return _dcp_step(engine, folder)
 
@@ -150,7 +148,7 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
     """A DCP checkpoint: whole tensors assembled from each rank's chunks, and the state rebuilt
     from the places DCP recorded (non-tensor values unpickled as ``torch.load(weights_only=True)``
     does, or refused)."""
-    aiotensor = os.path.lexists(os.path.join(folder, dm.JSON_NAME))
+    aiotensor = engine.exists(os.path.join(folder, dm.JSON_NAME))
     where = os.path.join(folder, dm.JSON_NAME if aiotensor else dm.PICKLE_NAME)
     data = _root.read_small(engine, where, dm.MAX_BYTES, ManifestError, "the DCP metadata")
     d = dm.loads_json(data, where) if aiotensor else dm.loads_pickle(data, where)[1]

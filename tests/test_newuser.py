@@ -236,8 +236,8 @@ async def test_the_final_step_can_be_forced_and_drain_reports_skips(tmp_path: An
         assert "step 7" in caplog.text and "force=True" in caplog.text
 
 
-# s3://: a prefix (folder) is not read yet, by any entry point; s3 objects have tests/test_objects.py
-URLS = ["s3://bucket/run1/", "gs://b/w.safetensors", "https://host/w.safetensors", "file:///tmp/x"]
+# s3:// is served (tests/test_objects.py); every other scheme is refused
+URLS = ["gs://b/w.safetensors", "https://host/w.safetensors", "file:///tmp/x", "s4://bucket/run1/"]
 
 
 async def _enter(cm: Any) -> None:

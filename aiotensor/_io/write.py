@@ -44,6 +44,14 @@ async def write_file(
     removes it: it lives in a temporary name).
     """
     eng = sched.engine
+    if not eng.renames:  # an object store: one PUT of the whole object, from the ranges' memory
+        views = await sched.call(_object_views, ranges, size, priority=priority)
+        try:
+            await sched.call(eng.put, path, views, priority=priority)
+        except OSError as e:
+            raise annotate_oserror(e, f"writing {path}") from e
+        sched.stats.bytes_written += sum(len(v) for v in views)
+        return
     # thousands of ranges (save_file of many small tensors): laid out in a thread
     image = None if size is not None else await sched.call(_image_blocks, sched, ranges, priority=priority)
     if image is None:
@@ -161,6 +169,37 @@ def _device_units(off: int, src: torch.Tensor, chunk: int) -> list[_WriteUnit]:
 
 
 _Block = tuple[int, int, list[tuple[int, memoryview]]]  # file offset, length (whole pages), (position, bytes)
+
+
+def _object_views(ranges: Sequence[tuple[int, memoryview | torch.Tensor]], size: int | None) -> list[memoryview]:
+    """The file's bytes in order, as views of the ranges (device memory copied to the host, gaps
+    as zeros), cut at ``size``."""
+    views: list[memoryview] = []
+    pos = 0
+    for off, mv in sorted(ranges, key=lambda r: r[0]):
+        if isinstance(mv, torch.Tensor):
+            mv = memoryview(mv.cpu().numpy()).cast("B")  # type: ignore[arg-type]
+        if off < pos:
+            raise ValueError(f"ranges overlap at byte {off}")
+        if off > pos:
+            views.append(memoryview(bytes(off - pos)))
+        views.append(mv)
+        pos = off + len(mv)
+    if size is not None:
+        views, pos = _cut(views, size), size
+    return views
+
+
+def _cut(views: list[memoryview], size: int) -> list[memoryview]:
+    out, left = [], size
+    for v in views:
+        if left <= 0:
+            break
+        out.append(v[:left])
+        left -= len(out[-1])
+    if left > 0:
+        out.append(memoryview(bytes(left)))
+    return out
 
 
 def _write_all(write: Callable[[int, Any, int], int], fd: int, src: memoryview | torch.Tensor, off: int) -> None:

@@ -11,7 +11,9 @@ Call order for a file the store writes: ``create`` → ``pwrite``… → (``trun
 from __future__ import annotations
 
 import abc
+import errno
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -22,6 +24,9 @@ class Engine(abc.ABC):
     name: str = "engine"
     mode: str = ""  # how the engine moves device memory, where it has modes (kvikio: gds/compat)
     read_bytes: int | None = None  # the size of read it wants (an object store: a request per read)
+    # the storage renames atomically (a file system); False: an object store, where every object is
+    # put whole under its final name and a folder is a key prefix (see aiotensor.commit)
+    renames: bool = True
 
     @abc.abstractmethod
     def open_read(self, path: str) -> int: ...
@@ -104,8 +109,41 @@ class Engine(abc.ABC):
         """Write ``src``'s bytes at ``offset``; return how many were written (may be short)."""
         raise NotImplementedError(f"the {self.name} engine cannot write from {src.device} memory")
 
+    # --- whole files (the one way an object store writes) ---
+
+    def put(self, path: str, views: Sequence[memoryview]) -> None:
+        """Create ``path`` (it must not exist) holding the bytes of ``views`` one after the other,
+        durably."""
+        fd = self.create(path)
+        try:
+            off = 0
+            for view in views:
+                while len(view):
+                    n = self.pwrite(fd, view, off)
+                    if n <= 0:
+                        raise OSError(errno.ENOSPC, f"no progress writing {path} (disk full?)")
+                    view, off = view[n:], off + n
+            self.sync(fd)
+        finally:
+            self.close(fd)
+
+    def replace(self, path: str, tmp: str, data: bytes) -> None:
+        """Make ``path`` hold ``data`` atomically (written at the temporary name ``tmp`` beside it,
+        then renamed over it; the caller makes the folder durable)."""
+        try:
+            self.put(tmp, [memoryview(data)])
+            self.rename(tmp, path)
+        except BaseException:
+            self.remove_file(tmp)
+            raise
+
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        """Is there anything of that name (a symbolic link counts, even a broken one)?"""
+        return os.path.lexists(path)
+
+    def stat(self, path: str) -> os.stat_result:
+        """What ``path`` is, not following a symbolic link (``os.lstat``)."""
+        return os.lstat(path)

@@ -11,23 +11,39 @@ Credentials and the endpoint come from the environment as AWS tools read them (`
 ``AWS_ALLOW_HTTP``...), or from ``storage_options`` (obstore's S3 config keys). Error messages carry
 the URL and the server's status, never a credential.
 
-Writing is not built yet: every write operation raises
-:class:`~aiotensor.errors.UnsupportedLocationError`.
+Writing (``renames = False``): every object is put whole, from the caller's memory (:meth:`put`);
+a folder is a key prefix, marked as the library's by an empty :data:`FOLDER_MARKER` object created
+conditionally (:meth:`mkdir`). :mod:`aiotensor.commit` says how a commit works without rename.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
+import json
+import logging
+import os
+import posixpath
+import socket
+import stat
 import threading
-from collections.abc import Mapping
+import time
+import uuid
+import zlib
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
+from .. import knobs
 from .._runtime.buffers import copy_bytes
-from ..errors import UnsupportedLocationError
+from ..errors import StoreLockedError, UnsupportedLocationError
 from .base import Engine
 
+log = logging.getLogger("aiotensor")
 SCHEME = "s3://"
+FOLDER_MARKER = ".aiotensor-folder"  # the empty object that makes a key prefix a folder the library made
+PUT_MAX = 5 << 30  # S3's largest single PUT
+PART_BYTES = 16 << 20  # a multipart upload's part (only for objects over PUT_MAX)
 
 
 def split(url: str) -> tuple[str, str]:
@@ -44,13 +60,14 @@ def _short(e: BaseException) -> str:
 
 
 def _no_folders(path: str) -> UnsupportedLocationError:
-    return UnsupportedLocationError(f"{path}: s3:// folders (stores, Hugging Face folders) are not built yet; name one object")
+    return UnsupportedLocationError(f"{path} names a folder: name one object (a store's folder is opened with TensorStore)")
 
 
 class ObjectEngine(Engine):
     """Blocking reads of ``s3://`` objects (see the module's text)."""
 
     name = "s3"
+    renames = False
     read_bytes = 8 << 20  # a ranged GET costs a round trip: 8 MiB each, several in flight
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -71,15 +88,27 @@ class ObjectEngine(Engine):
             if store is None:
                 from obstore.store import S3Store
 
-                store = self._stores[bucket] = S3Store(bucket, config=self._options or None)  # type: ignore[arg-type]
+                retry = {
+                    "max_retries": knobs.OBJECT_RETRIES,
+                    "retry_timeout": timedelta(seconds=knobs.OBJECT_RETRY_S),
+                    "backoff": {"init_backoff": timedelta(seconds=0.1), "max_backoff": timedelta(seconds=5), "base": 2},
+                }
+                client: dict[str, Any] = {
+                    "timeout": timedelta(seconds=knobs.OBJECT_TIMEOUT_S),
+                    "connect_timeout": timedelta(seconds=knobs.OBJECT_CONNECT_S),
+                }
+                if os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":  # a client option: given here, or lost
+                    client["allow_http"] = True
+                options: Any = self._options or None
+                store = self._stores[bucket] = S3Store(bucket, config=options, client_options=client, retry_config=retry)  # type: ignore[arg-type]
             return store
 
     @staticmethod
     def _fail(e: Exception) -> OSError:
         """An OSError (FileNotFoundError for a missing object or bucket) of one line; the caller
         adds what it was doing and the URL."""
-        if isinstance(e, FileNotFoundError):
-            return FileNotFoundError(errno.ENOENT, f"no such object ({_short(e)})")
+        if isinstance(e, FileNotFoundError) or "NoSuchBucket" in str(e):
+            return FileNotFoundError(errno.ENOENT, f"no such object or bucket ({_short(e)})")
         return OSError(errno.EIO, f"{type(e).__name__}: {_short(e)}")
 
     def open_read(self, path: str) -> int:
@@ -120,22 +149,269 @@ class ObjectEngine(Engine):
             self._open.pop(fd, None)
 
     def exists(self, path: str) -> bool:
+        """An object of that key, or a folder (any object under ``path/``)."""
         bucket, key = split(path)
+        store = self._store(bucket)
+        if key and not key.endswith("/"):
+            try:
+                self._obstore.head(store, key)
+                return True
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                raise self._fail(e) from None
         try:
-            self._obstore.head(self._store(bucket), key)
-        except FileNotFoundError:
+            return bool(self._keys(store, key, limit=1))
+        except FileNotFoundError:  # no such bucket
             return False
-        return True
 
-    # --- not built yet: writes ----------------------------------------------------------------
-
-    def _read_only(self, *_: Any, **__: Any) -> Any:
-        raise UnsupportedLocationError("writing to s3:// is not built yet: this version reads objects only")
-
-    create = pwrite = truncate = sync = mkdir = rename = sync_dir = remove_tree = remove_file = _read_only  # type: ignore[assignment]
+    def stat(self, path: str) -> os.stat_result:
+        """An object is a regular file (its entity tag stands for the inode, so a rewrite shows);
+        a folder is a key prefix that has objects under it."""
+        bucket, key = split(path)
+        store = self._store(bucket)
+        try:
+            if not key.strip("/"):
+                raise FileNotFoundError  # the bucket itself: a folder
+            meta = self._obstore.head(store, key)
+        except FileNotFoundError:
+            if not self._keys(store, key, limit=1):
+                raise FileNotFoundError(errno.ENOENT, "no such object or folder", path) from None
+            return os.stat_result((stat.S_IFDIR | 0o755, 0, 0, 1, 0, 0, 0, 0, 0, 0))
+        except Exception as e:
+            raise self._fail(e) from None
+        mtime = int(meta["last_modified"].timestamp())
+        ino = zlib.crc32(str(meta.get("e_tag")).encode())
+        return os.stat_result((stat.S_IFREG | 0o644, ino, 0, 1, 0, 0, int(meta["size"]), mtime, mtime, mtime))
 
     def listdir(self, path: str) -> list[str]:
-        raise _no_folders(path)
+        """The names right under the folder ``path`` (objects and folders)."""
+        bucket, key = split(path)
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        try:
+            got = self._obstore.list_with_delimiter(self._store(bucket), prefix or None)
+        except Exception as e:
+            raise self._fail(e) from None
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in got["common_prefixes"]]
+        return names + [o["path"].rsplit("/", 1)[-1] for o in got["objects"]]
+
+    def _keys(self, store: Any, key: str, limit: int | None = None) -> list[str]:
+        """The keys under the folder ``key`` (at most about ``limit``)."""
+        prefix = key.rstrip("/") + "/" if key.strip("/") else None
+        out: list[str] = []
+        try:
+            for batch in self._obstore.list(store, prefix, chunk_size=limit or 1000):
+                out += [o["path"] for o in batch]
+                if limit is not None and len(out) >= limit:
+                    break
+        except Exception as e:
+            raise self._fail(e) from None
+        return out
+
+    # --- writing: every object put whole -----------------------------------------------------
+
+    def put(self, path: str, views: Sequence[memoryview]) -> None:
+        """Put the object ``path`` (it must not exist: a conditional create) holding the bytes of
+        ``views``, from the caller's memory. One PUT up to :data:`PUT_MAX` bytes, so that an
+        interrupted upload leaves nothing behind; a bigger object is a multipart upload (obstore
+        aborts it on an error, but a writer killed meanwhile leaves its parts to the bucket's
+        lifecycle rules), which cannot be conditional."""
+        bucket, key = split(path)
+        size = sum(len(v) for v in views)
+        mode: Any = "create" if size <= PUT_MAX else None
+        try:
+            self._obstore.put(  # type: ignore[call-overload]
+                self._store(bucket), key, iter(views), mode=mode, use_multipart=mode is None,
+                chunk_size=PART_BYTES, max_concurrency=8,
+            )  # fmt: skip
+        except Exception as e:
+            if type(e).__name__ == "AlreadyExistsError":
+                raise FileExistsError(errno.EEXIST, "an object of that name exists", path) from None
+            raise self._fail(e) from None
+
+    def replace(self, path: str, tmp: str, data: bytes) -> None:
+        """One PUT replaces an object atomically (no temporary object)."""
+        bucket, key = split(path)
+        try:
+            self._obstore.put(self._store(bucket), key, data, use_multipart=False)
+        except Exception as e:
+            raise self._fail(e) from None
+
+    def mkdir(self, path: str) -> None:
+        """A folder is a key prefix: the library marks its own with :data:`FOLDER_MARKER`, created
+        conditionally, so two writers cannot make the same folder (FileExistsError, as ``mkdir``)."""
+        self.put(posixpath.join(path, FOLDER_MARKER), [memoryview(b"")])
+
+    def sync_dir(self, path: str) -> None:
+        """Nothing to do: an object is durable once its PUT returned."""
+
+    def remove_file(self, path: str) -> None:
+        bucket, key = split(path)
+        try:
+            self._obstore.delete(self._store(bucket), key)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise self._fail(e) from None
+
+    def remove_tree(self, path: str) -> None:
+        """Delete the object ``path`` or every object under the folder ``path/``, the folder's
+        marker last (a folder whose removal was interrupted is still recognised as the library's)."""
+        bucket, key = split(path)
+        store = self._store(bucket)
+        keys = self._keys(store, key) or [key]
+        keys.sort(key=lambda k: k.endswith("/" + FOLDER_MARKER))
+        for k in keys:
+            self.remove_file(f"{SCHEME}{bucket}/{k}")
+
+    def _whole_objects(self, *_: Any, **__: Any) -> Any:
+        raise UnsupportedLocationError("an object is written whole (Engine.put); it has no file handle to write through")
+
+    def _no_rename(self, *_: Any, **__: Any) -> Any:
+        raise UnsupportedLocationError("an object store has no rename (aiotensor.commit writes objects under their final names)")
+
+    create = pwrite = truncate = sync = _whole_objects  # type: ignore[assignment]
+    rename = _no_rename  # type: ignore[assignment]
 
 
-__all__ = ["ObjectEngine", "SCHEME", "split"]
+class ObjectLease:
+    """One writer per store on an object store, where there is no ``flock``: a lease object at
+    ``path`` (the store's lock file's name) that the writer creates conditionally and renews with a
+    conditional PUT (``If-Match`` its last version) every ``ttl / 3`` seconds from a thread of its
+    own. Another writer takes the lease over only once it was not renewed for ``ttl`` seconds (its
+    holder died, or lost the network), again with a conditional PUT, so of two takers one wins.
+    :meth:`check`, run before each commit, renews the lease at once and fails if it was taken over:
+    a writer that stalled past its lease never commits over its successor. The lease says how long
+    it is (``ttl``); the server's ``Last-Modified`` is compared with this machine's clock, so clocks
+    must agree to within a few seconds.
+
+    The same interface as :class:`aiotensor.root.WriterLock`.
+    """
+
+    def __init__(self, engine: ObjectEngine, path: str, ttl: float) -> None:
+        self.engine, self.path, self.ttl = engine, path, ttl
+        self._etag: str | None = None
+        self._lost = ""
+        self._stop = threading.Event()
+        self._mutex = threading.Lock()  # the renewing thread and a commit's check() renew one version
+        self._thread: threading.Thread | None = None
+        self._body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "ttl": ttl, "id": uuid.uuid4().hex})
+
+    poll_s = knobs.LEASE_POLL_S
+
+    @property
+    def held(self) -> bool:
+        return self._etag is not None
+
+    def _put(self, mode: Any) -> str:
+        bucket, key = split(self.path)
+        result = self.engine._obstore.put(self.engine._store(bucket), key, self._body.encode(), mode=mode)
+        return str(result["e_tag"])
+
+    def try_acquire(self) -> bool:
+        """Take the lease if it is free or expired; False while another writer holds it."""
+        try:
+            self._etag = self._put("create")
+        except Exception as e:
+            if type(e).__name__ != "AlreadyExistsError":
+                raise self.engine._fail(e) from None
+            held = self._current()
+            if held is None:
+                return False  # released meanwhile: the next try creates it
+            etag, age, ttl = held
+            if age <= ttl:
+                return False
+            try:  # expired: take it over, unless someone else just did
+                self._etag = self._put({"e_tag": etag})
+            except Exception as e:
+                if type(e).__name__ == "PreconditionError":
+                    return False
+                raise self.engine._fail(e) from None
+            log.warning("%s: took over a writer lease not renewed for %.0f s (its writer died or stalled)", self.path, age)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew_loop, name="aiotensor-lease", daemon=True)
+        self._thread.start()
+        return True
+
+    def _current(self) -> tuple[str, float, float] | None:
+        """The lease's version, seconds since it was last renewed, and its length; None if none."""
+        bucket, key = split(self.path)
+        store = self.engine._store(bucket)
+        try:
+            meta = self.engine._obstore.head(store, key)
+            body = self.engine._obstore.get(store, key).bytes()
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise self.engine._fail(e) from None
+        try:
+            ttl = float(json.loads(bytes(body))["ttl"])
+        except (ValueError, KeyError, TypeError):
+            ttl = knobs.LEASE_S
+        return str(meta["e_tag"]), time.time() - meta["last_modified"].timestamp(), ttl
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.check()
+            except StoreLockedError:
+                return
+            except OSError as e:  # the network: retried at the next tick, and by check() before a commit
+                log.warning("%s: could not renew the writer lease (%s)", self.path, e)
+
+    def check(self) -> None:
+        """Renew the lease now.
+
+        Raises:
+            StoreLockedError: another writer took it over (this store must not commit).
+            OSError: the server could not be asked.
+        """
+        with self._mutex:
+            self._renew()
+
+    def _renew(self) -> None:
+        if self._lost:
+            raise StoreLockedError(self._lost)
+        if self._etag is None:
+            raise StoreLockedError(f"{self.path}: this store does not hold the writer lease")
+        try:
+            self._etag = self._put({"e_tag": self._etag})
+        except Exception as e:
+            if type(e).__name__ not in ("PreconditionError", "NotFoundError") and not isinstance(e, FileNotFoundError):
+                raise self.engine._fail(e) from None
+            self._lost = (
+                f"{self.path}: another writer took over this store's lease (it was not renewed for {self.ttl:.0f} s): "
+                "this store can no longer save; nothing more is committed by it"
+            )
+            raise StoreLockedError(self._lost) from None
+
+    def holder(self) -> str:
+        """Who holds the lease ("pid N on HOST"), for messages ("" if unknown)."""
+        bucket, key = split(self.path)
+        try:
+            d = json.loads(bytes(self.engine._obstore.get(self.engine._store(bucket), key).bytes()))
+            return f"{int(d['pid'])} on {str(d['host'])[:64]}"
+        except Exception:
+            return ""
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease, if it is still this writer's."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._mutex:
+            etag, self._etag = self._etag, None
+        if etag is None or self._lost:
+            return
+        held = self._current_or_none()
+        if held is not None and held[0] == etag:
+            self.engine.remove_file(self.path)
+
+    def _current_or_none(self) -> tuple[str, float, float] | None:
+        try:
+            return self._current()
+        except OSError:
+            return None
+
+
+__all__ = ["FOLDER_MARKER", "ObjectEngine", "ObjectLease", "PUT_MAX", "SCHEME", "split"]

@@ -19,6 +19,24 @@ class _Signal:
         return self._handle._wait(self._event).__await__()
 
 
+class _Mirrored:
+    def __init__(self, handle: SaveHandle) -> None:
+        self._handle = handle
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> None:
+        h = self._handle
+        await h._done_event.wait()
+        if h._error is not None:
+            h.observed = True
+            raise h._error
+        await h._mirrored_event.wait()
+        if h._mirror_error is not None:
+            raise h._mirror_error
+
+
 class SaveHandle(Coroutine[Any, Any, None]):
     """A save in flight. ``await handle`` waits until the checkpoint is committed and durable.
 
@@ -49,6 +67,8 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self._staged_event = anyio.Event()
         self._done_event = anyio.Event()
         self.staged = _Signal(self, self._staged_event)
+        self._mirrored_event = anyio.Event()
+        self._mirror_error: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancel_requested = False
         self._error: BaseException | None = None
@@ -137,6 +157,21 @@ class SaveHandle(Coroutine[Any, Any, None]):
         """Past the commit point: the save has succeeded, whatever happens next."""
         self.committed = True
         self.commit_seconds = anyio.current_time() - self._started
+
+    @property
+    def mirrored(self) -> _Mirrored:
+        """``await handle.mirrored``: the save committed, and (with ``mirror=``) the step is
+        committed in the mirror too. Raises the save's failure, or the upload's (the step is then
+        committed locally only: the next open of the store uploads it again).
+
+        Cancellation: only the wait is cancelled; the upload goes on.
+        """
+        return _Mirrored(self)
+
+    def set_mirrored(self, error: BaseException | None) -> None:
+        """The upload to the mirror ended (or there is none to make)."""
+        self._mirror_error = error
+        self._mirrored_event.set()
 
     def warn(self, message: str) -> None:
         """Trouble after the commit point, for :attr:`warnings` (the save still succeeded)."""

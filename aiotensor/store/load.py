@@ -50,7 +50,8 @@ async def load_checkpoint(
     ``atomic`` was still running: then they are untouched).
     """
     with sched.operation():  # the whole load
-        return await _load(sched, local_path(folder), into, verify, check_device(sched, device), atomic, step, progress)
+        path = local_path(folder, objects=True)
+        return await _load(sched, path, into, verify, check_device(sched, device), atomic, step, progress)
 
 
 async def _load(
@@ -63,7 +64,7 @@ async def _load(
     step: int | None,
     progress: ProgressCallback | None,
 ) -> Any:
-    if await sched.call(_root.is_dcp_step, folder, priority=Priority.LOAD):
+    if await sched.call(_root.is_dcp_step, sched.engine, folder, priority=Priority.LOAD):
         return await _load_dcp(sched, folder, into, dev, verify)
     m: mf.Manifest
     m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)

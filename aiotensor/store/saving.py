@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -70,15 +71,20 @@ async def _write(
         async def checksum() -> None:
             crcs.update(await checksums(sched, plan, pieces, arena, prio))
 
-        async def write() -> None:
-            for sh in plan.shards:
-                size = sh.layout.file_size
-                image = arena.view[sh.arena_offset : sh.arena_offset + round_up(size)]
-                await write_file(sched, os.path.join(pub.tmp, sh.file), [(0, image)], prio, size=size)
+        def writer(sh: Any) -> Callable[[], Awaitable[None]]:
+            size = sh.layout.file_size
+            image = arena.view[sh.arena_offset : sh.arena_offset + round_up(size)]
+            return functools.partial(write_file, sched, os.path.join(pub.tmp, sh.file), [(0, image)], prio, size=size)
 
-        await run_concurrently(checksum, write)
+        async def write() -> None:
+            for sh in plan.shards:  # each file's pieces go in parallel
+                await writer(sh)()
+
+        # on an object store each shard is one request: several at once
+        await run_concurrently(checksum, *((writer(sh) for sh in plan.shards) if not sched.engine.renames else (write,)))
         data = await sched.call(manifest_bytes, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
         await sched.discard(crcs)
+        await steps.fence()
         await write_file(sched, os.path.join(pub.tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
         await steps.commit(h, pub.publish)
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import anyio
 
-from .. import commit, knobs
+from .. import commit
 from .. import root as _root
 from .._runtime.scheduler import Priority, Scheduler
+from ..engines.objects import ObjectLease
 from ..errors import CheckpointNotFoundError, StoreLockedError, annotate_oserror
 from ..root import LATEST, step_dir_name
 from .handle import SaveHandle
@@ -45,8 +46,17 @@ class Steps:
         start: runs background work (the deletion of retired steps) that ``close`` waits for.
     """
 
-    def __init__(self, sched: Scheduler, root: str, *, keep_last: int | None, writer: bool, start: Start) -> None:
-        self.sched, self.root, self.keep_last, self.writer = sched, root, keep_last, writer
+    def __init__(
+        self,
+        sched: Scheduler,
+        root: str,
+        *,
+        keep_last: int | None,
+        writer: bool,
+        start: Start,
+        lock: _root.WriterLock | ObjectLease | None = None,
+    ) -> None:
+        self.sched, self.root, self.keep_last, self.writer, self.writer_lock = sched, root, keep_last, writer, lock
         self._start = start
         self.committed: set[int] = set()
         self.ignored: dict[str, str] = {}  # names in the root that are not committed steps, and why
@@ -113,6 +123,12 @@ class Steps:
     async def _remove(self, name: str) -> None:
         path = os.path.join(self.root, name)
         await self._call(self.sched.engine.remove_tree, path, what=f"removing {path}")
+
+    async def fence(self) -> None:
+        """Just before a save's commit record is written: the writer's lock or lease is still its
+        own (an object store's lease is renewed now; StoreLockedError if it was taken over)."""
+        if self.writer_lock is not None:
+            await self._call(self.writer_lock.check, what=f"renewing the writer lease of {self.root}")
 
     async def commit(self, h: SaveHandle, publish: Callable[[], Awaitable[None]] | None) -> None:
         """``publish()`` (the commit point; None where it happened elsewhere: a distributed save's
@@ -188,7 +204,7 @@ class Steps:
         try:
             doomed = await self._call(commit.retire, eng, path, what=f"retiring step {step}")
         except BaseException:
-            if await self._call(os.path.lexists, path, what=f"checking {path}"):
+            if await self._call(eng.exists, path, what=f"checking {path}"):
                 self.committed.add(step)  # the rename did not run: still committed
             raise
         log.info("%s: retired step %d", self.root, step)
@@ -203,7 +219,7 @@ class Steps:
         self._start(remove)
 
 
-async def take_lock(sched: Scheduler, lock: _root.WriterLock, root: str, wait: float | None) -> None:
+async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root: str, wait: float | None) -> None:
     """Take ``root``'s writer lock, waiting up to ``wait`` seconds (None: for ever) for the writer
     that holds it.
 
@@ -219,7 +235,7 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock, root: str, wait: f
                 f"{root} is being written by another store ({who}): "
                 "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
             )
-        await anyio.sleep(knobs.LOCK_POLL_S)
+        await anyio.sleep(lock.poll_s)
 
 
 def check_step(step: object) -> None:

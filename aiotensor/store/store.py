@@ -31,13 +31,15 @@ from ..errors import (
     SaveFailedError,
     StaleStepError,
     StoreClosedError,
+    UnsupportedLocationError,
 )
 from ..files import TensorInfo
-from ..location import local_path
+from ..location import engine_for, is_object, local_path
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
 from .load import load_checkpoint
+from .mirror import Mirror
 from .steps import Steps, call, check_step, take_lock
 
 log = logging.getLogger("aiotensor")
@@ -53,14 +55,16 @@ class TensorStore:
     of the lock (with a ``ResourceWarning``, as a file does).
 
     Args:
-        root: the folder (created by a writer if missing).
+        root: the folder (created by a writer if missing), or ``s3://bucket/prefix`` on an object
+            store (``docs/store.md``: the commit and the writer lease there).
         keep_last: after each commit, retire all but the newest ``keep_last`` steps (None: keep all).
         readonly: open for reading only (no lock, no writes, no clean-up).
         lock_timeout: seconds ``open()`` waits for another writer (0: fail at once; None: forever).
         engine: the I/O engine (default: chosen for this machine); tests pass a fault-injecting one.
         workers, chunk_bytes, batch_bytes, nice, switch_interval: the scheduler's
             (:class:`~aiotensor.Scheduler`).
-        shard_bytes: the largest shard file (a tensor is never split).
+        shard_bytes: the largest shard file (a tensor is never split; default 4 GiB, on an object
+            store 256 MiB: each shard is one PUT, several in flight).
         max_staged: saves staged or writing at once; memory: ``max_staged`` × the state's size,
             mapped once and kept until :meth:`release_memory`.
         verify: check each tensor's crc32c on load (``load(verify=)`` per call).
@@ -68,6 +72,12 @@ class TensorStore:
             the background, so the first save holds the trainer no longer than later ones.
         distributed: ``True`` or a ``ProcessGroup``: every rank opens the store on the same root and
             calls ``save``, ``load(into=)`` and ``close`` together (``docs/distributed.md``).
+        mirror: a second store (``s3://bucket/prefix``, or another folder): every step committed
+            here is uploaded there in the background, one at a time (``handle.mirrored`` awaits
+            it), under that store's own commit protocol and writer lease; a step that is in the
+            mirror only (a new node) is loaded from there. Steps committed here but missing there
+            when the store opens are uploaded then.
+        mirror_keep_last: the mirror's retention (None: keep all), independent of ``keep_last``.
     """
 
     def __init__(
@@ -81,23 +91,31 @@ class TensorStore:
         workers: int = knobs.WORKERS,
         chunk_bytes: int = knobs.CHUNK_BYTES,
         batch_bytes: int = knobs.BATCH_BYTES,
-        shard_bytes: int = knobs.SHARD_BYTES,
+        shard_bytes: int | None = None,
         max_staged: int = knobs.MAX_STAGED,
         verify: bool = True,
         reserve: Any = None,
         distributed: Any = False,
         nice: int = knobs.NICE,
         switch_interval: float | None = knobs.SWITCH_INTERVAL_S,
+        mirror: str | os.PathLike[str] | None = None,
+        mirror_keep_last: int | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.root = local_path(root, objects=True)
+        if engine is None:
+            engine = engine_for(self.root)
+        if shard_bytes is None:
+            shard_bytes = knobs.SHARD_BYTES if engine is None or engine.renames else knobs.OBJECT_SHARD_BYTES
         if shard_bytes < 1:
             raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
         if lock_timeout is not None and lock_timeout < 0:
             raise ValueError(f"lock_timeout must be >= 0 or None, got {lock_timeout}")
         if distributed is not False and readonly:
             raise ValueError("a distributed store writes: readonly=True and distributed= do not go together")
-        self.root = local_path(root)
+        if distributed is not False and (is_object(self.root) or mirror is not None):
+            raise UnsupportedLocationError(f"{self.root}: a distributed store on object storage is not built yet")
         self.keep_last, self.readonly, self.lock_timeout = keep_last, readonly, lock_timeout
         self.shard_bytes, self.verify, self.reserve, self.distributed = shard_bytes, verify, reserve, distributed
         self.scheduler = Scheduler(
@@ -105,11 +123,17 @@ class TensorStore:
         )
         cuda_ = self.scheduler.cuda
         self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None, nice=nice)
-        self._lock = None if readonly else _root.WriterLock(self.root)
+        self._lock = None if readonly else _root.writer_lock(self.engine, self.root)
         self._tasks = threads.Tasks()  # saves, loads, deletions in the background: close() waits for them
-        self._steps = Steps(self.scheduler, self.root, keep_last=keep_last, writer=not readonly, start=self._tasks.start)
+        self._steps = Steps(
+            self.scheduler, self.root, keep_last=keep_last, writer=not readonly, start=self._tasks.start, lock=self._lock
+        )
         self._group: Any = None  # a distributed.Group, once open under a process group
         self._in_flight: dict[int, SaveHandle] = {}
+        self._mirror: Mirror | None = None
+        if mirror is not None:
+            tier = TensorStore(mirror, keep_last=mirror_keep_last, readonly=readonly, lock_timeout=lock_timeout, verify=verify)
+            self._mirror = Mirror(tier)
         self._open = False
         self._unobserved: list[SaveHandle] = []
 
@@ -162,21 +186,30 @@ class TensorStore:
             if self.distributed is not False:
                 await self._open_distributed()
             elif self._lock is None:
-                if not await call(self.scheduler, os.path.isdir, self.root, what=f"opening {self.root}"):
+                isdir = os.path.isdir if self.engine.renames else self.engine.exists
+                if not await call(self.scheduler, isdir, self.root, what=f"opening {self.root}"):
                     raise CheckpointNotFoundError(f"{self.root} is not a folder (a read-only store never creates it)")
                 await self._steps.scan()
             else:
                 await self._open_writer()
+            if self._mirror is not None:
+                await self._mirror.store.open()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._release()
             raise
         self._open = True
+        if self._mirror is not None and not self.readonly:  # committed here, not there (a crash, the network)
+            newest = self._mirror.store.latest()
+            for step in self.steps():
+                if step not in self._mirror.store._steps.committed and (newest is None or step > newest):
+                    self._start_upload(SaveHandle(step))
         if self.reserve is not None and not self.readonly:
             self._tasks.start(lambda: saving.reserve(self.scheduler, self.staging, self.reserve, self.shard_bytes))
 
     async def _open_writer(self) -> None:
-        await call(self.scheduler, os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
+        if self.engine.renames:  # an object store's folder is a key prefix: nothing to make
+            await call(self.scheduler, os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
         await take_lock(self.scheduler, self._lock, self.root, self.lock_timeout)  # type: ignore[arg-type]
         await self._steps.repair(await self._steps.scan())
 
@@ -220,6 +253,8 @@ class TensorStore:
                 raise
         finally:
             with anyio.CancelScope(shield=True):
+                if self._mirror is not None:
+                    await self._mirror.store.close()
                 await self._release()
         self._raise_unobserved()
 
@@ -265,17 +300,27 @@ class TensorStore:
         """
         self._check_open()
         await self._steps.scan()
+        if self._mirror is not None:
+            await self._mirror.store.refresh()
         return self.steps()
 
     # --- queries ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first (this store's view: see :meth:`refresh`). No I/O."""
-        return self._steps.sorted()
+        """Committed steps, oldest first, here or in the mirror (this store's view: see
+        :meth:`refresh`). No I/O."""
+        return sorted(self._steps.committed | self._mirrored())
+
+    def mirrored_steps(self) -> list[int]:
+        """The steps committed in the mirror (their manifests are there). No I/O."""
+        return sorted(self._mirrored())
+
+    def _mirrored(self) -> set[int]:
+        return set() if self._mirror is None else self._mirror.store._steps.committed
 
     def latest(self) -> int | None:
-        """The newest committed step, or None. No I/O."""
-        return self._steps.newest()
+        """The newest committed step (here or in the mirror), or None. No I/O."""
+        return max(self.steps(), default=None)
 
     def path(self, step: int) -> str:
         """The folder of a step."""
@@ -304,7 +349,7 @@ class TensorStore:
         self._check_writable()
         check_step(step)
         self._raise_unobserved()
-        committed = step in self._steps.committed
+        committed = step in self._steps.committed or step in self._mirrored()
         if committed or step in self._in_flight:
             raise CheckpointExistsError(
                 f"step {step} is already {'committed' if committed else 'being saved'} in {self.root}"
@@ -352,6 +397,30 @@ class TensorStore:
             if isinstance(error, Exception) and not isinstance(error, SaveCancelledError):
                 self._unobserved.append(h)
             h.finish(error)
+            if self._mirror is None or not h.committed:
+                h.set_mirrored(None)
+            else:
+                self._start_upload(h)
+
+    def _start_upload(self, h: SaveHandle) -> None:
+        """Upload the committed step ``h.step`` to the mirror in the background (never retired
+        here meanwhile); ``h.mirrored`` resolves when it is done."""
+        assert self._mirror is not None
+        mirror = self._mirror
+        self._steps.readers[h.step] += 1
+
+        async def upload() -> None:
+            error: Exception | None = None
+            try:
+                await mirror.upload(self.engine, self.path(h.step), h.step)
+            except Exception as e:
+                error = e
+                log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, mirror.store.root, e)
+            finally:
+                self._steps.readers[h.step] -= 1
+            h.set_mirrored(error)
+
+        self._tasks.start(upload)
 
     def _check_open(self) -> None:
         if not self._open:
@@ -364,7 +433,7 @@ class TensorStore:
 
     async def delete(self, step: int) -> None:
         """Delete a committed step: renamed away durably (it stops being a checkpoint at once), its
-        files removed in the background, ``latest`` updated.
+        files removed in the background, ``latest`` updated; in the mirror too.
 
         Raises:
             CheckpointNotFoundError: no such committed step.
@@ -374,11 +443,16 @@ class TensorStore:
         Cancellation: once started, the deletion completes.
         """
         self._check_writable()
+        if self._mirror is not None and step in self._mirrored():
+            await self._mirror.store.delete(step)
+            if step not in self._steps.committed:
+                return
         await self._steps.delete([self._steps.check(step, exists=True)])
 
     async def rollback(self, step: int) -> list[int]:
         """Delete every committed step newer than ``step``, newest first (to go back to ``step``
-        and save the later steps again, after a divergence say); returns them.
+        and save the later steps again, after a divergence say), here and in the mirror; returns
+        them.
 
         Raises:
             CheckpointExistsError: a newer step is being saved (await or cancel it first).
@@ -391,8 +465,11 @@ class TensorStore:
         busy = sorted(s for s in self._in_flight if s > step)
         if busy:
             raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
-        doomed = sorted((s for s in self._steps.committed if s > step), reverse=True)
-        await self._steps.delete(doomed)
+        doomed = [s for s in reversed(self.steps()) if s > step]
+        if self._mirror is not None:
+            async with self._mirror.turn:  # not beside an upload
+                await self._mirror.store.rollback(step)
+        await self._steps.delete([s for s in doomed if s in self._steps.committed])
         return doomed
 
     # --- load ------------------------------------------------------------------------------
@@ -423,6 +500,9 @@ class TensorStore:
         tensors any more; they may then hold a mix of old and new values.
         """
         self._check_open()
+        tier = self._mirror.store if self._mirror is not None else None
+        if tier is not None and (self.latest() if step is None else step) in tier._steps.committed - self._steps.committed:
+            return await tier.load(step, into=into, verify=verify, device=device, atomic=atomic, progress=progress)
         step = self._steps.check(step)
         self._steps.readers[step] += 1  # never retired by this store meanwhile
         try:
@@ -442,7 +522,7 @@ class TensorStore:
                     progress=progress,
                 )
         except FileNotFoundError as e:
-            if await call(self.scheduler, os.path.lexists, self.path(step), what=f"checking {self.path(step)}"):
+            if await call(self.scheduler, self.engine.exists, self.path(step), what=f"checking {self.path(step)}"):
                 raise
             self._steps.committed.discard(step)
             raise CheckpointNotFoundError(

@@ -1,0 +1,81 @@
+"""Tiered saves: every step a store commits on its local disk is copied, in the background, to a
+second store (``mirror=``: an object store), with that store's own commit protocol, writer lease
+and retention. The trainer is never held by the network: a save's handle resolves at the local
+commit; ``handle.mirrored`` resolves once the step's manifest is in the mirror.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .. import root as _root
+from .._runtime.scheduler import Priority, run_concurrently
+from ..commit import MANIFEST, Publication
+from ..engines import Engine
+from .handle import SaveHandle
+
+if TYPE_CHECKING:
+    from .store import TensorStore
+
+log = logging.getLogger("aiotensor")
+
+
+class Mirror:
+    """The mirror of a local store: uploads committed steps one at a time, in commit order."""
+
+    def __init__(self, store: TensorStore) -> None:
+        self.store = store
+        self.turn = anyio.Lock()  # one upload at a time, in the order the steps were committed
+
+    async def upload(self, local: Engine, folder: str, step: int) -> None:
+        """Copy the committed local step ``folder`` to the mirror as ``step``: its shards (several
+        PUTs at once), then, once the mirror's lease is renewed, its manifest (the commit point).
+
+        Raises:
+            OSError, StoreLockedError: the upload failed; nothing of it is left in the mirror.
+        """
+        async with self.turn:
+            store = self.store
+            if step in store._steps.committed:
+                return
+            sched = store.scheduler
+            m = await sched.call(_root.read_manifest, local, folder, step, priority=Priority.BACKGROUND)
+            h = SaveHandle(step, sum(e.spec.nbytes for e in m.entries.values()))
+            async with Publication(sched, store.path(step), folder=True, priority=Priority.BACKGROUND) as pub:
+
+                def put(name: str) -> Any:
+                    src, dst = os.path.join(folder, name), os.path.join(pub.tmp, name)
+                    return lambda: sched.call(put_file, sched.engine, src, dst, priority=Priority.BACKGROUND)
+
+                await run_concurrently(*(put(name) for name in m.shards))
+                await store._steps.fence()
+                await put(MANIFEST)()
+                await store._steps.commit(h, pub.publish)
+            for w in h.warnings:
+                log.warning("%s", w)
+
+
+def put_file(engine: Engine, src: str, dst: str) -> None:
+    """Put the local file ``src`` as the object ``dst``, from its pages (mapped, not copied)."""
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            engine.put(dst, [memoryview(b"")])
+            return
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                engine.put(dst, [view])
+            finally:
+                view.release()
+    finally:
+        os.close(fd)
+
+
+__all__ = ["Mirror", "put_file"]
