@@ -144,7 +144,7 @@ def one_rep(server: Server, state: dict[str, torch.Tensor], folder: str, rep: in
     out["client put s3fs"] = timed(server, lambda: fs.pipe(f"bench/c/{rep}/s", blob))
     out["client get obstore"] = timed(server, lambda: obstore.get(bucket, f"c/{rep}/o").bytes())
     out["client get s3fs"] = timed(server, lambda: fs.cat(f"bench/c/{rep}/s"))
-    del blob
+    blob = b""
 
     root = f"s3://bench/store{rep}"
 
@@ -162,7 +162,7 @@ def one_rep(server: Server, state: dict[str, torch.Tensor], folder: str, rep: in
     out["restore aiotensor"] = timed(server, run_async(restore))
     into = {k: torch.empty_like(v) for k, v in state.items()}
     out["restore dcp-fsspec"] = timed(server, lambda: dcp.load(into, storage_reader=FsspecReader(f"s3://bench/dcp{rep}")))
-    del into
+    into = {}
 
     local = os.path.join(folder, "w.safetensors")
     if rep == 0 or not os.path.exists(local):

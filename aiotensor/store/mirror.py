@@ -9,27 +9,26 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from .. import root as _root
-from .._runtime.scheduler import Priority, run_concurrently
+from .._runtime.scheduler import Priority, Scheduler, run_concurrently
 from ..commit import MANIFEST, Publication
 from ..engines import Engine
 from .handle import SaveHandle
-
-if TYPE_CHECKING:
-    from .store import TensorStore
+from .steps import Steps
 
 log = logging.getLogger("aiotensor")
 
 
 class Mirror:
-    """The mirror of a local store: uploads committed steps one at a time, in commit order."""
+    """The mirror of a local store (the steps of the mirror's store, on its scheduler): uploads
+    committed steps one at a time, in commit order."""
 
-    def __init__(self, store: TensorStore) -> None:
-        self.store = store
+    def __init__(self, sched: Scheduler, steps: Steps) -> None:
+        self.sched, self.steps = sched, steps
         self.turn = anyio.Lock()  # one upload at a time, in the order the steps were committed
 
     async def upload(self, local: Engine, folder: str, step: int) -> None:
@@ -40,22 +39,21 @@ class Mirror:
             OSError, StoreLockedError: the upload failed; nothing of it is left in the mirror.
         """
         async with self.turn:
-            store = self.store
-            if step in store._steps.committed:
+            if step in self.steps.committed:
                 return
-            sched = store.scheduler
+            sched = self.sched
             m = await sched.call(_root.read_manifest, local, folder, step, priority=Priority.BACKGROUND)
             h = SaveHandle(step, sum(e.spec.nbytes for e in m.entries.values()))
-            async with Publication(sched, store.path(step), folder=True, priority=Priority.BACKGROUND) as pub:
+            async with Publication(sched, self.steps.path(step), folder=True, priority=Priority.BACKGROUND) as pub:
 
                 def put(name: str) -> Any:
                     src, dst = os.path.join(folder, name), os.path.join(pub.tmp, name)
                     return lambda: sched.call(put_file, sched.engine, src, dst, priority=Priority.BACKGROUND)
 
                 await run_concurrently(*(put(name) for name in m.shards))
-                await store._steps.fence()
+                await self.steps.fence()
                 await put(MANIFEST)()
-                await store._steps.commit(h, pub.publish)
+                await self.steps.commit(h, pub.publish)
             for w in h.warnings:
                 log.warning("%s", w)
 

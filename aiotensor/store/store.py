@@ -130,10 +130,13 @@ class TensorStore:
         )
         self._group: Any = None  # a distributed.Group, once open under a process group
         self._in_flight: dict[int, SaveHandle] = {}
+        self._tier: TensorStore | None = None  # the mirror's store, and what uploads to it
         self._mirror: Mirror | None = None
         if mirror is not None:
-            tier = TensorStore(mirror, keep_last=mirror_keep_last, readonly=readonly, lock_timeout=lock_timeout, verify=verify)
-            self._mirror = Mirror(tier)
+            self._tier = TensorStore(
+                mirror, keep_last=mirror_keep_last, readonly=readonly, lock_timeout=lock_timeout, verify=verify
+            )
+            self._mirror = Mirror(self._tier.scheduler, self._tier._steps)
         self._open = False
         self._unobserved: list[SaveHandle] = []
 
@@ -192,17 +195,17 @@ class TensorStore:
                 await self._steps.scan()
             else:
                 await self._open_writer()
-            if self._mirror is not None:
-                await self._mirror.store.open()
+            if self._tier is not None:
+                await self._tier.open()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._release()
             raise
         self._open = True
-        if self._mirror is not None and not self.readonly:  # committed here, not there (a crash, the network)
-            newest = self._mirror.store.latest()
+        if self._tier is not None and not self.readonly:  # committed here, not there (a crash, the network)
+            newest = self._tier.latest()
             for step in self.steps():
-                if step not in self._mirror.store._steps.committed and (newest is None or step > newest):
+                if step not in self._tier._steps.committed and (newest is None or step > newest):
                     self._start_upload(SaveHandle(step))
         if self.reserve is not None and not self.readonly:
             self._tasks.start(lambda: saving.reserve(self.scheduler, self.staging, self.reserve, self.shard_bytes))
@@ -253,8 +256,8 @@ class TensorStore:
                 raise
         finally:
             with anyio.CancelScope(shield=True):
-                if self._mirror is not None:
-                    await self._mirror.store.close()
+                if self._tier is not None:
+                    await self._tier.close()
                 await self._release()
         self._raise_unobserved()
 
@@ -300,8 +303,8 @@ class TensorStore:
         """
         self._check_open()
         await self._steps.scan()
-        if self._mirror is not None:
-            await self._mirror.store.refresh()
+        if self._tier is not None:
+            await self._tier.refresh()
         return self.steps()
 
     # --- queries ---------------------------------------------------------------------------
@@ -316,7 +319,7 @@ class TensorStore:
         return sorted(self._mirrored())
 
     def _mirrored(self) -> set[int]:
-        return set() if self._mirror is None else self._mirror.store._steps.committed
+        return set() if self._tier is None else self._tier._steps.committed
 
     def latest(self) -> int | None:
         """The newest committed step (here or in the mirror), or None. No I/O."""
@@ -397,7 +400,7 @@ class TensorStore:
             if isinstance(error, Exception) and not isinstance(error, SaveCancelledError):
                 self._unobserved.append(h)
             h.finish(error)
-            if self._mirror is None or not h.committed:
+            if self._tier is None or not h.committed:
                 h.set_mirrored(None)
             else:
                 self._start_upload(h)
@@ -405,8 +408,8 @@ class TensorStore:
     def _start_upload(self, h: SaveHandle) -> None:
         """Upload the committed step ``h.step`` to the mirror in the background (never retired
         here meanwhile); ``h.mirrored`` resolves when it is done."""
-        assert self._mirror is not None
-        mirror = self._mirror
+        assert self._mirror is not None and self._tier is not None
+        mirror, tier = self._mirror, self._tier
         self._steps.readers[h.step] += 1
 
         async def upload() -> None:
@@ -415,7 +418,7 @@ class TensorStore:
                 await mirror.upload(self.engine, self.path(h.step), h.step)
             except Exception as e:
                 error = e
-                log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, mirror.store.root, e)
+                log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, tier.root, e)
             finally:
                 self._steps.readers[h.step] -= 1
             h.set_mirrored(error)
@@ -443,8 +446,8 @@ class TensorStore:
         Cancellation: once started, the deletion completes.
         """
         self._check_writable()
-        if self._mirror is not None and step in self._mirrored():
-            await self._mirror.store.delete(step)
+        if self._tier is not None and step in self._mirrored():
+            await self._tier.delete(step)
             if step not in self._steps.committed:
                 return
         await self._steps.delete([self._steps.check(step, exists=True)])
@@ -466,9 +469,9 @@ class TensorStore:
         if busy:
             raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
         doomed = [s for s in reversed(self.steps()) if s > step]
-        if self._mirror is not None:
+        if self._tier is not None and self._mirror is not None:
             async with self._mirror.turn:  # not beside an upload
-                await self._mirror.store.rollback(step)
+                await self._tier.rollback(step)
         await self._steps.delete([s for s in doomed if s in self._steps.committed])
         return doomed
 
@@ -500,7 +503,7 @@ class TensorStore:
         tensors any more; they may then hold a mix of old and new values.
         """
         self._check_open()
-        tier = self._mirror.store if self._mirror is not None else None
+        tier = self._tier
         if tier is not None and (self.latest() if step is None else step) in tier._steps.committed - self._steps.committed:
             return await tier.load(step, into=into, verify=verify, device=device, atomic=atomic, progress=progress)
         step = self._steps.check(step)
