@@ -322,17 +322,18 @@ async def convert(
     total = info.stored_bytes
     progress = progress or Progress("", total)
     progress.total = total
-    is_dir = await anyio.to_thread.run_sync(os.path.isdir, dst)
+    engine = _engine(dst)
+    is_dir = await anyio.to_thread.run_sync(_isdir, engine, dst)
     folder = to == "safetensors" and (dst.endswith(os.sep) or is_dir or (total > shard_size and not dst.endswith(".safetensors")))
     if to == "safetensors" and total > shard_size and not folder:
         raise ValueError(
             f"{src} holds {_human(total)}, over the shard size {_human(shard_size)}: name a folder (DST/) for shards"
         )
-    dst = os.path.abspath(dst)  # noqa: ASYNC240 - getcwd, no disk access
-    if to != "checkpoint" and await anyio.to_thread.run_sync(_taken, dst, folder, overwrite):
+    dst = dst if not engine.renames else os.path.abspath(dst)  # noqa: ASYNC240 - getcwd, no disk access
+    if to != "checkpoint" and await anyio.to_thread.run_sync(_taken, engine, dst, folder, overwrite):
         raise FileExistsError(f"{dst} exists" + ("" if folder else ": pass --overwrite to replace it"))
     dropped = _values(info) if to == "safetensors" else []
-    async with own_scheduler(scheduler) as sched:
+    async with own_scheduler(scheduler, engine_for(dst, scheduler)) as sched:
         if folder:
             n = await _write_folder(sched, src, dst, total, shard_size, progress)
             what = f"safetensors, {n} {'shards' if n > 1 else 'file'}"
@@ -357,9 +358,11 @@ async def convert(
     return kept
 
 
-def _taken(dst: str, folder: bool, overwrite: bool) -> bool:
-    if not os.path.lexists(dst):
+def _taken(engine: Engine, dst: str, folder: bool, overwrite: bool) -> bool:
+    if not engine.exists(dst):
         return False
+    if not engine.renames:  # an object, or a prefix with objects under it
+        return folder or not overwrite or _isdir(engine, dst)
     if folder:
         return not os.path.isdir(dst) or os.path.islink(dst) or bool(os.listdir(dst))
     return not overwrite or os.path.isdir(dst)
@@ -452,7 +455,7 @@ def parser() -> argparse.ArgumentParser:
                                  "  aiotensor convert hf-folder/ ckpts/ --to checkpoint --step 0",
                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     conv.add_argument("src", type=_where)
-    conv.add_argument("dst", type=_path)
+    conv.add_argument("dst", type=_where)
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
     conv.add_argument("--step", type=int, help="the step, for --to checkpoint (default 0)")

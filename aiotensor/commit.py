@@ -42,7 +42,7 @@ import anyio
 
 from ._runtime.scheduler import Priority, Scheduler
 from .engines import Engine
-from .errors import UnsupportedLocationError, annotate_oserror
+from .errors import annotate_oserror
 
 log = logging.getLogger("aiotensor")
 MANIFEST = "manifest.json"
@@ -81,8 +81,9 @@ def publish(engine: Engine, tmp: str, final: str, *, folder: bool) -> None:
     """The commit point of a file or folder written, and made durable, at ``tmp``: the folder's
     entries fsync'ed, ``tmp`` renamed to ``final``, ``final``'s parent fsync'ed. If that fsync
     fails the rename is undone (it may not be durable: nothing is committed) and the error raised.
-    On an object store ``tmp`` is ``final``, and the writer's record was the commit point."""
-    if not engine.renames:
+    On an object store a folder's ``tmp`` is ``final``, and the writer's record was the commit
+    point; a file is copied over ``final`` by the server (:meth:`ObjectEngine.rename`)."""
+    if folder and not engine.renames:
         return
     parent = os.path.dirname(final) or "."
     if folder:
@@ -153,7 +154,8 @@ class Publication:
     to remove it is added to the error as a note (the leftover is a store writer's to clean).
 
     A file replaces what is at ``final`` (atomically); a folder must not exist there. On an object
-    store (see the module's text) ``tmp`` is ``final``: the writer puts its commit record last.
+    store (see the module's text) a folder's ``tmp`` is ``final``: the writer puts its commit
+    record last.
 
     Args:
         tmp: the temporary path (default: :func:`temp_name` beside ``final`` for a folder,
@@ -167,9 +169,7 @@ class Publication:
         self, sched: Scheduler, final: str, *, folder: bool, tmp: str | None = None, priority: int = Priority.SAVE
     ) -> None:
         self.sched, self.final, self.folder, self.priority = sched, final, folder, priority
-        if not sched.engine.renames:
-            if not folder:
-                raise UnsupportedLocationError(f"{final}: writing one file to object storage is not built yet")
+        if folder and not sched.engine.renames:
             tmp = final
         elif tmp is None:
             tmp = os.path.join(os.path.dirname(final), temp_name(os.path.basename(final))) if folder else hidden_temp(final)

@@ -84,8 +84,9 @@ async def save_file(
     Cancellation: the temporary file is removed and ``path`` is untouched; returns after the
     writing threads stopped.
     """
-    path = os.path.abspath(local_path(path))  # noqa: ASYNC240 - getcwd, no disk access
-    async with own_scheduler(scheduler) as sched, Publication(sched, path, folder=False) as pub:
+    path = local_path(path, objects=True)
+    path = path if is_object(path) else os.path.abspath(path)  # noqa: ASYNC240 - getcwd, no disk access
+    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched, Publication(sched, path, folder=False) as pub:
         await write_safetensors(sched, pub.tmp, tensors, metadata)
         await pub.publish()
 

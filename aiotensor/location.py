@@ -1,8 +1,9 @@
 """Where data lives: every path a public API takes goes through :func:`local_path` first.
 
-Local paths are served everywhere; ``s3://bucket/key`` objects by the entry points that read one
-file (``load_file``, ``read_header``, ``stream``, ``load_into``, ``prepare_swap``: one
-safetensors object), through :class:`~aiotensor.engines.objects.ObjectEngine`.
+Local paths are served everywhere; ``s3://bucket/key`` by ``TensorStore`` (and ``mirror=``),
+``save_file``, ``save_torch``, the readers (``load_file``, ``read_header``, ``stream``,
+``load_into``, ``prepare_swap``: safetensors objects, store roots and steps, Hugging Face folders)
+and the CLI, through :class:`~aiotensor.engines.objects.ObjectEngine`.
 Any other URL (``scheme://...``), and ``s3://`` where it is not served yet, is refused with
 :class:`~aiotensor.errors.UnsupportedLocationError` before anything is touched: taken as a relative
 path, ``TensorStore("s3://bucket/run1/")`` would save into a folder named ``s3:`` in the working
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from .engines import Engine
@@ -48,14 +50,15 @@ def is_object(path: str) -> bool:
     return path.startswith(SCHEME)
 
 
-def engine_for(path: str, scheduler: Any = None) -> Engine | None:
-    """The engine a scheduler of the library's own needs to read ``path``: an
-    :class:`~aiotensor.engines.objects.ObjectEngine` for an object, None (the default) otherwise."""
+def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, Any] | None = None) -> Engine | None:
+    """The engine a scheduler of the library's own needs for ``path``: an
+    :class:`~aiotensor.engines.objects.ObjectEngine` (configured by ``storage_options``, obstore's
+    S3 keys, over the ``AWS_*`` environment) for an object, None (the default) otherwise."""
     if not is_object(path):
         return None
     if scheduler is not None:
         raise UnsupportedLocationError(f"{path}: s3:// objects are read by a scheduler of aiotensor's own; pass no scheduler=")
-    return ObjectEngine()
+    return ObjectEngine(storage_options)
 
 
 __all__ = ["engine_for", "is_object", "local_path"]

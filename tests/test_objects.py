@@ -223,8 +223,6 @@ async def test_an_object_replaced_while_it_is_read_fails_the_read(s3: Any, tmp_p
 async def test_what_is_not_built_on_s3_is_refused(s3: Any, tmp_path: Any) -> None:
     with pytest.raises(UnsupportedLocationError, match="distributed"):
         aiotensor.TensorStore("s3://bucket/run1/", distributed=True)
-    with pytest.raises(UnsupportedLocationError):
-        await aiotensor.save_file({"w": torch.ones(2)}, "s3://bucket/out.safetensors")
     torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
     pt = await put_file(s3, "w.pt", str(tmp_path / "w.pt"))
     with pytest.raises(UnsupportedLocationError, match="torch.save"):
@@ -556,3 +554,54 @@ async def test_503_slowdown_is_retried_with_backoff_then_fails_clearly(
             async with aiotensor.TensorStore(f"s3://bucket/{run}slow2"):
                 pass
         assert time.monotonic() - began < 15 and SECRET not in str(e.value) and "\n" not in str(e.value)
+
+
+# --- single files in a bucket -------------------------------------------------------------------------
+
+
+async def test_files_written_to_a_bucket_replace_whole_and_convert_both_ways(s3: Any, run: str, tmp_path: Any) -> None:
+    import io
+
+    import obstore
+
+    url = f"s3://bucket/{run}w.safetensors"
+    await aiotensor.save_file(weights(0), url)
+    await aiotensor.save_file(weights(1), url)  # put under a temporary name, copied over it by the server
+    assert same(await aiotensor.load_file(url), weights(1))
+    await aiotensor.save_torch({"a": torch.arange(5), "n": 3}, f"s3://bucket/{run}x.pt")
+    data = bytes(await (await obstore.get_async(s3, f"{run}x.pt")).bytes_async())
+    assert same(torch.load(io.BytesIO(data), weights_only=True), {"a": torch.arange(5), "n": 3})
+    assert keys_under(s3, run.rstrip("/")) == [f"{run}w.safetensors", f"{run}x.pt"]  # no temporary object left
+
+    local = str(tmp_path / "w.safetensors")
+    await aiotensor.save_file(weights(2), local)
+    cli = [sys.executable, "-m", "aiotensor", "convert"]
+    for args in (
+        [local, f"s3://bucket/{run}c.safetensors"],  # up
+        [f"s3://bucket/{run}c.safetensors", str(tmp_path / "back.safetensors")],  # and down
+        [local, f"s3://bucket/{run}hf/", "--shard-size", "400KB"],  # a Hugging Face folder of shards
+    ):
+        r = subprocess.run(cli + args, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert same(await aiotensor.load_file(str(tmp_path / "back.safetensors")), weights(2))
+    async with aiotensor.stream(f"s3://bucket/{run}hf") as st:
+        assert same({n: t async for n, t in st}, weights(2))
+    r = subprocess.run([*cli, local, f"s3://bucket/{run}c.safetensors"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--overwrite" in r.stderr
+
+
+async def test_storage_options_configure_a_store_without_the_environment(
+    s3_server: Weed, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(k, raising=False)
+    options = {"endpoint": s3_server.url, "access_key_id": "tester", "secret_access_key": SECRET, "region": "us-east-1"}
+    async with aiotensor.TensorStore(f"s3://bucket/{run}opts", storage_options=options | {"allow_http": "true"}) as store:
+        await store.save(1, train_state(1))
+        assert same(await store.load(), train_state(1))
+    with pytest.raises(OSError) as e:
+        async with aiotensor.TensorStore(
+            f"s3://bucket/{run}opts", storage_options=options | {"secret_access_key": "wrong", "allow_http": "true"}
+        ):
+            pass
+    assert "wrong" not in str(e.value) and SECRET not in str(e.value)

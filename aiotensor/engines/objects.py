@@ -77,6 +77,8 @@ class ObjectEngine(Engine):
             raise UnsupportedLocationError("reading s3:// URLs needs obstore: pip install 'aiotensor[s3]'") from None
         self._obstore = obstore
         self._options = dict(storage_options or {})
+        # a client option, not an S3 one: from storage_options or the environment, as obstore reads it
+        self._allow_http = str(self._options.pop("allow_http", os.environ.get("AWS_ALLOW_HTTP", ""))).lower() == "true"
         self._stores: dict[str, Any] = {}
         self._open: dict[int, tuple[Any, str, int, str | None]] = {}  # fd -> store, key, size, entity tag
         self._fds = itertools.count(1 << 30)
@@ -97,7 +99,7 @@ class ObjectEngine(Engine):
                     "timeout": timedelta(seconds=knobs.OBJECT_TIMEOUT_S),
                     "connect_timeout": timedelta(seconds=knobs.OBJECT_CONNECT_S),
                 }
-                if os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":  # a client option: given here, or lost
+                if self._allow_http:
                     client["allow_http"] = True
                 options: Any = self._options or None
                 store = self._stores[bucket] = S3Store(bucket, config=options, client_options=client, retry_config=retry)  # type: ignore[arg-type]
@@ -267,11 +269,25 @@ class ObjectEngine(Engine):
     def _whole_objects(self, *_: Any, **__: Any) -> Any:
         raise UnsupportedLocationError("an object is written whole (Engine.put); it has no file handle to write through")
 
-    def _no_rename(self, *_: Any, **__: Any) -> Any:
-        raise UnsupportedLocationError("an object store has no rename (aiotensor.commit writes objects under their final names)")
+    def rename(self, src: str, dst: str) -> None:
+        """An object store has no rename: the object is copied by the server (atomically, over any
+        object ``dst``), then ``src`` deleted. Objects only (a folder's keys are not moved): the
+        commit protocol never renames folders here (:mod:`aiotensor.commit`)."""
+        (bucket, key), (bucket2, key2) = split(src), split(dst)
+        store = self._store(bucket)
+        if bucket2 != bucket:
+            raise UnsupportedLocationError(f"{src} -> {dst}: a rename within one bucket only")
+        try:
+            self._obstore.copy(store, key, key2)
+        except FileNotFoundError:
+            if self._keys(store, key, limit=1):
+                raise UnsupportedLocationError(f"{src}: an object store cannot rename a folder") from None
+            raise FileNotFoundError(errno.ENOENT, "no such object", src) from None
+        except Exception as e:
+            raise self._fail(e) from None
+        self.remove_file(src)
 
     create = pwrite = truncate = sync = _whole_objects  # type: ignore[assignment]
-    rename = _no_rename  # type: ignore[assignment]
 
 
 class ObjectLease:

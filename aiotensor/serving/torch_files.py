@@ -18,7 +18,7 @@ from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
 from ..errors import UnsafeFileError, annotate_oserror
-from ..location import local_path
+from ..location import engine_for, is_object, local_path
 
 
 async def load_torch(
@@ -124,8 +124,9 @@ async def save_torch(state: Any, path: str | os.PathLike[str], *, scheduler: Sch
 
     Cancellation: the write finishes in its thread, then the temporary file is removed.
     """
-    path = os.path.abspath(local_path(path))  # noqa: ASYNC240 - getcwd, no disk access
-    async with own_scheduler(scheduler) as sched, Publication(sched, path, folder=False) as pub:
+    path = local_path(path, objects=True)
+    path = path if is_object(path) else os.path.abspath(path)  # noqa: ASYNC240 - getcwd, no disk access
+    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched, Publication(sched, path, folder=False) as pub:
         try:
             await sched.call(_write_torch, sched.engine, pub.tmp, state, priority=Priority.SAVE)
         except OSError as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -78,6 +79,8 @@ class TensorStore:
             mirror only (a new node) is loaded from there. Steps committed here but missing there
             when the store opens are uploaded then.
         mirror_keep_last: the mirror's retention (None: keep all), independent of ``keep_last``.
+        storage_options: for an ``s3://`` root or mirror, obstore's S3 settings (``endpoint``,
+            ``access_key_id``, ``region``...) over the ``AWS_*`` environment; never logged.
     """
 
     def __init__(
@@ -100,12 +103,13 @@ class TensorStore:
         switch_interval: float | None = knobs.SWITCH_INTERVAL_S,
         mirror: str | os.PathLike[str] | None = None,
         mirror_keep_last: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.root = local_path(root, objects=True)
         if engine is None:
-            engine = engine_for(self.root)
+            engine = engine_for(self.root, storage_options=storage_options)
         if shard_bytes is None:
             shard_bytes = knobs.SHARD_BYTES if engine is None or engine.renames else knobs.OBJECT_SHARD_BYTES
         if shard_bytes < 1:
@@ -134,7 +138,12 @@ class TensorStore:
         self._mirror: Mirror | None = None
         if mirror is not None:
             self._tier = TensorStore(
-                mirror, keep_last=mirror_keep_last, readonly=readonly, lock_timeout=lock_timeout, verify=verify
+                mirror,
+                keep_last=mirror_keep_last,
+                readonly=readonly,
+                lock_timeout=lock_timeout,
+                verify=verify,
+                storage_options=storage_options,
             )
             self._mirror = Mirror(self._tier.scheduler, self._tier._steps)
         self._open = False
