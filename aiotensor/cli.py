@@ -180,7 +180,18 @@ def cmd_ls(a: argparse.Namespace) -> int:
         mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
         count = sum(len(e.names) for e in src.entries)
-        rows.append({"step": step, "time": when, "bytes": src.stored_bytes, "tensors": count, "state": "committed"})
+        linked = _reused_bytes(engine, src.path) if src.step is not None else 0
+        rows.append(
+            {
+                "step": step,
+                "time": when,
+                "bytes": src.stored_bytes,
+                "written": src.stored_bytes - linked,
+                "reused": linked,
+                "tensors": count,
+                "state": "committed",
+            }
+        )
     rows += [{"name": n, "state": "in progress or left by a crash"} for n in sorted(listing.leftovers)]
     rows += [{"name": n, "state": f"ignored: {why}"} for n, why in sorted(listing.ignored.items())]
     if a.json:
@@ -189,12 +200,21 @@ def cmd_ls(a: argparse.Namespace) -> int:
     print(f"{a.root}  (latest: {listing.latest or '-'})")
     for r in rows:
         if r["state"] == "committed":
-            print(f"  step {r['step']:>12}  {r['time']}  {_human(r['bytes']):>10}  {r['tensors']:>6} tensors")
+            reused = f"  (written {_human(r['written'])}, reused {_human(r['reused'])})" if r["reused"] else ""
+            print(f"  step {r['step']:>12}  {r['time']}  {_human(r['bytes']):>10}  {r['tensors']:>6} tensors{reused}")
         else:
             print(f"  {r['name']}  [{r['state']}]")
     if not listing.committed:
         print("  no committed step")
     return 0
+
+
+def _reused_bytes(engine: Engine, folder: str) -> int:
+    """The tensor bytes of a step's shards that are an earlier step's files (incremental saves)."""
+    if not engine.exists(os.path.join(folder, _root.MANIFEST)):
+        return 0  # a DCP step
+    m = _root.read_manifest(engine, folder)
+    return sum(e.spec.nbytes for e in m.entries.values() if e.shard in m.reused)
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:

@@ -67,6 +67,9 @@ CARVE_BLOCK_BYTES = 16 * MiB
 # --- saves (aiotensor.store) --------------------------------------------------------------------
 # The largest shard file of a checkpoint (a tensor is never split).
 SHARD_BYTES = 4 << 30
+# The largest shard of tensors that may be unchanged since the last save (incremental saves: such a
+# shard is reused whole, or written whole; smaller ones are reused more often).
+CANDIDATE_SHARD_BYTES = 256 * MiB
 # The largest shard on an object store: each is one PUT (nothing to orphan if interrupted), and
 # several shards upload at once.
 OBJECT_SHARD_BYTES = 256 * MiB

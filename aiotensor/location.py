@@ -57,6 +57,8 @@ def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, A
     if not is_object(path):
         return None
     if scheduler is not None:
+        if not scheduler.engine.renames:
+            return None  # it has an object store's engine: it is used
         raise UnsupportedLocationError(f"{path}: s3:// objects are read by a scheduler of aiotensor's own; pass no scheduler=")
     return ObjectEngine(storage_options)
 

@@ -101,6 +101,10 @@ def resolve(engine: Engine, path: str) -> Source:
     return _file(engine, real)
 
 
+def _same(path: str) -> str:
+    return path
+
+
 def _folder(engine: Engine, folder: str) -> Source:
     names = set(engine.listdir(folder))
     if _root.MANIFEST in names or dm.JSON_NAME in names or dm.PICKLE_NAME in names:
@@ -346,8 +350,10 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
     entries: list[Entry] = []
     seen: dict[str, str] = {}
     checksummed, metadata = True, dict[str, dict[str, str]]()
+    # a Hugging Face cache links files to blobs (an object store has no links)
+    real: Callable[[str], str] = _same if is_object(folder) else os.path.realpath
     for name in files:
-        src = _file(engine, os.path.realpath(os.path.join(folder, name)))  # a Hugging Face cache links files to blobs
+        src = _file(engine, real(os.path.join(folder, name)))
         for e in src.entries:
             for n in e.names:
                 if n in seen:
@@ -356,7 +362,7 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
         entries += src.entries
         checksummed = checksummed and src.checksummed
         metadata |= src.metadata
-    paths = tuple(os.path.realpath(os.path.join(folder, n)) for n in files)
+    paths = tuple(real(os.path.join(folder, n)) for n in files)
     return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata)
 
 

@@ -28,8 +28,8 @@ class FaultyEngine(Engine):
     Args:
         inner: the engine doing the real work.
         fail: operation name -> (n, errno): the n-th call (1-based) of that operation fails.
-            Names: open_read, create, pread, pwrite, truncate, sync, close, mkdir, rename, sync_dir, remove_tree,
-            remove_file.
+            Names: open_read, create, pread, pwrite, truncate, sync, close, mkdir, rename, link, sync_dir,
+            remove_tree, remove_file.
         hook: called as ``hook(op_tuple)`` before each operation runs (e.g. to kill the process).
         record_data: pwrite ops also carry the bytes written, ``("pwrite", path, offset, n, data)``
             (for replaying a save, as the power-loss tests do).
@@ -129,6 +129,10 @@ class FaultyEngine(Engine):
     def rename(self, src: str, dst: str) -> None:
         self._op("rename", src, dst)
         self.inner.rename(src, dst)
+
+    def link(self, src: str, dst: str) -> None:
+        self._op("link", src, dst)
+        self.inner.link(src, dst)
 
     def sync_dir(self, path: str) -> None:
         self._op("sync_dir", path)

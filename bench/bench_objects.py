@@ -134,7 +134,6 @@ def one_rep(
     import s3fs
     from obstore.store import S3Store
 
-
     out: dict[str, tuple[float, float]] = {}
     bucket = S3Store("bench", client_options={"allow_http": True})
     fs = s3fs.S3FileSystem(key=KEY, secret=SECRET, endpoint_url=server.url)

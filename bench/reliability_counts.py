@@ -10,22 +10,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pathlib import Path
 
-import anyio
-
-from aiotensor import TensorStore
 from tests import test_powerloss as P
-from tests.test_crash import count_ops, state_for
+from tests.test_crash import commit_step_1, count_ops
 
 d = tempfile.mkdtemp()
 r = os.path.join(d, "store")
-
-
-async def main() -> None:
-    async with TensorStore(r) as s:
-        await s.save(1, state_for(1))
-
-
-anyio.run(main)
+commit_step_1(r)  # step 1 after a step 0: the save of step 2 links its frozen shard (an incremental save)
 print("kill points:", count_ops(r))
 for bug in [None, *P.BROKEN]:
     t = Path(tempfile.mkdtemp())

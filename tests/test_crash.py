@@ -27,9 +27,14 @@ from .conftest import assert_state_equal, tmp_leftovers
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork + SIGKILL sweep is Linux-only")
 
 
+# the same tensor in every step: incremental saves link its shard from the step before (the kill
+# sweep and the power-cut replay cover that link)
+FROZEN = torch.arange(20000, dtype=torch.float32)
+
+
 def state_for(step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(40000, generator=g), "b": torch.randn(3000, generator=g).double(), "step": step}
+    return {"w": torch.randn(40000, generator=g), "b": torch.randn(3000, generator=g).double(), "frozen": FROZEN, "step": step}
 
 
 def killed_in_child(work: Any, kill_at: int | None = None, kill_after_s: float | None = None) -> int:
@@ -78,6 +83,7 @@ def count_ops(root: str) -> int:
 
     anyio.run(main)
     reset_to_step_1(root)
+    assert any(op[0] == "link" for op in eng.ops), "the save linked the frozen shard (an incremental save)"
     return len(eng.ops)
 
 
@@ -108,9 +114,16 @@ def check_recovered(root: str, allowed: tuple[list[int], ...] = ([1], [1, 2])) -
 
 
 def commit_step_1(root: str) -> None:
+    """Step 1 alone, saved after a step 0 (since deleted) so that its frozen tensor's shard carries
+    the digest the next save links it by."""
+
     async def main() -> None:
         async with TensorStore(root) as s:
+            zero = state_for(0)  # kept alive: step 1's new tensors cannot take its memory (and look unchanged)
+            await s.save(0, zero)
             await s.save(1, state_for(1))
+            assert s.steps() == [0, 1]
+            await s.delete(0)
 
     anyio.run(main)
 

@@ -92,6 +92,9 @@ class Disk:
             sp, sn = self._parent(op[1])
             dp, dn = self._parent(op[2])
             dp.children[dn] = sp.children.pop(sn)
+        elif kind == "link":  # one file under two names: its bytes are as durable as they were
+            dp, dn = self._parent(op[2])
+            dp.children[dn] = self.node(op[1])
         elif kind in ("remove_tree", "remove_file"):
             parent, name = self._parent(op[1])
             parent.children.pop(name, None)
@@ -156,6 +159,7 @@ def recorded(tmp_path: Any) -> list[tuple[Any, ...]]:
 def test_power_cut_after_every_operation(tmp_path: Any, lost_data: str) -> None:
     ops = recorded(tmp_path)
     assert len(ops) >= 30, len(ops)
+    assert any(op[0] == "link" for op in ops), "an incremental save: the frozen shard is linked"
     outcomes, failures = sweep(tmp_path, ops, lost_data)
     assert failures == []
     assert outcomes[1] > 0 and outcomes[2] > 0, outcomes  # cuts fell on both sides of the commit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,6 @@ import torch
 from .. import knobs
 from .._runtime import gil
 from .._runtime.buffers import round_up
-from ..formats import manifest as mf
 from ..formats import safetensors as st
 from ..formats.dtypes import file_shape
 from ..formats.tree import flatten
@@ -20,13 +20,29 @@ SHARD_METADATA = {"format": "pt"}  # a shard's header ``__metadata__`` (as safet
 
 
 @dataclass(frozen=True)
+class Previous:
+    """A shard of an earlier committed step that a new shard may be (incremental saves): its file,
+    its header, the digest of its bytes, and its tensors' crc32c."""
+
+    path: str
+    header: bytes
+    digest: str
+    crcs: dict[str, int]
+    step: int
+
+
+@dataclass(frozen=True)
 class ShardPlan:
-    """One shard file: its header bytes, its layout, and where its image starts in the staging arena."""
+    """One shard file: its header bytes, its layout, and where its image starts in the staging
+    arena. A ``candidate`` holds tensors that may be unchanged: its bytes get a digest (``reuse``:
+    the earlier shard of the same header it may be, if the digests agree)."""
 
     file: str
     header: bytes
     layout: st.Layout
     arena_offset: int
+    candidate: bool = False
+    reuse: Previous | None = None
 
 
 @dataclass(frozen=True)
@@ -50,13 +66,23 @@ def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 @gil.quiet_gc
 def plan_save(
-    state: Any, *, shard_bytes: int = knobs.SHARD_BYTES, devices: tuple[str, ...] = ("cpu",)
+    state: Any,
+    *,
+    shard_bytes: int = knobs.SHARD_BYTES,
+    devices: tuple[str, ...] = ("cpu",),
+    stable: Callable[[str, torch.Tensor], bool] | None = None,
+    previous: Sequence[tuple[tuple[str, ...], Previous]] = (),
 ) -> tuple[SavePlan, dict[str, torch.Tensor]]:
     """Plan a checkpoint of ``state``: returns the plan and the source tensor of every stored key.
 
     Tensors that are exactly the same view of the same memory (tied weights) are stored once; the
     others become aliases. Shards are filled in state order up to ``shard_bytes``; inside a shard,
     tensors are ordered by descending itemsize, so each starts at a multiple of its itemsize.
+
+    Incremental saves: each of ``previous`` (an earlier shard's keys, in file order) whose tensors
+    are all here, with its header, is planned again as it was (a candidate to reuse it); then the
+    tensors ``stable`` says may be unchanged go to candidate shards of their own (at most
+    ``knobs.CANDIDATE_SHARD_BYTES``), whose layout the next save can repeat; the rest as above.
     """
     tree, tensors = flatten(state)
     seen: dict[Any, str] = {}
@@ -71,34 +97,44 @@ def plan_save(
         if ident is not None:
             seen[ident] = key
         stored.append((key, dtype, t))
-    groups: list[list[tuple[str, str, torch.Tensor]]] = [[]]
-    size = 0
-    for item in stored:
-        n = item[2].numel() * item[2].element_size()
-        if groups[-1] and size + n > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    shards = []
-    arena = 0
-    for i, group in enumerate(groups):
+    by_key = {k: (k, d, t) for k, d, t in stored}
+    planned: list[tuple[bytes, st.Layout, bool, Previous | None]] = []
+    for keys, earlier in previous:
+        if all(k in by_key for k in keys):
+            group = [by_key[k] for k in keys]
+            header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
+            if header == earlier.header:
+                planned.append((header, layout, True, earlier))
+                for k in keys:
+                    del by_key[k]
+    left = list(by_key.values())
+    maybe = [it for it in left if stable is not None and stable(it[0], it[2])]
+    chosen = {id(it) for it in maybe}
+    for group, candidate in [
+        *((g, True) for g in _fill(maybe, min(shard_bytes, knobs.CANDIDATE_SHARD_BYTES))),
+        *((g, False) for g in _fill([it for it in left if id(it) not in chosen], shard_bytes)),
+    ]:
         group.sort(key=lambda x: -x[2].element_size())  # stable: state order within an itemsize
         header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
-        shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena))
+        planned.append((header, layout, candidate, None))
+    shards = []
+    arena = 0
+    for i, (header, layout, candidate, prev) in enumerate(planned or [(*st.build([], SHARD_METADATA), False, None)]):
+        shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena, candidate, prev))
         arena += round_up(layout.file_size)
     nbytes = sum(s.nbytes for sh in shards for s in sh.layout.tensors)
     return SavePlan(tree, tuple(shards), aliases, arena, nbytes), {k: t for k, _, t in stored}
 
 
-def manifest_bytes(step: int, plan: SavePlan, crcs: dict[str, int]) -> bytes:
-    """The manifest of a committed step: the plan's tree and shards, every tensor's crc32c."""
-    return mf.dumps(
-        mf.Manifest(
-            step=step,
-            tree=plan.tree,
-            shards={sh.file: sh.layout.file_size for sh in plan.shards},
-            entries={s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
-            aliases=plan.aliases,
-        )
-    )
+def _fill(items: list[tuple[str, str, torch.Tensor]], most: int) -> list[list[tuple[str, str, torch.Tensor]]]:
+    """``items`` in groups of at most ``most`` bytes (a bigger tensor alone), in order."""
+    groups: list[list[tuple[str, str, torch.Tensor]]] = []
+    size = 0
+    for item in items:
+        n = item[2].numel() * item[2].element_size()
+        if not groups or (groups[-1] and size + n > most):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups

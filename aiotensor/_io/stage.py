@@ -125,9 +125,16 @@ def _stage_units(
 
 
 async def checksums(
-    sched: Scheduler, plan: SavePlan, units: list[_StageUnit], arena: HostBuffer, priority: int
+    sched: Scheduler,
+    plan: SavePlan,
+    units: list[_StageUnit],
+    arena: HostBuffer,
+    priority: int,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
-    """crc32c of every tensor staged in ``arena``, from the pieces ``stage`` returned."""
+    """crc32c of every tensor staged in ``arena`` (but those of ``skip``), from the pieces ``stage`` returned."""
+    if skip:
+        units = [u for u in units if u.key not in skip]
     crcs = await sched.map(
         lambda u: checksum.crc32c(arena.view[u.start : u.start + u.nbytes]),
         units,
@@ -136,11 +143,13 @@ async def checksums(
         batch_bytes=_per_cpu(sched, plan.nbytes),
         budget=False,
     )
-    return await sched.call(_crcs_by_key, plan, units, crcs, priority=priority)
+    return await sched.call(_crcs_by_key, plan, units, crcs, skip, priority=priority)
 
 
-def _crcs_by_key(plan: SavePlan, units: list[_StageUnit], crcs: list[int]) -> dict[str, int]:
-    pieces: dict[str, list[tuple[int, int]]] = {spec.key: [] for sh in plan.shards for spec in sh.layout.tensors}
+def _crcs_by_key(plan: SavePlan, units: list[_StageUnit], crcs: list[int], skip: frozenset[str]) -> dict[str, int]:
+    pieces: dict[str, list[tuple[int, int]]] = {
+        spec.key: [] for sh in plan.shards for spec in sh.layout.tensors if spec.key not in skip
+    }
     for u, c in zip(units, crcs, strict=True):
         pieces[u.key].append((c, u.nbytes))
     return {k: crc_of_pieces(v) for k, v in pieces.items()}

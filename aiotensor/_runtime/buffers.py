@@ -119,7 +119,11 @@ class StagingPool:
                 self._count += 1
                 try:
                     with anyio.CancelScope(shield=True):
-                        arena = await threads.run_sync(self._map, nbytes, nice=self.nice)
+                        # headroom for a big one: a later plan of the same state may need a little
+                        # more (an incremental save's candidate shards add headers), and mapping
+                        # anew would page-fault a whole arena again
+                        more = nbytes >> 8 if nbytes >= 64 << 20 else 0
+                        arena = await threads.run_sync(self._map, nbytes + more, nice=self.nice)
                 except BaseException:
                     self._count -= 1
                     raise

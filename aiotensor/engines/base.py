@@ -137,6 +137,12 @@ class Engine(abc.ABC):
             self.remove_file(tmp)
             raise
 
+    def link(self, src: str, dst: str) -> None:
+        """Make ``dst`` (it must not exist) the same file as ``src`` (a hard link): its bytes are
+        durable already; ``dst``'s folder entry is, once the folder is synced. OSError where the
+        file system has no hard links."""
+        os.link(src, dst, follow_symlinks=False)
+
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
 

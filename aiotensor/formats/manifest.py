@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._runtime import gil
@@ -45,6 +45,10 @@ class Manifest:
     shards: Mapping[str, int]  # file name -> size in bytes
     entries: Mapping[str, Entry]
     aliases: Mapping[str, str]  # key -> key of the stored tensor it shares memory with
+    # incremental saves: file -> blake3 of its bytes (shards that may be unchanged next time), and
+    # file -> the earlier step whose shard it is the same file as (a hard link, or a server-side copy)
+    digests: Mapping[str, str] = field(default_factory=dict)
+    reused: Mapping[str, int] = field(default_factory=dict)
 
 
 @gil.quiet_gc
@@ -53,7 +57,7 @@ def dumps(m: Manifest) -> bytes:
         "format": FORMAT,
         "version": VERSION,
         "step": m.step,
-        "shards": [{"file": f, "size": n} for f, n in m.shards.items()],
+        "shards": [_shard_doc(m, f, n) for f, n in m.shards.items()],
         "tensors": {
             k: {
                 "shard": e.shard,
@@ -69,6 +73,15 @@ def dumps(m: Manifest) -> bytes:
         "tree": m.tree,
     }
     return seal(doc)
+
+
+def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
+    doc: dict[str, Any] = {"file": file, "size": size}
+    if file in m.digests:
+        doc["blake3"] = m.digests[file]
+    if file in m.reused:
+        doc["reused_from"] = m.reused[file]
+    return doc
 
 
 @gil.quiet_gc
@@ -114,14 +127,26 @@ def safe_shard_name(name: object) -> bool:
     return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None and ".." not in name
 
 
+_SHARD_FIELDS = frozenset({"file", "size", "blake3", "reused_from"})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
 @gil.quiet_gc
-def _shards(raw: Any, bad: Callable[[str], ManifestError]) -> dict[str, int]:
+def _shards(raw: Any, bad: Callable[[str], ManifestError], digests: dict[str, str], reused: dict[str, int]) -> dict[str, int]:
     if not isinstance(raw, list):
         raise bad("shards must be a list")
     shards: dict[str, int] = {}
     for s in raw:
-        if not (isinstance(s, dict) and set(s) == {"file", "size"} and is_count(s["size"])):
-            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}}")
+        if not (isinstance(s, dict) and {"file", "size"} <= s.keys() <= _SHARD_FIELDS and is_count(s["size"])):
+            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}} (and blake3, reused_from)")
+        if "blake3" in s:
+            if not (isinstance(s["blake3"], str) and _DIGEST.fullmatch(s["blake3"])):
+                raise bad(f"shard {str(s['file'])[:80]!r}: blake3 must be 64 hex digits")
+            digests[s["file"]] = s["blake3"]
+        if "reused_from" in s:
+            if not is_count(s["reused_from"]):
+                raise bad(f"shard {str(s['file'])[:80]!r}: reused_from must be a step number")
+            reused[s["file"]] = s["reused_from"]
         if not safe_shard_name(s["file"]):
             raise bad(f"shard file {s['file']!r} is not a plain file name inside the checkpoint folder")
         if s["file"] in shards:
@@ -167,12 +192,14 @@ def loads(data: bytes, path: object) -> Manifest:
     doc: dict[str, Any] = {}
     shards: dict[str, int] = {}
     entries: dict[str, Entry] = {}
+    digests: dict[str, str] = {}
+    reused: dict[str, int] = {}
 
     def member(key: str, value: Any) -> None:
         if key in ("tensors", "aliases"):
             raise bad(f"{key} must be an object")
         if key == "shards":
-            shards.update(_shards(value, bad))
+            shards.update(_shards(value, bad, digests, reused))
         doc[key] = value
 
     def tensor(key: str, t: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
@@ -216,4 +243,4 @@ def loads(data: bytes, path: object) -> Manifest:
     if set(keys) != set(entries) | set(aliases) or len(keys) != len(entries) + len(aliases):
         raise bad("the state tree and the tensor table do not list the same tensors")
     assert isinstance(step, int)
-    return Manifest(step, doc["tree"], shards, entries, aliases)
+    return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused)

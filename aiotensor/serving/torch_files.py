@@ -96,21 +96,31 @@ class _EngineFile(io.RawIOBase):
 
 
 def _write_torch(engine: Engine, path: str, state: Any) -> None:
-    """Create ``path`` as a torch.save file of ``state``, storages 4096-aligned, durably (blocking)."""
-    import torch.utils.serialization as ser
-
+    """Create ``path`` as a torch.save file of ``state``, storages 4096-aligned, durably (blocking).
+    On an object store the file is made in memory, then put whole."""
+    if not engine.renames:
+        out = io.BytesIO()
+        _save_aligned(state, out)
+        engine.put(path, [out.getbuffer()])
+        return
     fd = engine.create(path)
     try:
-        with _ALIGN_LOCK:  # torch's setting is process-wide: restored before anyone else saves through us
-            old = ser.config.save.storage_alignment
-            ser.config.save.storage_alignment = 4096
-            try:
-                torch.save(state, cast(IO[bytes], _EngineFile(engine, fd)))
-            finally:
-                ser.config.save.storage_alignment = old
+        _save_aligned(state, cast(IO[bytes], _EngineFile(engine, fd)))
         engine.sync(fd)
     finally:
         engine.close(fd)
+
+
+def _save_aligned(state: Any, f: IO[bytes]) -> None:
+    import torch.utils.serialization as ser
+
+    with _ALIGN_LOCK:  # torch's setting is process-wide: restored before anyone else saves through us
+        old = ser.config.save.storage_alignment
+        ser.config.save.storage_alignment = 4096
+        try:
+            torch.save(state, f)
+        finally:
+            ser.config.save.storage_alignment = old
 
 
 async def save_torch(state: Any, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None) -> None:

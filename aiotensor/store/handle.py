@@ -78,6 +78,8 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self.warnings: list[str] = []  # trouble after the commit point (the save still succeeded)
         self.stage_seconds: float | None = None  # save() to staged
         self.commit_seconds: float | None = None  # save() to committed
+        self.bytes_written = 0  # shard bytes written (an incremental save links the rest)
+        self.bytes_reused = 0  # shard bytes linked from an earlier step, proven equal
 
     def __repr__(self) -> str:
         state = "done" if self.done() else ("staged" if self._staged_event.is_set() else "staging")

@@ -1,6 +1,16 @@
 """A store's save pipeline: plan the state (in a worker), stage it into an arena (the caller's
 tensors free from then on), then checksum and write the shards and the manifest under a temporary
-name and commit (:class:`~aiotensor.commit.Publication`, then :meth:`Steps.commit`)."""
+name and commit (:class:`~aiotensor.commit.Publication`, then :meth:`Steps.commit`).
+
+**Incremental saves** (:class:`Incremental`): a tensor is unchanged only when proven so. Torch's
+version counter and the tensor's memory (unchanged since the last save) decide which tensors go
+into *candidate* shards, whose layout a later save repeats; the proof is a blake3 digest (256 bits)
+of each candidate shard's staged bytes, header included, equal to the digest recorded for the
+earlier shard of the same header. Such a shard is published as a hard link to the earlier file (on
+an object store, a server-side copy): every step stays a complete folder that any safetensors
+reader opens, deletable on its own. A `.data` write that the version counter misses changes the
+digest, and the shard is written.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +20,58 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import blake3
 import torch
 
 from .. import root as _root
-from .._io.plan import SavePlan, manifest_bytes, plan_save
+from .._io.plan import SHARD_METADATA, Previous, SavePlan, plan_save
 from .._io.stage import checksums, stage
 from .._io.write import write_file
 from .._runtime.buffers import HostBuffer, StagingPool, round_up
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting, run_concurrently
 from ..commit import Publication
+from ..formats import manifest as mf
+from ..formats import safetensors as st
 from .handle import SaveHandle
 from .steps import Steps
 
 log = logging.getLogger("aiotensor")
+
+
+class Incremental:
+    """What a store remembers from one save to the next to write only what changed: each stored
+    tensor's memory and version counter as of the last save (the hint), and the candidate shards of
+    the last committed step (their headers, digests and crc32c; from its manifest after a restart)."""
+
+    def __init__(self) -> None:
+        self.versions: dict[str, tuple[int, int]] = {}
+        self.previous: list[tuple[tuple[str, ...], Previous]] = []
+
+    def stable(self, key: str, t: torch.Tensor) -> bool:
+        return self.versions.get(key) == _version(t)
+
+    def planned(self, sources: dict[str, torch.Tensor]) -> None:
+        self.versions = {k: v for k, t in sources.items() if (v := _version(t)) is not None}
+
+    def committed(self, m: mf.Manifest, folder: str) -> None:
+        """The step ``m`` of ``folder`` is the newest: its candidate shards are the next save's."""
+        by_shard: dict[str, list[mf.Entry]] = {}
+        for e in m.entries.values():
+            by_shard.setdefault(e.shard, []).append(e)
+        self.previous = []
+        for file, digest in m.digests.items():
+            entries = sorted(by_shard.get(file, []), key=lambda e: e.spec.offset)
+            header, _ = st.build([(e.spec.key, e.spec.dtype, e.spec.shape) for e in entries], SHARD_METADATA)
+            crcs = {e.spec.key: e.crc32c for e in entries}
+            prev = Previous(os.path.join(folder, file), header, digest, crcs, m.step)
+            self.previous.append((tuple(e.spec.key for e in entries), prev))
+
+
+def _version(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:  # an inference tensor has no version counter: never taken as unchanged
+        return None
 
 
 async def save(
@@ -35,13 +84,17 @@ async def save(
     prio: int,
     producers: dict[Any, Any],
     progress: ProgressCallback | None,
+    incremental: Incremental | None = None,
 ) -> None:
     """Save ``state`` as ``h.step``. Past the commit point it completes even if cancelled."""
     plan: SavePlan
     sources: dict[str, torch.Tensor]
+    hint: dict[str, Any] = {} if incremental is None else {"stable": incremental.stable, "previous": incremental.previous}
     plan, sources = await sched.call(
-        functools.partial(plan_save, state, shard_bytes=shard_bytes, devices=sched.devices), priority=prio
+        functools.partial(plan_save, state, shard_bytes=shard_bytes, devices=sched.devices, **hint), priority=prio
     )
+    if incremental is not None:  # tens of thousands of tensors: not on the loop thread
+        await sched.call(incremental.planned, sources, priority=prio)
     del state
     arena = await staging.acquire(plan.arena_bytes)
     try:
@@ -49,7 +102,7 @@ async def save(
         h.set_staged(plan.nbytes)  # the caller's tensors are free to change from here on
         await sched.discard(sources, *views)  # our references to them: freed in a thread
         with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):
-            await _write(sched, steps, h, plan, arena, pieces, prio)
+            await _write(sched, steps, h, plan, arena, pieces, prio, incremental)
         # a plan and its pieces are tens of thousands of objects for a state of many tensors: freed
         # in a thread, before the arena goes back (so the next save cannot start before this one
         # has let go of everything); on failure they go where the error takes them
@@ -61,32 +114,96 @@ async def save(
 
 
 async def _write(
-    sched: Scheduler, steps: Steps, h: SaveHandle, plan: SavePlan, arena: HostBuffer, pieces: Any, prio: int
+    sched: Scheduler,
+    steps: Steps,
+    h: SaveHandle,
+    plan: SavePlan,
+    arena: HostBuffer,
+    pieces: Any,
+    prio: int,
+    incremental: Incremental | None,
 ) -> None:
     """The shards (each a page-aligned image of the arena, written with O_DIRECT, checksummed
-    meanwhile) and the manifest under a temporary name, then the commit."""
+    meanwhile; a candidate proven equal to an earlier shard linked instead) and the manifest under
+    a temporary name, then the commit."""
     async with Publication(sched, steps.path(h.step), folder=True, priority=prio) as pub:
+        digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio)
         crcs: dict[str, int] = {}
+        for sh in plan.shards:
+            if sh.file in reused:
+                assert sh.reuse is not None
+                crcs |= sh.reuse.crcs  # the same bytes as that file's
+        skip = frozenset(crcs)
 
         async def checksum() -> None:
-            crcs.update(await checksums(sched, plan, pieces, arena, prio))
+            crcs.update(await checksums(sched, plan, pieces, arena, prio, skip))
 
         def writer(sh: Any) -> Callable[[], Awaitable[None]]:
             size = sh.layout.file_size
             image = arena.view[sh.arena_offset : sh.arena_offset + round_up(size)]
             return functools.partial(write_file, sched, os.path.join(pub.tmp, sh.file), [(0, image)], prio, size=size)
 
+        fresh = [sh for sh in plan.shards if sh.file not in reused]
+
         async def write() -> None:
-            for sh in plan.shards:  # each file's pieces go in parallel
+            for sh in fresh:  # each file's pieces go in parallel
                 await writer(sh)()
 
         # on an object store each shard is one request: several at once
-        await run_concurrently(checksum, *((writer(sh) for sh in plan.shards) if not sched.engine.renames else (write,)))
-        data = await sched.call(manifest_bytes, h.step, plan, crcs, priority=prio)  # a big tree: off the loop
+        await run_concurrently(checksum, *((writer(sh) for sh in fresh) if not sched.engine.renames else (write,)))
+        h.bytes_written = sum(sh.layout.file_size for sh in fresh)
+        h.bytes_reused = sum(sh.layout.file_size for sh in plan.shards if sh.file in reused)
+        m, data = await sched.call(_manifest, h.step, plan, crcs, digests, reused, priority=prio)  # a big tree: off the loop
         await sched.discard(crcs)
         await steps.fence()
         await write_file(sched, os.path.join(pub.tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
         await steps.commit(h, pub.publish)
+    if incremental is not None:
+        await sched.call(incremental.committed, m, steps.path(h.step), priority=prio)
+
+
+def _manifest(
+    step: int, plan: SavePlan, crcs: dict[str, int], digests: dict[str, str], reused: dict[str, int]
+) -> tuple[mf.Manifest, bytes]:
+    """The manifest of a committed step, and its bytes."""
+    m = mf.Manifest(
+        step,
+        plan.tree,
+        {sh.file: sh.layout.file_size for sh in plan.shards},
+        {s.key: mf.Entry(sh.file, s, crcs[s.key]) for sh in plan.shards for s in sh.layout.tensors},
+        plan.aliases,
+        digests,
+        reused,
+    )
+    return m, mf.dumps(m)
+
+
+async def _reuse(
+    sched: Scheduler, plan: SavePlan, arena: HostBuffer, folder: str, prio: int
+) -> tuple[dict[str, str], dict[str, int]]:
+    """The blake3 digest of every candidate shard's staged bytes, and the shards linked into
+    ``folder`` from an earlier step (file -> that step) because their digests are equal. An
+    earlier file gone meanwhile, or a file system without hard links: the shard is written."""
+    candidates = [sh for sh in plan.shards if sh.candidate]
+    got = await sched.map(
+        lambda sh: blake3.blake3(arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]).hexdigest(),
+        candidates,
+        nbytes=lambda sh: sh.layout.file_size,
+        priority=prio,
+        batch_bytes=1,  # a shard per call: several at once
+        budget=False,
+    )
+    digests = {sh.file: d for sh, d in zip(candidates, got, strict=True)}
+    reused: dict[str, int] = {}
+    for sh in candidates:
+        if sh.reuse is not None and digests[sh.file] == sh.reuse.digest:
+            try:
+                await sched.call(sched.engine.link, sh.reuse.path, os.path.join(folder, sh.file), priority=prio)
+            except OSError as e:
+                log.info("writing %s instead of linking %s (%s)", sh.file, sh.reuse.path, e)
+                continue
+            reused[sh.file] = sh.reuse.step
+    return digests, reused
 
 
 async def reserve(sched: Scheduler, staging: StagingPool, like: Any, shard_bytes: int) -> None:

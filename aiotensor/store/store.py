@@ -79,6 +79,10 @@ class TensorStore:
             mirror only (a new node) is loaded from there. Steps committed here but missing there
             when the store opens are uploaded then.
         mirror_keep_last: the mirror's retention (None: keep all), independent of ``keep_last``.
+        incremental: write only what changed since the last committed step (:mod:`.saving`): a
+            shard of tensors proven unchanged (a blake3 digest of its bytes) is a hard link to the
+            earlier step's file (on an object store, a server-side copy), so each step stays a
+            complete folder. ``False``: every save writes every byte.
         storage_options: for an ``s3://`` root or mirror, obstore's S3 settings (``endpoint``,
             ``access_key_id``, ``region``...) over the ``AWS_*`` environment; never logged.
     """
@@ -103,6 +107,7 @@ class TensorStore:
         switch_interval: float | None = knobs.SWITCH_INTERVAL_S,
         mirror: str | os.PathLike[str] | None = None,
         mirror_keep_last: int | None = None,
+        incremental: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -134,6 +139,8 @@ class TensorStore:
         )
         self._group: Any = None  # a distributed.Group, once open under a process group
         self._in_flight: dict[int, SaveHandle] = {}
+        self._incremental = saving.Incremental() if incremental and distributed is False else None
+        self._remembered: anyio.Event | None = None  # the newest step's manifest read, for the first incremental save
         self._tier: TensorStore | None = None  # the mirror's store, and what uploads to it
         self._mirror: Mirror | None = None
         if mirror is not None:
@@ -216,8 +223,28 @@ class TensorStore:
             for step in self.steps():
                 if step not in self._tier._steps.committed and (newest is None or step > newest):
                     self._start_upload(SaveHandle(step))
+        newest = self._steps.newest()
+        self._remembered = anyio.Event()
+        if self._incremental is not None and newest is not None and not self.readonly:
+            self._tasks.start(lambda: self._remember(newest))
+        else:
+            self._remembered.set()
         if self.reserve is not None and not self.readonly:
             self._tasks.start(lambda: saving.reserve(self.scheduler, self.staging, self.reserve, self.shard_bytes))
+
+    async def _remember(self, step: int) -> None:
+        """The newest step's candidate shards, for the next incremental save (after a restart);
+        a failure only means that save writes every byte."""
+        assert self._incremental is not None
+        try:
+            m = await self.scheduler.call(_root.read_manifest, self.engine, self.path(step), step, priority=Priority.BACKGROUND)
+            if not self._incremental.previous:  # a save of this process has not committed meanwhile
+                self._incremental.committed(m, self.path(step))
+        except Exception as e:
+            log.info("%s: step %d's manifest was not read for incremental saves (%s)", self.root, step, e)
+        finally:
+            assert self._remembered is not None
+            self._remembered.set()
 
     async def _open_writer(self) -> None:
         if self.engine.renames:  # an object store's folder is a key prefix: nothing to make
@@ -390,12 +417,23 @@ class TensorStore:
         try:
             with anyio.CancelScope() as scope:
                 h.begin(scope)
+                if self._remembered is not None:
+                    await self._remembered.wait()  # at once, but for a first save right after open()
                 with self.scheduler.operation():  # from the walk of the state to the commit
                     if self._group is not None:
                         await self._group.save(h, state, self.path(h.step), self._steps)
                     else:
                         await saving.save(
-                            self.scheduler, self.staging, self._steps, self.shard_bytes, h, state, prio, producers, progress
+                            self.scheduler,
+                            self.staging,
+                            self._steps,
+                            self.shard_bytes,
+                            h,
+                            state,
+                            prio,
+                            producers,
+                            progress,
+                            self._incremental,
                         )
             if scope.cancelled_caught and not h.committed:
                 error = cancelled

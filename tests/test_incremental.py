@@ -1,0 +1,156 @@
+"""Incremental saves (issue 28): only what changed is written; every step stays a complete folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import aiotensor
+from aiotensor import TensorStore
+from aiotensor.errors import ManifestError
+from aiotensor.testing import FaultyEngine
+
+pytestmark = pytest.mark.anyio
+
+
+def lora_state(step: int, base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, Any]:
+    for t in adapters.values():
+        t.add_(1.0)  # training changes the adapters (the version counter moves)
+    return {"model": {**base, **adapters}, "optim": {"step": step, "lr": 1e-4}}
+
+
+def make(n: int = 8) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    base = {f"layers.{i}.w": torch.randn(256, 256, generator=g) for i in range(n)}
+    adapters = {f"layers.{i}.lora": torch.zeros(256, 4) for i in range(n)}
+    return base, adapters
+
+
+def manifest(store: TensorStore, step: int) -> dict[str, Any]:
+    with open(os.path.join(store.path(step), "manifest.json")) as f:
+        return json.load(f)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def test_unchanged_tensors_are_linked_and_every_step_stands_alone(tmp_path: Any) -> None:
+    base, adapters = make()
+    async with TensorStore(str(tmp_path), keep_last=2) as store:
+        written = []
+        for step in range(5):
+            h = store.save(step, lora_state(step, base, adapters))
+            await h
+            written.append((h.bytes_written, h.bytes_reused))
+        frozen = sum(t.nbytes for t in base.values())
+        assert written[0][1] == written[1][1] == 0  # the hint needs one save to learn what does not move
+        for w, r in written[2:]:
+            assert r >= frozen and w < frozen / 10, written
+        m = manifest(store, 4)
+        linked = [s for s in m["shards"] if "reused_from" in s]
+        assert linked and all(s["reused_from"] == 3 for s in linked)
+        a, b = (os.stat(os.path.join(store.path(s), linked[0]["file"])) for s in (3, 4))
+        assert a.st_ino == b.st_ino  # one file, two names
+        got = await store.load()
+        assert same(got["model"], {**base, **adapters}) and got["optim"]["step"] == 4
+        await store.delete(3)  # the step it reused from: step 4 is whole on its own
+        assert same((await store.load(4))["model"], {**base, **adapters})
+    r = subprocess.run([sys.executable, "-m", "aiotensor", "ls", "--json", str(tmp_path)], capture_output=True, text=True)
+    rows = {e["step"]: e for e in json.loads(r.stdout)["entries"]}
+    assert rows[4]["reused"] == frozen and rows[4]["written"] == rows[4]["bytes"] - frozen
+    path = os.path.join(str(tmp_path), "step-000000000004", linked[0]["file"])
+    with safe_open(path, "pt") as f:  # any safetensors reader
+        assert all(torch.equal(f.get_tensor(k), base[k.removeprefix("model.")]) for k in f.keys())
+    # every reader of the library: stream, the CLI's verify, DCP's reader
+    async with aiotensor.stream(os.path.join(str(tmp_path), "step-000000000004")) as st:
+        got = {n: t async for n, t in st}
+    assert same({k.removeprefix("model."): v for k, v in got.items() if k.startswith("model.")}, {**base, **adapters})
+    r = subprocess.run([sys.executable, "-m", "aiotensor", "verify", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+    import torch.distributed.checkpoint as dcp
+
+    from aiotensor.dcp import AiotensorReader
+
+    into = {"model": {k: torch.zeros_like(v) for k, v in {**base, **adapters}.items()}}
+    with warnings.catch_warnings():  # DCP says it assumes one process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(into, storage_reader=AiotensorReader(os.path.join(str(tmp_path), "step-000000000004")))
+    assert same(into["model"], {**base, **adapters})
+
+
+async def test_a_change_the_version_counter_misses_is_still_saved(tmp_path: Any) -> None:
+    base, adapters = make()
+    async with TensorStore(str(tmp_path)) as store:
+        for step in range(3):
+            await store.save(step, lora_state(step, base, adapters))
+        base["layers.5.w"].data[7, 7] = 1234.5  # `.data` writes do not move the version counter
+        h = store.save(3, lora_state(3, base, adapters))
+        await h
+        assert h.bytes_written >= base["layers.5.w"].nbytes
+        assert same((await store.load(3))["model"], {**base, **adapters})
+        h = store.save(4, lora_state(4, base, adapters))  # unchanged again since step 3
+        await h
+        assert h.bytes_reused >= sum(t.nbytes for t in base.values())
+
+
+async def test_a_new_process_reuses_the_last_step(tmp_path: Any) -> None:
+    base, adapters = make()
+    async with TensorStore(str(tmp_path)) as store:
+        for step in range(2):
+            await store.save(step, lora_state(step, base, adapters))
+    base = {k: v.clone() for k, v in base.items()}  # a restarted trainer: new tensors, same values
+    async with TensorStore(str(tmp_path)) as store:
+        h = store.save(2, lora_state(2, base, adapters))
+        await h
+        assert h.bytes_reused >= sum(t.nbytes for t in base.values())  # proven by digest, from the manifest
+        assert same((await store.load())["model"], {**base, **adapters})
+
+
+async def test_incremental_false_writes_every_byte(tmp_path: Any) -> None:
+    base, adapters = make()
+    eng = FaultyEngine()
+    async with TensorStore(str(tmp_path), incremental=False, engine=eng) as store:
+        for step in range(4):
+            h = store.save(step, lora_state(step, base, adapters))
+            await h
+            assert h.bytes_reused == 0
+        assert not any("blake3" in s for s in manifest(store, 3)["shards"])
+    assert not any(op[0] == "link" for op in eng.ops)
+
+
+async def test_a_file_system_without_hard_links_gets_the_bytes_written(tmp_path: Any) -> None:
+    base, adapters = make()
+    eng = FaultyEngine(fail={"link": (1, 1)})  # EPERM, as on a file system without links
+    async with TensorStore(str(tmp_path), engine=eng) as store:
+        for step in range(4):
+            h = store.save(step, lora_state(step, base, adapters))
+            await h
+        assert h.bytes_reused > 0  # the second link worked
+        assert same((await store.load())["model"], {**base, **adapters})
+        got = (await store.load(2))["model"]  # the step whose link failed: written
+        assert all(torch.equal(got[k], v) for k, v in base.items())
+
+
+@pytest.mark.parametrize(
+    "field, value", [("blake3", "xyz"), ("blake3", 5), ("reused_from", -1), ("reused_from", "step-1"), ("extra", 1)]
+)
+async def test_hostile_incremental_fields_are_refused(tmp_path: Any, field: str, value: Any) -> None:
+    from aiotensor.formats import manifest as mf
+
+    async with TensorStore(str(tmp_path)) as store:
+        await store.save(1, {"w": torch.ones(3)})
+        path = os.path.join(store.path(1), "manifest.json")
+    with open(path, "rb") as f:
+        doc = json.loads(f.read())
+    doc["shards"][0][field] = value
+    with pytest.raises(ManifestError, match="shard"):
+        mf.loads(mf.seal(doc), path)
