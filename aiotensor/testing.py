@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import os
+import random
+import socket
 import threading
 import time
 from collections import Counter
@@ -169,3 +171,22 @@ def evict(path: str | os.PathLike[str]) -> None:
         raise RuntimeError(f"{os.fspath(path)} stays in the page cache")
     finally:
         os.close(fd)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` loopback ports p that are free, with p + 10000 free too, below 55536: for a local
+    SeaweedFS (``weed`` serves gRPC at each port + 10000, and dies past 65535) in tests and
+    benchmarks."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    ports: list[int] = []
+    while len(ports) < n:
+        p = rng.randrange(20000, 55000)
+        try:
+            for q in (p, p + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        if p not in ports:
+            ports.append(p)
+    return ports

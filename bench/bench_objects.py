@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from typing import Any
 import psutil
 import torch
 
+from aiotensor.testing import free_ports
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 KEY, SECRET = "bench", "bench-secret"
@@ -54,7 +55,7 @@ class Server:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        ports = _free_ports(4)
+        ports = free_ports(4)
         self.url = f"http://127.0.0.1:{ports[0]}"
         cfg = os.path.join(folder, "s3.json")
         ident = {"name": KEY, "credentials": [{"accessKey": KEY, "secretKey": SECRET}], "actions": ["Admin"]}
@@ -98,22 +99,6 @@ class Server:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def _free_ports(n: int) -> list[int]:
-    import random
-
-    out: list[int] = []
-    while len(out) < n:
-        p = random.randrange(20000, 55000)
-        try:
-            for q in (p, p + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        out.append(p)
-    return out
 
 
 def timed(server: Server, fn: Callable[[], Any]) -> tuple[float, float]:

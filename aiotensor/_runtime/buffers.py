@@ -7,6 +7,8 @@ saves, only with the largest state staged so far.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 from typing import Any
 
@@ -31,6 +33,20 @@ def copy_bytes(dst: Any, src: Any) -> None:
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
+@functools.cache
+def _memcmp() -> Any:
+    fn = ctypes.CDLL(None).memcmp  # a ctypes call releases the GIL
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+def same_bytes(a: int, b: int, nbytes: int) -> bool:
+    """Are the ``nbytes`` bytes at addresses ``a`` and ``b`` equal (libc's memcmp, GIL released;
+    as fast as a copy of them)?"""
+    return nbytes == 0 or _memcmp()(a, b, nbytes) == 0
+
+
 class HostBuffer:
     """One anonymous mapping, seen as a memoryview and as a uint8 tensor (both share its pages).
 
@@ -45,6 +61,9 @@ class HostBuffer:
         self.tensor = torch.from_numpy(self.array)
         self.view = memoryview(self._mm)
         self.address = int(self.array.ctypes.data)
+        # what a save that used this arena left in it: arena offset -> the committed shard whose
+        # bytes lie there (an incremental save compares its sources with them while it stages)
+        self.images: dict[int, Any] = {}
         if populate:
             # Fault every page in now, in pieces, with the GIL released. Not MAP_POPULATE: Python's
             # mmap() keeps the GIL for the whole populate (4 s of frozen event loop for 1.4 GB on

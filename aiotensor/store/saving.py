@@ -4,12 +4,16 @@ name and commit (:class:`~aiotensor.commit.Publication`, then :meth:`Steps.commi
 
 **Incremental saves** (:class:`Incremental`): a tensor is unchanged only when proven so. Torch's
 version counter and the tensor's memory (unchanged since the last save) decide which tensors go
-into *candidate* shards, whose layout a later save repeats; the proof is a blake3 digest (256 bits)
-of each candidate shard's staged bytes, header included, equal to the digest recorded for the
-earlier shard of the same header. Such a shard is published as a hard link to the earlier file (on
-an object store, a server-side copy): every step stays a complete folder that any safetensors
-reader opens, deletable on its own. A `.data` write that the version counter misses changes the
-digest, and the shard is written.
+into *candidate* shards, whose layout a later save repeats. The proof is byte equality with the
+earlier shard of the same header, established one of two ways: where the staging arena still holds
+that earlier shard's image at the same place (the save before, in this process), each CPU source
+piece is compared with it (memcmp, as fast as the copy it replaces: the caller waits no longer)
+and copied only if it differs; otherwise (a restart, CUDA sources, the other arena) a blake3 digest
+(256 bits) of the staged shard, header included, equals the digest recorded for the earlier one.
+Such a shard is published as a hard link to the earlier file (on an object store, a server-side
+copy): every step stays a complete folder that any safetensors reader opens, deletable on its own.
+A `.data` write that the version counter misses fails the comparison (or changes the digest), and
+the shard is written.
 """
 
 from __future__ import annotations
@@ -98,11 +102,19 @@ async def save(
     del state
     arena = await staging.acquire(plan.arena_bytes)
     try:
-        pieces, views = await stage(sched, plan, sources, arena, prio, producers)
+        # an incremental save's candidate shards whose earlier image this arena still holds
+        held, arena.images = arena.images, {}
+        compare = {sh.arena_offset: sh for sh in plan.shards if sh.reuse is not None and held.get(sh.arena_offset) is sh.reuse}
+        changed: set[int] = set()
+        pieces, views = await stage(sched, plan, sources, arena, prio, producers, set(compare), changed)
+        proven = {sh.file for off, sh in compare.items() if off not in changed}
         h.set_staged(plan.nbytes)  # the caller's tensors are free to change from here on
         await sched.discard(sources, *views)  # our references to them: freed in a thread
         with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):
-            await _write(sched, steps, h, plan, arena, pieces, prio, incremental)
+            await _write(sched, steps, h, plan, arena, pieces, prio, incremental, proven)
+        if incremental is not None:  # what this arena now holds, for the next save
+            by_file = {os.path.basename(p.path): p for _, p in incremental.previous}
+            arena.images = {sh.arena_offset: by_file[sh.file] for sh in plan.shards if sh.file in by_file}
         # a plan and its pieces are tens of thousands of objects for a state of many tensors: freed
         # in a thread, before the arena goes back (so the next save cannot start before this one
         # has let go of everything); on failure they go where the error takes them
@@ -122,12 +134,13 @@ async def _write(
     pieces: Any,
     prio: int,
     incremental: Incremental | None,
+    proven: set[str],
 ) -> None:
     """The shards (each a page-aligned image of the arena, written with O_DIRECT, checksummed
     meanwhile; a candidate proven equal to an earlier shard linked instead) and the manifest under
     a temporary name, then the commit."""
     async with Publication(sched, steps.path(h.step), folder=True, priority=prio) as pub:
-        digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio)
+        digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio, proven)
         crcs: dict[str, int] = {}
         for sh in plan.shards:
             if sh.file in reused:
@@ -179,23 +192,28 @@ def _manifest(
 
 
 async def _reuse(
-    sched: Scheduler, plan: SavePlan, arena: HostBuffer, folder: str, prio: int
+    sched: Scheduler, plan: SavePlan, arena: HostBuffer, folder: str, prio: int, proven: set[str]
 ) -> tuple[dict[str, str], dict[str, int]]:
     """The blake3 digest of every candidate shard's staged bytes, and the shards linked into
-    ``folder`` from an earlier step (file -> that step) because their digests are equal. An
-    earlier file gone meanwhile, or a file system without hard links: the shard is written."""
-    candidates = [sh for sh in plan.shards if sh.candidate]
+    ``folder`` from an earlier step (file -> that step) because their digests are equal, or
+    because staging compared every byte with that earlier shard's image (``proven``: no digest to
+    compute). An earlier file gone meanwhile, or a file system without hard links: the shard is
+    written."""
+    hashed = [sh for sh in plan.shards if sh.candidate and sh.file not in proven]
     got = await sched.map(
         lambda sh: blake3.blake3(arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]).hexdigest(),
-        candidates,
+        hashed,
         nbytes=lambda sh: sh.layout.file_size,
         priority=prio,
         batch_bytes=1,  # a shard per call: several at once
         budget=False,
     )
-    digests = {sh.file: d for sh, d in zip(candidates, got, strict=True)}
+    digests = {sh.file: d for sh, d in zip(hashed, got, strict=True)}
+    digests |= {sh.file: sh.reuse.digest for sh in plan.shards if sh.file in proven and sh.reuse is not None}
     reused: dict[str, int] = {}
-    for sh in candidates:
+    for sh in plan.shards:
+        if not sh.candidate:
+            continue
         if sh.reuse is not None and digests[sh.file] == sh.reuse.digest:
             try:
                 await sched.call(sched.engine.link, sh.reuse.path, os.path.join(folder, sh.file), priority=prio)
