@@ -587,3 +587,20 @@ async def test_storage_options_configure_a_store_without_the_environment(
         ):
             pass
     assert "wrong" not in str(e.value) and SECRET not in str(e.value)
+
+
+async def test_a_mirror_copies_unchanged_shards_on_the_server(s3: Any, run: str, tmp_path: Any) -> None:
+    """Incremental saves and a mirror: a shard linked locally is copied by the server from the
+    mirror's step before (the same digest), not uploaded again."""
+    base = {f"w{i}": torch.randn(200_000) for i in range(4)}
+    lora = {"a": torch.zeros(1000)}
+    async with aiotensor.TensorStore(str(tmp_path / "ckpt"), mirror=f"s3://bucket/{run}inc") as store:
+        for step in range(4):
+            lora["a"].add_(1.0)
+            h = store.save(step, {**base, **lora})
+            await h.mirrored
+        mirror = store._mirror
+        assert mirror is not None and mirror.copied >= sum(t.nbytes for t in base.values())
+    async with aiotensor.TensorStore(f"s3://bucket/{run}inc", readonly=True) as bucket:
+        got = await bucket.load(3)
+        assert same(got, {**base, **lora})

@@ -30,10 +30,14 @@ class Mirror:
     def __init__(self, sched: Scheduler, steps: Steps) -> None:
         self.sched, self.steps = sched, steps
         self.turn = anyio.Lock()  # one upload at a time, in the order the steps were committed
+        self.last: dict[str, str] = {}  # the newest mirrored step's shards, by blake3 digest: digest -> path
+        self.uploaded = self.copied = 0  # bytes put, and bytes the server copied from an earlier step
 
     async def upload(self, local: Engine, folder: str, step: int) -> None:
         """Copy the committed local step ``folder`` to the mirror as ``step``: its shards (several
-        PUTs at once), then, once the mirror's lease is renewed, its manifest (the commit point).
+        PUTs at once; a shard whose digest the newest mirrored step has, from an incremental save,
+        is copied by the server from there instead), then, once the mirror's lease is renewed, its
+        manifest (the commit point).
 
         Raises:
             OSError, StoreLockedError: the upload failed; nothing of it is left in the mirror.
@@ -48,12 +52,26 @@ class Mirror:
 
                 def put(name: str) -> Any:
                     src, dst = os.path.join(folder, name), os.path.join(pub.tmp, name)
-                    return lambda: sched.call(put_file, sched.engine, src, dst, priority=Priority.BACKGROUND)
+                    earlier = self.last.get(m.digests.get(name, ""))
+
+                    async def run() -> None:
+                        if earlier is not None:
+                            try:
+                                await sched.call(sched.engine.link, earlier, dst, priority=Priority.BACKGROUND)
+                                self.copied += m.shards[name]
+                                return
+                            except OSError as e:  # retired meanwhile: put it
+                                log.info("putting %s instead of copying %s (%s)", dst, earlier, e)
+                        await sched.call(put_file, sched.engine, src, dst, priority=Priority.BACKGROUND)
+                        self.uploaded += m.shards.get(name, 0)
+
+                    return run
 
                 await run_concurrently(*(put(name) for name in m.shards))
                 await self.steps.fence()
                 await put(MANIFEST)()
                 await self.steps.commit(h, pub.publish)
+            self.last = {d: os.path.join(self.steps.path(step), f) for f, d in m.digests.items()}
             for w in h.warnings:
                 log.warning("%s", w)
 
