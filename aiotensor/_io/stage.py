@@ -57,7 +57,11 @@ async def stage(
     # one unit per piece of every tensor: tens of thousands for a large state, so built in a thread
     pieces, cpu, gpu, cpu_bytes = await sched.call(_stage_units, sched, plan, sources, arena, priority=priority)
     starts = sorted(compare or ())
-    ends = {sh.arena_offset: sh.arena_offset + sh.layout.file_size for sh in plan.shards if sh.arena_offset in (compare or ())}
+    ends = (
+        {sh.arena_offset: sh.arena_offset + sh.layout.file_size for sh in plan.shards if sh.arena_offset in compare}
+        if compare
+        else {}
+    )
     if starts and changed is not None:
         changed |= {
             sh.arena_offset
