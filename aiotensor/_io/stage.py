@@ -62,12 +62,8 @@ async def stage(
         if compare
         else {}
     )
-    if starts and changed is not None:
-        changed |= {
-            sh.arena_offset
-            for sh in plan.shards
-            if sh.arena_offset in ends and any(sources[s.key].device.type == "cuda" for s in sh.layout.tensors)
-        }
+    if starts and changed is not None:  # tens of thousands of tensors: in a thread
+        changed |= await sched.call(_on_device, plan, sources, set(ends), priority=priority)
 
     def within(start: int) -> int | None:
         i = bisect.bisect_right(starts, start) - 1
@@ -163,8 +159,8 @@ async def checksums(
     skip: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
     """crc32c of every tensor staged in ``arena`` (but those of ``skip``), from the pieces ``stage`` returned."""
-    if skip:
-        units = [u for u in units if u.key not in skip]
+    if skip:  # tens of thousands of units: in a thread
+        units = await sched.call(lambda: [u for u in units if u.key not in skip], priority=priority)
     crcs = await sched.map(
         lambda u: checksum.crc32c(arena.view[u.start : u.start + u.nbytes]),
         units,
@@ -183,6 +179,15 @@ def _crcs_by_key(plan: SavePlan, units: list[_StageUnit], crcs: list[int], skip:
     for u, c in zip(units, crcs, strict=True):
         pieces[u.key].append((c, u.nbytes))
     return {k: crc_of_pieces(v) for k, v in pieces.items()}
+
+
+def _on_device(plan: SavePlan, sources: dict[str, torch.Tensor], offsets: set[int]) -> set[int]:
+    """The shards at ``offsets`` that hold a CUDA tensor (their bytes cannot be compared)."""
+    return {
+        sh.arena_offset
+        for sh in plan.shards
+        if sh.arena_offset in offsets and any(sources[s.key].device.type == "cuda" for s in sh.layout.tensors)
+    }
 
 
 _NO_SOURCE = torch.empty(0)

@@ -141,12 +141,8 @@ async def _write(
     a temporary name, then the commit."""
     async with Publication(sched, steps.path(h.step), folder=True, priority=prio) as pub:
         digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio, proven)
-        crcs: dict[str, int] = {}
-        for sh in plan.shards:
-            if sh.file in reused:
-                assert sh.reuse is not None
-                crcs |= sh.reuse.crcs  # the same bytes as that file's
-        skip = frozenset(crcs)
+        # the same bytes as those files': their crc32c (tens of thousands of keys: in a thread)
+        crcs, skip = await sched.call(_linked_crcs, plan, reused, priority=prio)
 
         async def checksum() -> None:
             crcs.update(await checksums(sched, plan, pieces, arena, prio, skip))
@@ -173,6 +169,14 @@ async def _write(
         await steps.commit(h, pub.publish)
     if incremental is not None:
         await sched.call(incremental.committed, m, steps.path(h.step), priority=prio)
+
+
+def _linked_crcs(plan: SavePlan, reused: dict[str, int]) -> tuple[dict[str, int], frozenset[str]]:
+    crcs: dict[str, int] = {}
+    for sh in plan.shards:
+        if sh.file in reused and sh.reuse is not None:
+            crcs |= sh.reuse.crcs
+    return crcs, frozenset(crcs)
 
 
 def _manifest(
