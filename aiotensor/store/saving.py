@@ -51,6 +51,11 @@ class Incremental:
         self.versions: dict[str, tuple[int, int]] = {}
         self.previous: list[tuple[tuple[str, ...], Previous]] = []
 
+    def forget(self) -> None:
+        """Drop what was remembered (the store closes; a reopened one reads the newest manifest)."""
+        self.versions = {}
+        self.previous = []
+
     def stable(self, key: str, t: torch.Tensor) -> bool:
         return self.versions.get(key) == _version(t)
 

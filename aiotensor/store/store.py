@@ -305,6 +305,8 @@ class TensorStore:
         """Unmap staging memory and bounce slots and drop the lock (in a thread: unmapping takes a while)."""
 
         def release() -> None:
+            if self._incremental is not None:  # tens of thousands of entries for a big state: freed here
+                self._incremental.forget()
             self.staging.close()
             self.scheduler.close()
             if self._group is not None:
