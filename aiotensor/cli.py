@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import os
-import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -28,7 +27,7 @@ from .engines import Engine, default_engine
 from .errors import CheckpointNotFoundError
 from .files import save_file, write_safetensors
 from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
-from .location import engine_for, local_path
+from .location import engine_for, is_folder, local_path
 from .serving import save_torch
 from .store import TensorStore
 
@@ -72,13 +71,6 @@ def _where(text: str) -> str:
 
 def _engine(path: str) -> Engine:
     return engine_for(path) or default_engine()
-
-
-def _isdir(engine: Engine, path: str) -> bool:
-    try:
-        return stat.S_ISDIR(engine.stat(path).st_mode if not engine.renames else os.stat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 def _human(n: float) -> str:
@@ -258,7 +250,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     bad: list[str] = []
     checked: list[sources.Source] = []
     engine = _engine(a.path)
-    names = engine.listdir(a.path) if _isdir(engine, a.path) else []
+    names = engine.listdir(a.path) if is_folder(engine, a.path) else []
     if names and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names):
         listing = _root.scan(engine, a.path, {})
         paths = [os.path.join(a.path, n) for _, n in sorted(listing.committed.items())]
@@ -343,7 +335,7 @@ async def convert(
     progress = progress or Progress("", total)
     progress.total = total
     engine = _engine(dst)
-    is_dir = await anyio.to_thread.run_sync(_isdir, engine, dst)
+    is_dir = await anyio.to_thread.run_sync(is_folder, engine, dst)
     folder = to == "safetensors" and (dst.endswith(os.sep) or is_dir or (total > shard_size and not dst.endswith(".safetensors")))
     if to == "safetensors" and total > shard_size and not folder:
         raise ValueError(
@@ -382,7 +374,7 @@ def _taken(engine: Engine, dst: str, folder: bool, overwrite: bool) -> bool:
     if not engine.exists(dst):
         return False
     if not engine.renames:  # an object, or a prefix with objects under it
-        return folder or not overwrite or _isdir(engine, dst)
+        return folder or not overwrite or is_folder(engine, dst)
     if folder:
         return not os.path.isdir(dst) or os.path.islink(dst) or bool(os.listdir(dst))
     return not overwrite or os.path.isdir(dst)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,29 @@ def is_object(path: str) -> bool:
     return path.startswith(SCHEME)
 
 
+def real_path(path: str) -> str:
+    """The path a user named, canonical: a local one with its links resolved (a Hugging Face cache
+    links files to blobs); an object store has no links (a key as named, without a trailing ``/``)."""
+    return path.rstrip("/") if is_object(path) else os.path.realpath(path)
+
+
+def mode_of(engine: Engine, path: str) -> int:
+    """The ``st_mode`` of what ``path`` names, links followed (``engine``: the one that serves it).
+
+    Raises:
+        FileNotFoundError: nothing there.
+    """
+    return (engine.stat(path) if is_object(path) else os.stat(path)).st_mode
+
+
+def is_folder(engine: Engine, path: str) -> bool:
+    """Is ``path`` a folder (an object store's: a key prefix with objects under it)?"""
+    try:
+        return stat.S_ISDIR(mode_of(engine, path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, Any] | None = None) -> Engine | None:
     """The engine a scheduler of the library's own needs for ``path``: an
     :class:`~aiotensor.engines.objects.ObjectEngine` (configured by ``storage_options``, obstore's
@@ -63,4 +87,4 @@ def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, A
     return ObjectEngine(storage_options)
 
 
-__all__ = ["engine_for", "is_object", "local_path"]
+__all__ = ["engine_for", "is_folder", "is_object", "local_path", "mode_of", "real_path"]

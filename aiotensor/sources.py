@@ -44,7 +44,7 @@ from .formats import safetensors as st
 from .formats import torchsave as ts
 from .formats.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, file_shape, torch_shape
 from .formats.tree import unflatten
-from .location import is_object
+from .location import is_object, mode_of, real_path
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -89,9 +89,9 @@ def resolve(engine: Engine, path: str) -> Source:
         UnsafePathError: a link inside a checkpoint folder, a FIFO, a device.
         OSError: a file cannot be read.
     """
-    real = path.rstrip("/") if is_object(path) else os.path.realpath(path)  # the user chose it
+    real = real_path(path)  # the user chose it
     try:
-        mode = engine.stat(real).st_mode if is_object(path) else os.stat(real).st_mode
+        mode = mode_of(engine, real)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     if stat.S_ISDIR(mode):
@@ -99,10 +99,6 @@ def resolve(engine: Engine, path: str) -> Source:
     if is_object(path) and _is_torch_zip(engine, path):
         raise UnsupportedLocationError(f"{path}: torch.save files on s3:// are not read yet (safetensors objects are)")
     return _file(engine, real)
-
-
-def _same(path: str) -> str:
-    return path
 
 
 def _folder(engine: Engine, folder: str) -> Source:
@@ -350,10 +346,8 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
     entries: list[Entry] = []
     seen: dict[str, str] = {}
     checksummed, metadata = True, dict[str, dict[str, str]]()
-    # a Hugging Face cache links files to blobs (an object store has no links)
-    real: Callable[[str], str] = _same if is_object(folder) else os.path.realpath
     for name in files:
-        src = _file(engine, real(os.path.join(folder, name)))
+        src = _file(engine, real_path(os.path.join(folder, name)))
         for e in src.entries:
             for n in e.names:
                 if n in seen:
@@ -362,7 +356,7 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
         entries += src.entries
         checksummed = checksummed and src.checksummed
         metadata |= src.metadata
-    paths = tuple(real(os.path.join(folder, n)) for n in files)
+    paths = tuple(real_path(os.path.join(folder, n)) for n in files)
     return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata)
 
 

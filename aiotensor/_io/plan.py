@@ -126,6 +126,11 @@ def plan_save(
     return SavePlan(tree, tuple(shards), aliases, arena, nbytes), {k: t for k, _, t in stored}
 
 
+def shard_header(specs: Sequence[st.TensorSpec]) -> tuple[bytes, st.Layout]:
+    """The header and layout of a shard the store writes holding ``specs`` (in file order)."""
+    return st.build([(s.key, s.dtype, s.shape) for s in specs], SHARD_METADATA)
+
+
 def _fill(items: list[tuple[str, str, torch.Tensor]], most: int) -> list[list[tuple[str, str, torch.Tensor]]]:
     """``items`` in groups of at most ``most`` bytes (a bigger tensor alone), in order."""
     groups: list[list[tuple[str, str, torch.Tensor]]] = []

@@ -273,18 +273,15 @@ class ObjectEngine(Engine):
         """An object store has no rename: the object is copied by the server (atomically, over any
         object ``dst``), then ``src`` deleted. Objects only (a folder's keys are not moved): the
         commit protocol never renames folders here (:mod:`aiotensor.commit`)."""
-        (bucket, key), (bucket2, key2) = split(src), split(dst)
-        store = self._store(bucket)
-        if bucket2 != bucket:
+        bucket, key = split(src)
+        if split(dst)[0] != bucket:
             raise UnsupportedLocationError(f"{src} -> {dst}: a rename within one bucket only")
         try:
-            self._obstore.copy(store, key, key2)
+            self.link(src, dst)
         except FileNotFoundError:
-            if self._keys(store, key, limit=1):
+            if self._keys(self._store(bucket), key, limit=1):
                 raise UnsupportedLocationError(f"{src}: an object store cannot rename a folder") from None
-            raise FileNotFoundError(errno.ENOENT, "no such object", src) from None
-        except Exception as e:
-            raise self._fail(e) from None
+            raise
         self.remove_file(src)
 
     def link(self, src: str, dst: str) -> None:
@@ -363,9 +360,9 @@ class ObjectLease:
         """The lease's version, seconds since it was last renewed, and its length; None if none."""
         bucket, key = split(self.path)
         store = self.engine._store(bucket)
-        try:
-            meta = self.engine._obstore.head(store, key)
-            body = self.engine._obstore.get(store, key).bytes()
+        try:  # one GET: the version and the body it carries belong together
+            got = self.engine._obstore.get(store, key)
+            meta, body = got.meta, got.bytes()
         except FileNotFoundError:
             return None
         except Exception as e:

@@ -10,14 +10,13 @@ import torch
 from .. import root as _root
 from .. import sources
 from .._io.assemble import read
-from .._io.plan import SHARD_METADATA
+from .._io.plan import shard_header
 from .._io.read import begins_with, close, layout_of, open_read, read_tensors, verify_tensors
 from .._io.tensors import Target, carve, check_device, check_into
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
-from ..formats import safetensors as st
 from ..formats.tree import flatten, leaves, unflatten, update
 from ..location import local_path
 
@@ -195,7 +194,7 @@ def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[
     # A shard the store wrote begins with exactly the header its manifest entries make: equal byte
     # for byte, that proves what parsing it would (a third of a 20,000-tensor load's time)
     specs = tuple(sorted((e.spec for e in entries), key=lambda s: s.offset))
-    header, made = st.build([(s.key, s.dtype, s.shape) for s in specs], SHARD_METADATA)
+    header, made = shard_header(specs)
     if made.tensors == specs and made.file_size == size == sched.engine.size(fd):
         if begins_with(sched.engine, fd, header, path):
             return

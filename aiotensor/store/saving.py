@@ -28,14 +28,13 @@ import blake3
 import torch
 
 from .. import root as _root
-from .._io.plan import SHARD_METADATA, Previous, SavePlan, plan_save
+from .._io.plan import Previous, SavePlan, plan_save, shard_header
 from .._io.stage import checksums, stage
 from .._io.write import write_file
 from .._runtime.buffers import HostBuffer, StagingPool, round_up
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting, run_concurrently
 from ..commit import Publication
 from ..formats import manifest as mf
-from ..formats import safetensors as st
 from .handle import SaveHandle
 from .steps import Steps
 
@@ -70,7 +69,7 @@ class Incremental:
         self.previous = []
         for file, digest in m.digests.items():
             entries = sorted(by_shard.get(file, []), key=lambda e: e.spec.offset)
-            header, _ = st.build([(e.spec.key, e.spec.dtype, e.spec.shape) for e in entries], SHARD_METADATA)
+            header, _ = shard_header([e.spec for e in entries])
             crcs = {e.spec.key: e.crc32c for e in entries}
             prev = Previous(os.path.join(folder, file), header, digest, crcs, m.step)
             self.previous.append((tuple(e.spec.key for e in entries), prev))

@@ -35,7 +35,7 @@ from ..errors import (
     UnsupportedLocationError,
 )
 from ..files import TensorInfo
-from ..location import engine_for, is_object, local_path
+from ..location import engine_for, is_folder, is_object, local_path
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
@@ -205,8 +205,7 @@ class TensorStore:
             if self.distributed is not False:
                 await self._open_distributed()
             elif self._lock is None:
-                isdir = os.path.isdir if self.engine.renames else self.engine.exists
-                if not await call(self.scheduler, isdir, self.root, what=f"opening {self.root}"):
+                if not await call(self.scheduler, is_folder, self.engine, self.root, what=f"opening {self.root}"):
                     raise CheckpointNotFoundError(f"{self.root} is not a folder (a read-only store never creates it)")
                 await self._steps.scan()
             else:
@@ -236,10 +235,13 @@ class TensorStore:
         """The newest step's candidate shards, for the next incremental save (after a restart);
         a failure only means that save writes every byte."""
         assert self._incremental is not None
+        incremental, folder = self._incremental, self.path(step)
+
+        def remember() -> None:  # tens of thousands of entries for a big state: in a worker
+            incremental.committed(_root.read_manifest(self.engine, folder, step), folder)
+
         try:
-            m = await self.scheduler.call(_root.read_manifest, self.engine, self.path(step), step, priority=Priority.BACKGROUND)
-            if not self._incremental.previous:  # a save of this process has not committed meanwhile
-                self._incremental.committed(m, self.path(step))
+            await self.scheduler.call(remember, priority=Priority.BACKGROUND)
         except Exception as e:
             log.info("%s: step %d's manifest was not read for incremental saves (%s)", self.root, step, e)
         finally:
