@@ -27,7 +27,7 @@ from .engines import Engine, default_engine
 from .errors import CheckpointNotFoundError
 from .files import save_file, write_safetensors
 from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
-from .location import engine_for, is_folder, local_path
+from .location import absolute, engine_for, is_folder, local_path
 from .serving import save_torch
 from .store import TensorStore
 
@@ -341,7 +341,7 @@ async def convert(
         raise ValueError(
             f"{src} holds {_human(total)}, over the shard size {_human(shard_size)}: name a folder (DST/) for shards"
         )
-    dst = dst if not engine.renames else os.path.abspath(dst)  # noqa: ASYNC240 - getcwd, no disk access
+    dst = absolute(dst)
     if to != "checkpoint" and await anyio.to_thread.run_sync(_taken, engine, dst, folder, overwrite):
         raise FileExistsError(f"{dst} exists" + ("" if folder else ": pass --overwrite to replace it"))
     dropped = _values(info) if to == "safetensors" else []

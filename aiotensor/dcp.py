@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import stat
 import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 from .formats import torchsave as ts
 from .formats import tree
-from .location import local_path
+from .location import absolute, engine_for, is_object, local_path, split
 
 METADATA = dm.JSON_NAME
 FORMAT = dm.FORMAT
@@ -63,15 +64,30 @@ class _Runner:
 
     With a ``scheduler`` and the ``token`` of the event loop it belongs to (a distributed
     :class:`~aiotensor.TensorStore`, which calls DCP from a worker thread), the I/O runs on that
-    loop and scheduler. Otherwise on a scheduler of its own over ``engine``, in an event loop of its
-    own, in a thread of its own (``dcp.save`` may be called from inside a running event loop).
+    loop and scheduler. Otherwise on a scheduler of its own over ``engine`` (default: the one that
+    serves ``path``: local files, or ``s3://`` objects configured by ``storage_options`` over the
+    ``AWS_*`` environment), in an event loop of its own, in a thread of its own (``dcp.save`` may be
+    called from inside a running event loop).
     """
 
-    def __init__(self, engine: Engine | None, scheduler: Scheduler | None, token: Any) -> None:
+    def __init__(
+        self, path: str, engine: Engine | None, scheduler: Scheduler | None, token: Any, storage_options: Any = None
+    ) -> None:
         if (scheduler is None) != (token is None):
             raise ValueError("scheduler= and token= go together (the event loop the scheduler runs on)")
-        self.scheduler, self.token = scheduler, token
-        self.engine = scheduler.engine if scheduler is not None else engine or PosixEngine()
+        self.scheduler, self.token, self.storage_options = scheduler, token, storage_options
+        self.chosen = engine  # the caller's, kept whatever the path
+        self.engine = self._engine(path)
+
+    def _engine(self, path: str) -> Engine:
+        if self.scheduler is not None:
+            engine_for(path, self.scheduler)  # refuses a local scheduler for an s3:// path
+            return self.scheduler.engine
+        return self.chosen or engine_for(path, None, self.storage_options) or PosixEngine()
+
+    def moved(self, path: str) -> None:
+        """The checkpoint's path changed (DCP's ``reset(checkpoint_id)``): the engine that serves it."""
+        self.engine = self._engine(path)
 
     def run(self, fn: Callable[[Scheduler], Coroutine[Any, Any, T]]) -> T:
         if self.scheduler is not None:
@@ -154,6 +170,13 @@ class AiotensorWriter(StorageWriter):
     coordinator also points ``latest`` at it (``latest=False``: left to the caller, as a distributed
     :class:`~aiotensor.TensorStore` does, which also applies its retention). ``nbytes``: the bytes this
     rank wrote.
+
+    ``path`` may be an ``s3://bucket/prefix/step-…`` URL (``storage_options``: obstore's S3 keys,
+    over the ``AWS_*`` environment): every rank puts its file whole, and the coordinator's
+    metadata, put last and only if absent, is the commit point (``docs/store.md``, "A store in a
+    bucket"); the folder is marked as the library's first, so two writers cannot share it.
+    ``fence``: a blocking check the coordinator runs just before the commit point (a distributed
+    store's writer lease: renewed, or StoreLockedError).
     """
 
     def __init__(
@@ -164,15 +187,17 @@ class AiotensorWriter(StorageWriter):
         engine: Engine | None = None,
         scheduler: Scheduler | None = None,
         token: Any = None,
+        storage_options: Any = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
-        self.path = local_path(path)
-        self.latest = latest
-        self.runner = _Runner(engine, scheduler, token)
+        self.path = absolute(local_path(path, objects=True))
+        self.latest, self.fence = latest, fence
+        self.runner = _Runner(self.path, engine, scheduler, token, storage_options)
         self.is_coordinator = False
         self.rank = 0
         self.nbytes = 0
-        self.tmp = ""  # the coordinator's temporary folder, once made
+        self.tmp = ""  # the coordinator's temporary folder, once made, until committed
 
     @property
     def engine(self) -> Engine:
@@ -180,7 +205,8 @@ class AiotensorWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = local_path(checkpoint_id)
+            self.path = absolute(local_path(checkpoint_id, objects=True))
+            self.runner.moved(self.path)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -191,13 +217,18 @@ class AiotensorWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: create the temporary folder every rank writes into (the checkpoint's
-        folder may exist if it is empty, as DCP's FileSystemWriter allows)."""
-        if os.path.lexists(self.path) and (os.path.islink(self.path) or not os.path.isdir(self.path) or os.listdir(self.path)):
+        folder may exist if it is empty, as DCP's FileSystemWriter allows; on an object store, the
+        checkpoint's own prefix, which must hold nothing)."""
+        eng = self.engine
+        if eng.exists(self.path) and (not stat.S_ISDIR(eng.stat(self.path).st_mode) or eng.listdir(self.path)):
             raise errors.CheckpointExistsError(f"{self.path} exists already (a checkpoint goes to a new or empty folder)")
-        root = os.path.dirname(os.path.abspath(self.path)) or "."
-        os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, commit.temp_name(os.path.basename(self.path)))
-        self.engine.mkdir(tmp)
+        root, name = split(self.path)
+        if eng.renames:
+            os.makedirs(root, exist_ok=True)
+            tmp = os.path.join(root, commit.temp_name(name))
+        else:
+            tmp = self.path  # see commit: the marker is made only if absent, the metadata commits
+        eng.mkdir(tmp)
         self.tmp = tmp
         return [dataclasses.replace(p, storage_data={"tmp": tmp, "prefix": f"__{i}_"}) for i, p in enumerate(plans)]
 
@@ -232,19 +263,25 @@ class AiotensorWriter(StorageWriter):
         """On the coordinator, after every rank's file is durable: metadata, then the commit."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         eng = self.engine
+        if self.fence is not None:
+            self.fence()
         commit.write_small(eng, os.path.join(self.tmp, METADATA), dumps_metadata(metadata))
         commit.publish(eng, self.tmp, self.path, folder=True)  # the commit point
-        if self.latest and _root.parse_step(os.path.basename(self.path)) is not None:  # a TensorStore root
-            _root.point_latest(eng, os.path.dirname(os.path.abspath(self.path)), os.path.basename(self.path))
+        self.tmp = ""  # committed: nothing for abort() to remove
+        root, name = split(self.path)
+        if self.latest and _root.parse_step(name) is not None:  # a TensorStore root
+            _root.point_latest(eng, root, name)
 
     def abort(self) -> None:
-        """On the coordinator, once no rank writes any more: remove the temporary folder (blocking).
+        """On the coordinator, once no rank writes any more: remove the uncommitted temporary folder
+        (blocking; its metadata first, on an object store).
 
         Raises:
             OSError: it could not be removed (a store's next writer removes it).
         """
         if self.tmp:
-            self.engine.remove_tree(self.tmp)
+            commit.remove(self.engine, self.tmp)
+            self.tmp = ""
 
     def storage_meta(self) -> md.StorageMeta | None:
         return md.StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
@@ -307,21 +344,25 @@ class AiotensorReader(_MetadataOnce, StorageReader):
     storage_reader=AiotensorReader(store.path(step)))``); any world size loads them (DCP reshards by
     chunk). Every item's crc32c is verified as it is read."""
 
-    def __init__(self, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None, token: Any = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None, token: Any = None, storage_options: Any = None
+    ) -> None:
         super().__init__()
-        self.path = local_path(path)
-        self.runner = _Runner(None, scheduler, token)
+        self.path = absolute(local_path(path, objects=True))
+        self.runner = _Runner(self.path, None, scheduler, token, storage_options)
         self.storage_data: dict[md.MetadataIndex, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._forget(checkpoint_id)
         if checkpoint_id is not None:
-            self.path = local_path(checkpoint_id)
+            self.path = absolute(local_path(checkpoint_id, objects=True))
+            self.runner.moved(self.path)
 
     def _read_metadata(self) -> md.Metadata:
-        if not os.path.lexists(os.path.join(self.path, METADATA)) and os.path.lexists(os.path.join(self.path, _root.MANIFEST)):
-            return _store_metadata(_root.read_manifest(PosixEngine(), self.path))
-        path, eng = os.path.join(self.path, METADATA), self.runner.engine
+        eng = self.runner.engine
+        if not eng.exists(os.path.join(self.path, METADATA)) and eng.exists(os.path.join(self.path, _root.MANIFEST)):
+            return _store_metadata(_root.read_manifest(eng, self.path))
+        path = os.path.join(self.path, METADATA)
         d = dm.loads_json(_root.read_small(eng, path, dm.MAX_BYTES, errors.ManifestError, "the metadata"), path)
         dm.check(d, lambda name: sources.file_size(eng, os.path.join(self.path, name)), path)
         return _to_dcp(d)
@@ -390,7 +431,9 @@ class AiotensorReader(_MetadataOnce, StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        folder = local_path(checkpoint_id)
+        folder = local_path(checkpoint_id, objects=True)
+        if is_object(folder):
+            return True  # listing it needs credentials: read_metadata says what is there
         return any(os.path.lexists(os.path.join(folder, n)) for n in (METADATA, _root.MANIFEST))
 
 
@@ -502,7 +545,7 @@ class SafeFileSystemReader(_MetadataOnce, FileSystemReader):
                         data = _root.read_range(eng, fd, info.offset, info.length, path, errors.FormatError, where)
                         safe.load_bytes(req, io.BytesIO(data))
                     else:
-                        _fill(safe, req, ts.read_tensor_at(fd, info.offset, info.length, path, where))  # type: ignore[arg-type]
+                        _fill(safe, req, ts.read_tensor_at(eng, fd, info.offset, info.length, path, where))  # type: ignore[arg-type]
             finally:
                 eng.close(fd)
         return _done(None)
@@ -522,18 +565,19 @@ def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     return any(os.path.lexists(os.path.join(local_path(path), n)) for n in (METADATA, dm.PICKLE_NAME))
 
 
-def load_full(path: str | os.PathLike[str], *, verify: bool = True) -> Any:
+def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_options: Any = None) -> Any:
     """The whole state a DCP checkpoint holds (either writer's), unsharded, in this process (no
     process group): what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does,
     through aiotensor's resolver and read path (:mod:`aiotensor.sources`): no pickle runs beyond
     the allow-listed metadata, every item is read within its file, and checked against its
     checksum. Memory: the whole state. Blocking (an event loop of its own, in a thread).
+    ``path`` may be an ``s3://`` URL (``storage_options`` as for :class:`AiotensorReader`).
 
     Raises:
         FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
             reading, naming the file and the item.
     """
-    folder = local_path(path)
+    folder = absolute(local_path(path, objects=True))
 
     async def load(sched: Scheduler) -> Any:
         src = await sched.call(sources.step, sched.engine, folder)
@@ -542,7 +586,7 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True) -> Any:
         assert src.state is not None
         return src.state(by_name.__getitem__)
 
-    return _Runner(None, None, None).run(load)
+    return _Runner(folder, None, None, None, storage_options).run(load)
 
 
 def unwrap(exc: CheckpointException, what: str) -> BaseException:

@@ -12,6 +12,7 @@ import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from .commit import Publication
 from .errors import MismatchError, StateError
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
-from .location import engine_for, is_object, local_path
+from .location import absolute, engine_for, is_object, local_path
 
 CRC_KEY = st.CRC_KEY
 
@@ -65,6 +66,7 @@ async def save_file(
     metadata: Mapping[str, str] | None = None,
     *,
     scheduler: Scheduler | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``tensors`` to a safetensors file that any safetensors reader opens, atomically.
 
@@ -76,6 +78,9 @@ async def save_file(
     boundary. ``metadata`` (str -> str) goes into the file's ``__metadata__``, beside aiotensor's
     per-tensor crc32c (``aiotensor.crc32c``); :func:`read_header` gives it back.
 
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
+
     Raises:
         StateError: a key that is not a string, metadata that is not str -> str (or uses aiotensor's
             key), or a tensor safetensors cannot store (named).
@@ -85,8 +90,11 @@ async def save_file(
     writing threads stopped.
     """
     path = local_path(path, objects=True)
-    path = path if is_object(path) else os.path.abspath(path)  # noqa: ASYNC240 - getcwd, no disk access
-    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched, Publication(sched, path, folder=False) as pub:
+    path = absolute(path)
+    async with (
+        own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched,
+        Publication(sched, path, folder=False) as pub,
+    ):
         await write_safetensors(sched, pub.tmp, tensors, metadata)
         await pub.publish()
 
@@ -167,9 +175,14 @@ async def user_path(sched: Scheduler, path: str) -> str:
     return await sched.call(os.path.realpath, path, priority=Priority.LOAD)
 
 
-async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | None = None) -> FileInfo:
+async def read_header(
+    path: str | os.PathLike[str], *, scheduler: Scheduler | None = None, storage_options: Mapping[str, Any] | None = None
+) -> FileInfo:
     """Names, dtypes, shapes and sizes of a safetensors file's tensors, and its metadata, from the
     header alone (validated completely; no tensor data is read).
+
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
     Raises:
         HeaderError: a malformed header (or not a safetensors file), naming the file.
@@ -179,7 +192,7 @@ async def read_header(path: str | os.PathLike[str], *, scheduler: Scheduler | No
     Cancellation: returns once the header read has stopped; nothing is left open.
     """
     path = local_path(path, objects=True)
-    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched:
+    async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         fd, layout = await _open_layout(sched, await user_path(sched, path), path)
         await close(sched, fd)
         crcs = st.crc_table(layout, path)
@@ -197,6 +210,7 @@ async def load_file(
     scheduler: Scheduler | None = None,
     progress: ProgressCallback | None = None,
     mmap: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
     ``into`` (whose tensors may be on CUDA; parameters that require grad are filled in place).
@@ -220,6 +234,9 @@ async def load_file(
     its disk space until they are gone. A tensor at an offset that is not a multiple of its item
     size (other writers may put one there) is copied.
 
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
+
     Raises:
         HeaderError: a malformed header, or not a safetensors file (a torch.save zip is named as
             such), naming the file (and the tensor).
@@ -233,7 +250,7 @@ async def load_file(
     Cancellation: returns once no worker thread writes into the tensors.
     """
     path = local_path(path, objects=True)
-    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched:
+    async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         real = await user_path(sched, path)
         if mmap:
             if into is not None or torch.device(device).type != "cpu":

@@ -1,9 +1,10 @@
 """Where data lives: every path a public API takes goes through :func:`local_path` first.
 
-Local paths are served everywhere; ``s3://bucket/key`` by ``TensorStore`` (and ``mirror=``),
-``save_file``, ``save_torch``, the readers (``load_file``, ``read_header``, ``stream``,
-``load_into``, ``prepare_swap``: safetensors objects, store roots and steps, Hugging Face folders)
-and the CLI, through :class:`~aiotensor.engines.objects.ObjectEngine`.
+Local paths are served everywhere; ``s3://bucket/key`` by ``TensorStore`` (and ``mirror=``,
+``distributed=``), ``save_file``, ``save_torch``, the readers (``load_file``, ``read_header``,
+``stream``, ``load_into``, ``prepare_swap``, ``load_torch``: safetensors and torch.save objects,
+store roots and steps, DCP steps, Hugging Face folders), the DCP layer and the CLI, through
+:class:`~aiotensor.engines.objects.ObjectEngine`.
 Any other URL (``scheme://...``), and ``s3://`` where it is not served yet, is refused with
 :class:`~aiotensor.errors.UnsupportedLocationError` before anything is touched: taken as a relative
 path, ``TensorStore("s3://bucket/run1/")`` would save into a folder named ``s3:`` in the working
@@ -57,6 +58,17 @@ def real_path(path: str) -> str:
     return path.rstrip("/") if is_object(path) else os.path.realpath(path)
 
 
+def absolute(path: str) -> str:
+    """``path`` made absolute (a local one against the working folder; an object's key is)."""
+    return path if is_object(path) else os.path.abspath(path)
+
+
+def split(path: str) -> tuple[str, str]:
+    """``path``'s absolute parent folder and its name (``s3://b/run/step-1/`` -> ``s3://b/run``, ``step-1``)."""
+    p = absolute(path)
+    return os.path.split(p.rstrip("/") if is_object(p) else p)
+
+
 def mode_of(engine: Engine, path: str) -> int:
     """The ``st_mode`` of what ``path`` names, links followed (``engine``: the one that serves it).
 
@@ -80,6 +92,8 @@ def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, A
     S3 keys, over the ``AWS_*`` environment) for an object, None (the default) otherwise."""
     if not is_object(path):
         return None
+    if scheduler is not None and storage_options:
+        raise ValueError("storage_options= configures a scheduler of aiotensor's own: pass it or scheduler=, not both")
     if scheduler is not None:
         if not scheduler.engine.renames:
             return None  # it has an object store's engine: it is used
@@ -87,4 +101,4 @@ def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, A
     return ObjectEngine(storage_options)
 
 
-__all__ = ["engine_for", "is_folder", "is_object", "local_path", "mode_of", "real_path"]
+__all__ = ["absolute", "engine_for", "is_folder", "is_object", "local_path", "mode_of", "real_path", "split"]

@@ -38,13 +38,13 @@ from . import root as _root
 from ._io.assemble import Entry, Part, Span, stored_bytes
 from ._io.read import layout_of
 from .engines import Engine
-from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError, UnsupportedLocationError
+from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError
 from .formats import dcp_metadata as dm
 from .formats import safetensors as st
 from .formats import torchsave as ts
 from .formats.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, file_shape, torch_shape
 from .formats.tree import unflatten
-from .location import is_object, mode_of, real_path
+from .location import mode_of, real_path
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -96,8 +96,6 @@ def resolve(engine: Engine, path: str) -> Source:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
-    if is_object(path) and _is_torch_zip(engine, path):
-        raise UnsupportedLocationError(f"{path}: torch.save files on s3:// are not read yet (safetensors objects are)")
     return _file(engine, real)
 
 
@@ -269,7 +267,7 @@ def _set_element(root: dict[str, Any], place: tuple[str | int, ...], value: Any)
 
 def _file(engine: Engine, path: str) -> Source:
     if _is_torch_zip(engine, path):
-        return _torch_file(path)
+        return _torch_file(engine, path)
     layout, crcs = _safetensors_layout(engine, path)
     return Source("safetensors", path, _safetensors_entries(path, layout, crcs), (path,), crcs is not None or not layout.tensors,
                   metadata={path: dict(layout.metadata or {})})  # fmt: skip
@@ -305,10 +303,10 @@ def _safetensors_entries(path: str, layout: st.Layout, crcs: dict[str, int] | No
     )
 
 
-def _torch_file(path: str) -> Source:
+def _torch_file(engine: Engine, path: str) -> Source:
     """A torch.save zip: one span per storage (read once, whatever shares it), each tensor a view of
     its storage's span; the tree walked once per object (shared structure stays shared)."""
-    tree = ts.parse_path(path)
+    tree = ts.parse_path(engine, path)
     refs = ts.tensor_refs(tree)  # each distinct tensor, with all its names, in first-seen order
     spans: dict[str, Span] = {}
     entries = []
@@ -389,7 +387,7 @@ def _blob(engine: Engine, path: str, offset: int, length: int, what: str) -> ts.
     """The tensor a ``torch.save`` blob at ``[offset, offset + length)`` of ``path`` describes."""
     fd = engine.open_read(path)
     try:
-        ref = ts.parse_at(fd, offset, length, path, what)
+        ref = ts.parse_at(engine, fd, offset, length, path, what)
     finally:
         engine.close(fd)
     return ref

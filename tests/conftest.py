@@ -75,3 +75,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def tmp_leftovers(root: str) -> list[str]:
     return [n for n in os.listdir(root) if ".tmp-" in n]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Any) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

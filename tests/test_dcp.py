@@ -241,17 +241,6 @@ def test_a_store_and_dcp_open_each_others_checkpoints(tmp_path: Any) -> None:
     anyio.run(load_with_store)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path: Any) -> Any:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_distributed_store_in_one_rank_saves_loads_and_snapshots_without_skipping(tmp_path: Any, one_rank_group: Any) -> None:
     import anyio
 

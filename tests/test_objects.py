@@ -203,14 +203,42 @@ async def test_an_object_replaced_while_it_is_read_fails_the_read(s3: Any, tmp_p
 
 
 async def test_what_is_not_built_on_s3_is_refused(s3: Any, tmp_path: Any) -> None:
-    with pytest.raises(UnsupportedLocationError, match="distributed"):
-        aiotensor.TensorStore("s3://bucket/run1/", distributed=True)
-    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
-    pt = await put_file(s3, "w.pt", str(tmp_path / "w.pt"))
-    with pytest.raises(UnsupportedLocationError, match="torch.save"):
-        await aiotensor.load_into(torch.nn.Linear(1, 1), pt)
+    with pytest.raises(UnsupportedLocationError, match="mirror"):
+        aiotensor.TensorStore("s3://bucket/run1/", distributed=True, mirror=str(tmp_path / "m"))
     with pytest.raises(UnsupportedLocationError, match="scheduler"):
         await aiotensor.load_file("s3://bucket/x.safetensors", scheduler=aiotensor.Scheduler())
+
+
+async def test_torch_save_objects_are_read_safely_as_the_file(s3: Any, tmp_path: Any) -> None:
+    """A real torch.save file in a bucket: every reader, tied weights kept tied, a view's storage
+    read once; one whose pickle would run code is refused before any tensor is read."""
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    model[1].weight = model[0].weight  # tied
+    state = {"model": model.state_dict(), "step": 7, "part": torch.arange(100.0)[10:20]}
+    torch.save(state, tmp_path / "ckpt.pt")
+    url = await put_file(s3, "pt/ckpt.pt", str(tmp_path / "ckpt.pt"))
+    got = {n: t async for n, t in aiotensor.stream(url)}
+    assert set(got) == {"model.0.weight", "model.1.weight", "part"}
+    assert torch.equal(got["model.0.weight"], model[0].weight.detach()) and torch.equal(got["part"], torch.arange(10.0, 20.0))
+    assert got["model.0.weight"].data_ptr() == got["model.1.weight"].data_ptr()  # read once, still tied
+    torch.save(model.state_dict(), tmp_path / "model.pt")  # as a user saves weights
+    fresh = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    result = await aiotensor.load_into(fresh, await put_file(s3, "pt/model.pt", str(tmp_path / "model.pt")))
+    assert not result.missing_keys and torch.equal(fresh[0].weight, model[0].weight) and torch.equal(fresh[1].weight, model[0].weight)
+    r = subprocess.run([sys.executable, "-m", "aiotensor", "convert", url, str(tmp_path / "out.safetensors")],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert torch.equal((await aiotensor.load_file(str(tmp_path / "out.safetensors")))["part"], torch.arange(10.0, 20.0))
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("touch pwned-by-s3",))
+
+    torch.save({"w": torch.ones(2), "x": Evil()}, tmp_path / "evil.pt")
+    evil = await put_file(s3, "pt/evil.pt", str(tmp_path / "evil.pt"))
+    with pytest.raises(aiotensor.errors.UnsafeFileError, match="posix.system|os.system|global"):
+        await aiotensor.load_into(torch.nn.Linear(2, 1), evil)
+    assert not os.path.exists("pwned-by-s3")
 
 
 # --- a TensorStore in a bucket --------------------------------------------------------------------
@@ -376,9 +404,15 @@ async def test_one_writer_per_bucket_prefix_and_a_crashed_writer_is_taken_over(s
     assert not any("step-000000000002/shard-00001" in k for k in keys_under(s3, f"{run}store5/"))
 
 
-async def test_a_writer_that_lost_its_lease_never_commits(s3: Any, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("distributed", [False, True])
+async def test_a_writer_that_lost_its_lease_never_commits(
+    s3: Any, run: str, monkeypatch: pytest.MonkeyPatch, distributed: bool, request: pytest.FixtureRequest
+) -> None:
+    """Also a distributed store's rank 0: DCP's commit point is fenced by the lease as a store's is."""
+    if distributed:
+        request.getfixturevalue("one_rank_group")
     monkeypatch.setattr(aiotensor.knobs, "LEASE_S", 1.0)
-    async with aiotensor.TensorStore(f"s3://bucket/{run}store6") as stalled:
+    async with aiotensor.TensorStore(f"s3://bucket/{run}store6", distributed=distributed) as stalled:
         stalled._lock._stop.set()  # type: ignore[union-attr]  # it stops renewing, as a stalled process would
         await anyio.sleep(2.2)
         async with aiotensor.TensorStore(f"s3://bucket/{run}store6", lock_timeout=10) as successor:
@@ -387,6 +421,7 @@ async def test_a_writer_that_lost_its_lease_never_commits(s3: Any, run: str, mon
                 await h
             await successor.save(2, train_state(2))
             assert await successor.refresh() == [2]
+    assert not any("step-000000000001" in k for k in keys_under(s3, f"{run}store6/"))
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a server of its own, killed and restarted: 30 s
@@ -587,6 +622,23 @@ async def test_storage_options_configure_a_store_without_the_environment(
         ):
             pass
     assert "wrong" not in str(e.value) and SECRET not in str(e.value)
+    # every function that takes a path takes them too
+    opts = options | {"allow_http": "true"}
+    url, pt = f"s3://bucket/{run}opts/w.safetensors", f"s3://bucket/{run}opts/w.pt"
+    await aiotensor.save_file(weights(), url, storage_options=opts)
+    await aiotensor.save_torch(weights(), pt, storage_options=opts)
+    assert set((await aiotensor.read_header(url, storage_options=opts)).tensors) == set(weights())
+    assert same(await aiotensor.load_file(url, storage_options=opts), weights())
+    assert same(await aiotensor.load_torch(pt, storage_options=opts), weights())
+    assert same({n: t async for n, t in aiotensor.stream(pt, storage_options=opts)}, weights())
+    module = torch.nn.Module()
+    module.register_buffer("ids", torch.zeros(77, dtype=torch.int64))
+    await aiotensor.load_into(module, url, strict=False, storage_options=opts)
+    assert torch.equal(module.ids, torch.arange(77))
+    swap = await aiotensor.prepare_swap(module, pt, strict=False, storage_options=opts)
+    assert torch.equal(swap.tensors["ids"], torch.arange(77))
+    with pytest.raises(ValueError, match="storage_options"):
+        await aiotensor.load_file(url, storage_options=opts, scheduler=aiotensor.Scheduler())
 
 
 async def test_a_mirror_copies_unchanged_shards_on_the_server(s3: Any, run: str, tmp_path: Any) -> None:
@@ -604,3 +656,96 @@ async def test_a_mirror_copies_unchanged_shards_on_the_server(s3: Any, run: str,
     async with aiotensor.TensorStore(f"s3://bucket/{run}inc", readonly=True) as bucket:
         got = await bucket.load(3)
         assert same(got, {**base, **lora})
+
+
+# --- DCP and distributed stores in a bucket ---------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # DCP's notices without a process group
+async def test_dcp_saves_and_loads_through_aiotensor_in_a_bucket(s3_server: Weed, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dcp.save``/``dcp.load`` with AiotensorWriter/AiotensorReader at an s3:// step (configured by
+    ``storage_options`` alone), the step listed by a store; a second save to it, or one into a
+    prefix that holds anything, is refused and leaves it as it was."""
+    import torch.distributed.checkpoint as dcp
+    from obstore.store import S3Store
+
+    from aiotensor.dcp import AiotensorReader, AiotensorWriter, load_full
+    from aiotensor.errors import CheckpointExistsError
+
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(k, raising=False)
+    opts = {"endpoint": s3_server.url, "access_key_id": "tester", "secret_access_key": SECRET, "region": "us-east-1"}
+    opts |= {"allow_http": "true"}
+    step = f"s3://bucket/{run}dcp/step-000000000004"
+    state = train_state(4) | {"extra": {"note": "kept"}}
+
+    def save_and_load() -> None:
+        dcp.save(state, storage_writer=AiotensorWriter(step, storage_options=opts))
+        into = train_state(0) | {"extra": {"note": ""}}
+        dcp.load(into, storage_reader=AiotensorReader(step, storage_options=opts))
+        assert same(into, state)
+        assert same(load_full(step, storage_options=opts), state)
+        with pytest.raises(CheckpointException) as e:
+            dcp.save(train_state(5), storage_writer=AiotensorWriter(step, storage_options=opts))
+        assert isinstance(e.value.failures[0][0], CheckpointExistsError)
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    await anyio.to_thread.run_sync(save_and_load)
+    bucket = S3Store("bucket", endpoint=s3_server.url, access_key_id="tester", secret_access_key=SECRET,
+                     region="us-east-1", client_options={"allow_http": True})  # fmt: skip
+    names = [k.rsplit("/", 1)[1] for k in keys_under(bucket, f"{run}dcp/step-000000000004/")]
+    assert sorted(names) == [".aiotensor-folder", ".metadata.json", "__0_data.safetensors"]
+    assert bytes(await (await __import__("obstore").get_async(bucket, f"{run}dcp/latest")).bytes_async()).strip() == b"step-000000000004"
+    async with aiotensor.TensorStore(f"s3://bucket/{run}dcp", readonly=True, storage_options=opts) as store:
+        assert store.steps() == [4] and same((await store.load())["model"], state["model"])
+
+
+def _ranks(root: str, world: int, mode: str, out: Any) -> Any:
+    from .test_dcp import _reports, _spawn
+
+    r = _spawn(root, world, mode, out)
+    return r, (_reports(out, world) if r.returncode == 0 else None)
+
+
+async def test_a_distributed_store_in_a_bucket_two_ranks_save_three_load(s3: Any, run: str, tmp_path: Any) -> None:
+    """Two gloo ranks save sharded state into one bucket prefix (rank 0 holds the lease and
+    commits), retention runs there; one process and three ranks (resharded) load it."""
+    from ._dcp_ranks import full
+
+    root = f"s3://bucket/{run}dist"
+    r, reps = await anyio.to_thread.run_sync(_ranks, root, 2, "store", tmp_path / "two")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rep in reps:  # 3 saves with keep_last=2; sharded and whole loads
+        assert rep == {"rank": rep["rank"], "steps": [2, 3], "loaded_ok": True, "whole_ok": True}
+    keys = keys_under(s3, f"{run}dist/")
+    assert {k.split("/", 2)[2] for k in keys} == {"latest"} | {
+        f"step-00000000000{s}/{n}" for s in (2, 3) for n in (".aiotensor-folder", ".metadata.json", "__0_data.safetensors", "__1_data.safetensors")
+    }  # no lease left once closed, nothing of step 1
+    async with aiotensor.TensorStore(root, readonly=True) as store:
+        got = await store.load()
+        assert torch.equal(got["w"], full(3)) and torch.equal(got["b"], torch.ones(3) * 3) and got["step"] == 3
+    streamed = {name: t async for name, t in aiotensor.stream(root)}
+    assert sorted(streamed) == ["b", "w"] and torch.equal(streamed["w"], full(3))
+    r, reps = await anyio.to_thread.run_sync(_ranks, root, 3, "load", tmp_path / "three")  # rows 3, 3, 2
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [(rep["rows"], rep["loaded_ok"]) for rep in reps] == [(3, True), (3, True), (2, True)]
+    cli = subprocess.run([sys.executable, "-m", "aiotensor", "verify", root], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0 and "OK" in cli.stdout, cli.stdout + cli.stderr
+
+
+async def test_a_rank_killed_mid_save_into_a_bucket_commits_nothing(s3: Any, run: str, tmp_path: Any) -> None:
+    from ._dcp_ranks import full
+    from .test_dcp import _reports, _spawn
+
+    root, out = f"s3://bucket/{run}kill", tmp_path / "out"
+    r = await anyio.to_thread.run_sync(_spawn, root, 2, "kill", out)
+    assert r.returncode != 0
+    rep = _reports(out, 1)[0]  # rank 1 was SIGKILLed while writing: rank 0 fails, well within the timeout
+    assert rep["error"].startswith("DistributedError: saving step 2") and rep["seconds"] < 20 and rep["steps"] == [1]
+    keys = keys_under(s3, f"{run}kill/")
+    assert not any("step-000000000002" in k for k in keys), keys  # rank 0 removed what rank 1 left
+    async with aiotensor.TensorStore(root) as store:
+        assert store.steps() == [1] and torch.equal((await store.load())["w"], full(1))
+        await store.save(2, {"w": full(2)})
+        assert store.steps() == [1, 2]

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import pickle
 import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import UnsafeFileError
 from .dtypes import TORCH_TO_SAFETENSORS
 from .tree import key_path, unique_key
+
+if TYPE_CHECKING:
+    from ..engines.base import Engine
 
 MAX_PICKLE_BYTES = 64 << 20
 ZIP_MAGIC = b"PK\x03\x04"
@@ -278,22 +280,25 @@ def _data_offset(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int, path: o
     return start
 
 
-def parse_path(path: str) -> Any:
-    """:func:`parse` on a file opened without following links at ``path`` (blocking)."""
-    from ..engines.posix import open_regular
-
-    fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        return parse(f, os.fstat(f.fileno()).st_size, path)
+def parse_path(engine: Engine, path: str) -> Any:
+    """:func:`parse` on the file or object at ``path``, opened by ``engine`` as every file is (a
+    local one without following links; blocking). On an object store each small read (the zip's
+    directory, each entry's local header) is a ranged GET."""
+    fd = engine.open_read(path)
+    try:
+        size = engine.size(fd)
+        return parse(io.BufferedReader(_Window(engine, fd, 0, size)), size, path)
+    finally:
+        engine.close(fd)
 
 
 class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of an open file, as a read-only seekable file of its own
-    (``pread``: the file's offset is never moved)."""
+    """Bytes ``[start, start + length)`` of a file ``engine`` opened, as a read-only seekable file
+    of its own (``pread``: the file's offset is never moved)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, engine: Engine, fd: int, start: int, length: int) -> None:
         super().__init__()
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+        self.engine, self.fd, self.start, self.length, self.pos = engine, fd, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -316,21 +321,21 @@ class _Window(io.RawIOBase):
         # released before returning or raising: a view left in a traceback would outlive the
         # reader's buffer ("deallocated bytearray object has exported buffers")
         with memoryview(buf) as whole, whole.cast("B") as flat, flat[:n] as part:
-            got = os.preadv(self.fd, [part], self.start + self.pos)
+            got = self.engine.pread(self.fd, part, self.start + self.pos)
         self.pos += got
         return got
 
 
-def parse_at(fd: int, start: int, length: int, path: str, what: str) -> TensorRef:
-    """The tensor a ``torch.save(tensor)`` blob at bytes ``[start, start + length)`` of an open
-    file describes (one item of a DCP ``FileSystemWriter`` file): parsed as :func:`parse` does, its
-    storage's offset then relative to ``start`` (blocking).
+def parse_at(engine: Engine, fd: int, start: int, length: int, path: str, what: str) -> TensorRef:
+    """The tensor a ``torch.save(tensor)`` blob at bytes ``[start, start + length)`` of a file
+    ``engine`` opened describes (one item of a DCP ``FileSystemWriter`` file): parsed as
+    :func:`parse` does, its storage's offset then relative to ``start`` (blocking).
 
     Raises:
         UnsafeFileError: the blob is not a torch.save file of one tensor, naming ``what``.
     """
     try:
-        ref = parse(io.BufferedReader(_Window(fd, start, length)), length, path)
+        ref = parse(io.BufferedReader(_Window(engine, fd, start, length)), length, path)
     except UnsafeFileError as e:
         raise UnsafeFileError(f"{what}: {e.reason}", path) from None
     if not isinstance(ref, TensorRef):
@@ -338,14 +343,14 @@ def parse_at(fd: int, start: int, length: int, path: str, what: str) -> TensorRe
     return ref
 
 
-def read_tensor_at(fd: int, start: int, length: int, path: str, what: str) -> torch.Tensor:
+def read_tensor_at(engine: Engine, fd: int, start: int, length: int, path: str, what: str) -> torch.Tensor:
     """The tensor of the blob :func:`parse_at` reads, its storage read straight from the file, the
     tensor a view of it as ``torch.load`` makes it (blocking)."""
-    ref = parse_at(fd, start, length, path, what)
+    ref = parse_at(engine, fd, start, length, path, what)
     data = torch.empty(ref.storage.nbytes, dtype=torch.uint8)
     view, off = data.numpy().data.cast("B"), 0
     while off < len(view):
-        n = os.preadv(fd, [view[off:]], start + ref.storage.offset + off)
+        n = engine.pread(fd, view[off:], start + ref.storage.offset + off)
         if n <= 0:
             raise UnsafeFileError(f"{what}: the file ends inside it (it shrank)", path)
         off += n

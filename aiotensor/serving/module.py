@@ -66,6 +66,7 @@ async def _matched(
     device: str | torch.device,
     window_bytes: int,
     scheduler: Scheduler | None,
+    storage_options: Mapping[str, Any] | None,
     no_meta: bool = False,
 ) -> LoadResult:
     """Match ``source``'s tensors to the module's by name (and shape: a mismatch is an error before
@@ -75,7 +76,7 @@ async def _matched(
     neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
     (else it is reported)."""
     path = local_path(source, objects=True)
-    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched:
+    async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         dev = check_device(sched, device)
         known, ties = await sched.run_sync(_module_tensors, module)
@@ -185,6 +186,7 @@ async def load_into(
     device: str | torch.device = "cpu",
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
     """Load ``source`` in place into ``module``'s parameters and buffers: read straight into their
     memory, once, where the module's tensor has the stored dtype; converted on the fly to the
@@ -197,6 +199,9 @@ async def load_into(
     keeping ties. Buffers the module does not save (``persistent=False``) are not in any file: a
     meta module's stay on the meta device.
 
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
+
     Raises:
         MismatchError: a shape differs (named; before anything is read), or with ``strict``,
             missing or unexpected keys (after the file has been read: the module then holds
@@ -207,7 +212,15 @@ async def load_into(
     values (load into a copy, or use :func:`prepare_swap`, to switch only once everything is in).
     """
     got = await _matched(
-        module, source, _itself, _in_place(module), strict=False, device=device, window_bytes=window_bytes, scheduler=scheduler
+        module,
+        source,
+        _itself,
+        _in_place(module),
+        strict=False,
+        device=device,
+        window_bytes=window_bytes,
+        scheduler=scheduler,
+        storage_options=storage_options,
     )
     _raise_if(strict, f"load_into {source}", got)
     return got
@@ -242,6 +255,7 @@ async def prepare_swap(
     strict: bool = True,
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Swap:
     """Load ``source`` for ``module`` into new tensors (one extra copy of the weights, on the
     module's devices and dtypes, read straight into them where the dtype is the stored one) while
@@ -250,6 +264,9 @@ async def prepare_swap(
     other shapes, or with ``strict`` other keys: MismatchError), nothing of the new version is
     visible. Tied parameters count as :func:`load_into` counts them; with ``strict=False``, what
     the file lacks keeps its current value after ``apply()``.
+
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
     Cancellation: nothing was switched; the partly loaded copy is dropped.
     """
@@ -265,7 +282,16 @@ async def prepare_swap(
         new[names[0]] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
 
     got = await _matched(
-        module, source, beside, keep, strict=strict, device="cpu", window_bytes=window_bytes, scheduler=scheduler, no_meta=True
+        module,
+        source,
+        beside,
+        keep,
+        strict=strict,
+        device="cpu",
+        window_bytes=window_bytes,
+        scheduler=scheduler,
+        storage_options=storage_options,
+        no_meta=True,
     )
     _raise_if(strict, f"prepare_swap {source}", got)
     return Swap(module, new, got)

@@ -100,6 +100,9 @@ class TensorStream:
     breaking out early: that stops every read at once and frees what was read ahead. A stream
     abandoned without either stops reading when its window is full and is freed with it.
 
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
+
     Cancellation: cancelling the task that iterates cancels the reads in flight; the stream is
     then closed (its reader task stopped, nothing left writing).
     """
@@ -115,6 +118,7 @@ class TensorStream:
         window_bytes: int = knobs.WINDOW_BYTES,
         verify: bool = True,
         scheduler: Scheduler | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
@@ -125,7 +129,7 @@ class TensorStream:
         self._keys = keys
         self._rows = dict(rows or {})
         self._own = scheduler is None
-        engine = engine_for(self.source, scheduler)  # an object needs an engine of its own
+        engine = engine_for(self.source, scheduler, storage_options)  # an object needs an engine of its own
         self.scheduler = scheduler if scheduler is not None else Scheduler(engine)
         self.device = check_device(self.scheduler, device)
         # the stream CUDA tensors are made and finished on, in worker threads: the caller's

@@ -7,6 +7,7 @@ import errno
 import io
 import os
 import threading
+from collections.abc import Mapping
 from typing import IO, Any, cast
 
 import torch
@@ -18,11 +19,16 @@ from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
 from ..errors import UnsafeFileError, annotate_oserror
-from ..location import engine_for, is_object, local_path
+from ..location import absolute, engine_for, local_path
 
 
 async def load_torch(
-    path: str | os.PathLike[str], *, device: str | torch.device = "cpu", verify: bool = True, scheduler: Scheduler | None = None
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    scheduler: Scheduler | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Load a torch.save zip (``.pt``/``.bin``) as the state it holds, as ``torch.load`` gives it
     (``weights_only=True``), without its pickle: only what state_dicts are made of is admitted, and
@@ -31,6 +37,9 @@ async def load_torch(
     ``torch.load`` makes them; structure the pickle shares stays shared. Each storage's bytes are
     checked against the CRC-32 its zip entry records (``torch.load`` never checks it;
     ``verify=False`` skips it).
+
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
     Raises:
         ChecksumError: a storage's bytes differ from its zip entry's CRC-32 (naming the file).
@@ -41,8 +50,8 @@ async def load_torch(
 
     Cancellation: every read stops; nothing is returned.
     """
-    path = local_path(path)
-    async with own_scheduler(scheduler) as sched:
+    path = local_path(path, objects=True)
+    async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         dev = check_device(sched, device)
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         if src.kind != "torch":
@@ -123,11 +132,20 @@ def _save_aligned(state: Any, f: IO[bytes]) -> None:
             ser.config.save.storage_alignment = old
 
 
-async def save_torch(state: Any, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None) -> None:
+async def save_torch(
+    state: Any,
+    path: str | os.PathLike[str],
+    *,
+    scheduler: Scheduler | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
     """Write a torch.save file that ``torch.load`` opens, with every storage at a 4096-byte file
     offset (so a reader can move them with O_DIRECT or cuFile, as :func:`load_torch` does),
     atomically (see :mod:`aiotensor.commit`: a temporary name, fsync'ed, renamed over ``path``,
     the folder fsync'ed), through the scheduler's engine.
+
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
     Raises:
         OSError: naming the file; ``path`` is then untouched.
@@ -135,8 +153,11 @@ async def save_torch(state: Any, path: str | os.PathLike[str], *, scheduler: Sch
     Cancellation: the write finishes in its thread, then the temporary file is removed.
     """
     path = local_path(path, objects=True)
-    path = path if is_object(path) else os.path.abspath(path)  # noqa: ASYNC240 - getcwd, no disk access
-    async with own_scheduler(scheduler, engine_for(path, scheduler)) as sched, Publication(sched, path, folder=False) as pub:
+    path = absolute(path)
+    async with (
+        own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched,
+        Publication(sched, path, folder=False) as pub,
+    ):
         try:
             await sched.call(_write_torch, sched.engine, pub.tmp, state, priority=Priority.SAVE)
         except OSError as e:

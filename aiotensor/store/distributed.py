@@ -91,7 +91,8 @@ class Group:
                 del state
                 h.set_staged(0)
                 token = anyio.lowlevel.current_token()
-                h.nbytes = await self.sched.run_sync(self.saver.write, staged, path, what, self.sched, token)
+                fence = None if steps.writer_lock is None else steps.writer_lock.check
+                h.nbytes = await self.sched.run_sync(self.saver.write, staged, path, what, self.sched, token, fence)
             await steps.commit(h, None)
 
     async def load(self, into: Any, path: str, what: str) -> None:
@@ -203,13 +204,14 @@ class Saver:
             raise DistributedError(f"{what} was abandoned: ranks {failed} could not stage their state")
         return staged
 
-    def write(self, staged: Any, path: str, what: str, sched: Scheduler, token: Any) -> int:
+    def write(self, staged: Any, path: str, what: str, sched: Scheduler, token: Any, fence: Callable[[], None] | None) -> int:
         """Write through :class:`~aiotensor.dcp.AiotensorWriter` on ``sched`` (the store's, on the
-        event loop of ``token``); returns this rank's bytes once rank 0 committed the step (DCP's
-        last collective carries the commit's outcome to every rank)."""
+        event loop of ``token``; ``fence``: rank 0's writer lock checked, an object store's lease
+        renewed, just before the commit point); returns this rank's bytes once rank 0 committed
+        the step (DCP's last collective carries the commit's outcome to every rank)."""
         from ..dcp import AiotensorWriter
 
-        writer = AiotensorWriter(path, latest=False, scheduler=sched, token=token)
+        writer = AiotensorWriter(path, latest=False, scheduler=sched, token=token, fence=fence)
         try:
             collective(lambda: dcp_save(staged, storage_writer=writer, process_group=self.group), what)
         except BaseException as e:

@@ -35,7 +35,7 @@ from ..errors import (
     UnsupportedLocationError,
 )
 from ..files import TensorInfo
-from ..location import engine_for, is_folder, is_object, local_path
+from ..location import engine_for, is_folder, local_path
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
@@ -123,8 +123,8 @@ class TensorStore:
             raise ValueError(f"lock_timeout must be >= 0 or None, got {lock_timeout}")
         if distributed is not False and readonly:
             raise ValueError("a distributed store writes: readonly=True and distributed= do not go together")
-        if distributed is not False and (is_object(self.root) or mirror is not None):
-            raise UnsupportedLocationError(f"{self.root}: a distributed store on object storage is not built yet")
+        if distributed is not False and mirror is not None:
+            raise UnsupportedLocationError(f"{self.root}: a distributed store has no mirror= yet (save to s3:// directly)")
         self.keep_last, self.readonly, self.lock_timeout = keep_last, readonly, lock_timeout
         self.shard_bytes, self.verify, self.reserve, self.distributed = shard_bytes, verify, reserve, distributed
         self.scheduler = Scheduler(
