@@ -63,6 +63,9 @@ IMAGE_MIN_BYTES = 4 * MiB
 # one of its own (bench_serving.py: 20,000 tensors).
 CARVE_TENSOR_BYTES = 1 * MiB
 CARVE_BLOCK_BYTES = 16 * MiB
+# where each read is a request (an object store): small tensors at most this far apart in the file
+# are fetched by one read (a torch.save zip's storages have their entries' headers between them)
+CARVE_GAP_BYTES = 64 * 1024
 
 # --- saves (aiotensor.store) --------------------------------------------------------------------
 # The largest shard file of a checkpoint (a tensor is never split).

@@ -90,6 +90,9 @@ class _ReadUnit:
     target: int = -1
     row0: int = 0
     row1: int = 0
+    # small tensors gathered into one read (an object store: a request per read), each
+    # (target, its first byte in this unit): read into a bounce slot, then copied out
+    members: tuple[tuple[int, int], ...] = ()
 
 
 async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], priority: int) -> None:
@@ -123,10 +126,14 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
             if u.dest is not None:
                 direct = _fill(eng, fd, dfd, u.dest, u.offset, u.nbytes, u.aligned, slot, path, what)
                 return _crcs(targets, u, u.dest), direct
-            t = targets[u.target]
             bounce = u.nbytes + 2 * PAGE <= len(slot)
             room = slot if bounce else memoryview(bytearray(u.nbytes))
             data, direct = _fetch(eng, fd, dfd if bounce else None, room, u.offset, u.nbytes, path, what)
+            if u.members:
+                for j, a in u.members:
+                    copy_bytes(byte_view(targets[j].tensor.detach()), data[a : a + targets[j].spec.nbytes])
+                return _crcs(targets, u, data), direct
+            t = targets[u.target]
             dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
             src = torch.from_numpy(np.frombuffer(data, np.uint8, u.nbytes)).view(dtype)
             target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
@@ -251,6 +258,7 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     units: list[_ReadUnit] = []
     host = _read_piece(sched, odirect)
     blocks: dict[Block, list[int]] = {}
+    small: list[int] = []  # gathered where each read is a request (sched.engine.read_bytes)
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
@@ -259,6 +267,9 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
             blocks.setdefault(t.block, []).append(i)
             continue
         part = (i,) if t.crc is not None else ()
+        if sched.engine.read_bytes is not None and direct(dst) and spec.nbytes <= knobs.CARVE_TENSOR_BYTES:
+            small.append(i)
+            continue
         if sched.engine.handles_device(dst) or direct(dst):
             whole = io_bytes(sched.engine, dst)
             piece = sched.chunk_bytes if isinstance(whole, torch.Tensor) else host
@@ -277,7 +288,35 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
             units.append(_ReadUnit(spec.offset + r0 * row_bytes, None, n, parts, target=i, row0=r0, row1=r1))
     for block, members in blocks.items():
         units += _block_units(block, [(i, targets[i]) for i in members], host, odirect)
+    units += _gathered(targets, small, host)
     return units, sum(u.nbytes for u in units)
+
+
+def _gathered(targets: Sequence[Target], chosen: list[int], most: int) -> list[_ReadUnit]:
+    """Small tensors read together: neighbours in the file (at most :data:`knobs.CARVE_GAP_BYTES`
+    apart, e.g. a torch.save zip's storages, between which lie their entries' headers) in reads
+    of at most ``most`` bytes, each tensor then copied out of the bounce slot."""
+    out: list[_ReadUnit] = []
+    group: list[int] = []
+
+    def flush() -> None:
+        if group:
+            lo = targets[group[0]].spec.offset
+            hi = max(targets[j].spec.offset + targets[j].spec.nbytes for j in group)
+            at = [(j, targets[j].spec.offset - lo) for j in group]
+            parts = tuple((j, a, a + targets[j].spec.nbytes) for j, a in at if targets[j].crc is not None)
+            out.append(_ReadUnit(lo, None, hi - lo, parts, members=tuple(at)))
+            group.clear()
+
+    end = 0
+    for i in sorted(chosen, key=lambda i: targets[i].spec.offset):
+        s = targets[i].spec
+        if group and (s.offset - end > knobs.CARVE_GAP_BYTES or s.offset + s.nbytes - targets[group[0]].spec.offset > most):
+            flush()
+        group.append(i)
+        end = max(end, s.offset + s.nbytes) if len(group) > 1 else s.offset + s.nbytes
+    flush()
+    return out
 
 
 def _block_units(block: Block, members: list[tuple[int, Target]], piece: int, odirect: bool) -> list[_ReadUnit]:

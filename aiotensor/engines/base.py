@@ -105,6 +105,16 @@ class Engine(abc.ABC):
         """Read up to ``dst.nbytes`` bytes at ``offset`` into ``dst``'s memory; return the count."""
         raise NotImplementedError(f"the {self.name} engine cannot read into {dst.device} memory")
 
+    def pread_ranges(self, fd: int, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each ``(offset, nbytes)`` range of ``fd``, at most ``nbytes`` (fewer at the
+        end of the file): many small reads at once, one call each here (an object store fetches
+        them together, in parallel)."""
+        out = []
+        for off, n in ranges:
+            buf = bytearray(n)
+            out.append(bytes(buf[: self.pread(fd, memoryview(buf), off)]))
+        return out
+
     def pwrite_device(self, fd: int, src: torch.Tensor, offset: int) -> int:
         """Write ``src``'s bytes at ``offset``; return how many were written (may be short)."""
         raise NotImplementedError(f"the {self.name} engine cannot write from {src.device} memory")

@@ -17,6 +17,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -204,7 +205,12 @@ def is_torch_zip(prefix: bytes) -> bool:
     return prefix.startswith(ZIP_MAGIC)
 
 
-def parse(f: io.BufferedIOBase, size: int, path: object) -> Any:
+Prefetch = Callable[[list[tuple[int, int]]], None]  # read these (offset, bytes) ranges ahead, together
+_PREFETCH_BATCH = 4096  # local headers fetched together (memory: ~160 bytes each)
+_HEADER_GUESS = 30 + 128  # a local header and its extra field (torch pads to 64-byte alignment), beyond the name
+
+
+def parse(f: io.BufferedIOBase, size: int, path: object, prefetch: Prefetch | None = None) -> Any:
     """The state a torch.save zip holds, with :class:`TensorRef` leaves (blocking: a worker thread).
 
     Raises:
@@ -217,7 +223,7 @@ def parse(f: io.BufferedIOBase, size: int, path: object) -> Any:
         raise UnsafeFileError(f"not a torch.save zip ({type(e).__name__}: {str(e)[:200]})", path) from None
     try:
         with z:
-            data, storages = _entries(z, f, size, path)
+            data, storages = _entries(z, f, size, path, prefetch)
     except _ZIP_ERRORS as e:
         raise UnsafeFileError(f"a malformed zip ({type(e).__name__}: {str(e)[:200]})", path) from None
     try:
@@ -243,16 +249,22 @@ _ZIP_ERRORS = (
 )
 
 
-def _entries(z: zipfile.ZipFile, f: io.BufferedIOBase, size: int, path: object) -> tuple[bytes, dict[str, tuple[int, int, int]]]:
+def _entries(
+    z: zipfile.ZipFile, f: io.BufferedIOBase, size: int, path: object, prefetch: Prefetch | None
+) -> tuple[bytes, dict[str, tuple[int, int, int]]]:
     """``data.pkl`` (read, its CRC checked) and each storage's (offset, bytes, CRC-32), every entry
-    stored, not encrypted, its local header naming it."""
+    stored, not encrypted, its local header naming it (``prefetch``: the local headers are read
+    ahead in batches, one round trip each on an object store instead of one per storage)."""
     infos = z.infolist()
     pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
     if len(pkl) != 1:
         raise UnsafeFileError("no single <name>/data.pkl: not a torch.save zip", path)
     prefix = pkl[0].filename[: -len("data.pkl")]
     storages: dict[str, tuple[int, int, int]] = {}
-    for info in infos:
+    for i, info in enumerate(infos):
+        if prefetch is not None and i % _PREFETCH_BATCH == 0:
+            batch = infos[i : i + _PREFETCH_BATCH]
+            prefetch([(b.header_offset, _HEADER_GUESS + len(b.orig_filename.encode("utf-8", "replace"))) for b in batch])
         if info.compress_type != zipfile.ZIP_STORED:
             raise UnsafeFileError(f"entry {info.filename!r} is compressed: only stored entries are read", path)
         if info.flag_bits & 0x1:
@@ -287,18 +299,26 @@ def parse_path(engine: Engine, path: str) -> Any:
     fd = engine.open_read(path)
     try:
         size = engine.size(fd)
-        return parse(io.BufferedReader(_Window(engine, fd, 0, size)), size, path)
+        window = _Window(engine, fd, 0, size)
+        return parse(io.BufferedReader(window), size, path, window.prefetch)
     finally:
         engine.close(fd)
 
 
 class _Window(io.RawIOBase):
     """Bytes ``[start, start + length)`` of a file ``engine`` opened, as a read-only seekable file
-    of its own (``pread``: the file's offset is never moved)."""
+    of its own (``pread``: the file's offset is never moved). A read that starts where a
+    :meth:`prefetch` range starts is served from it (once), perhaps short."""
 
     def __init__(self, engine: Engine, fd: int, start: int, length: int) -> None:
         super().__init__()
         self.engine, self.fd, self.start, self.length, self.pos = engine, fd, start, length, 0
+        self.ahead: dict[int, bytes] = {}
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        ranges = [(off, min(n, self.length - off)) for off, n in ranges if 0 <= off < self.length]
+        got = self.engine.pread_ranges(self.fd, [(self.start + off, n) for off, n in ranges])
+        self.ahead.update((off, data) for (off, _), data in zip(ranges, got, strict=True) if data)
 
     def readable(self) -> bool:
         return True
@@ -321,7 +341,12 @@ class _Window(io.RawIOBase):
         # released before returning or raising: a view left in a traceback would outlive the
         # reader's buffer ("deallocated bytearray object has exported buffers")
         with memoryview(buf) as whole, whole.cast("B") as flat, flat[:n] as part:
-            got = self.engine.pread(self.fd, part, self.start + self.pos)
+            early = self.ahead.pop(self.pos, None)
+            if early is not None:
+                got = min(n, len(early))
+                part[:got] = early[:got]
+            else:
+                got = self.engine.pread(self.fd, part, self.start + self.pos)
         self.pos += got
         return got
 
