@@ -224,7 +224,11 @@ async def test_torch_save_objects_are_read_safely_as_the_file(s3: Any, tmp_path:
     torch.save(model.state_dict(), tmp_path / "model.pt")  # as a user saves weights
     fresh = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
     result = await aiotensor.load_into(fresh, await put_file(s3, "pt/model.pt", str(tmp_path / "model.pt")))
-    assert not result.missing_keys and torch.equal(fresh[0].weight, model[0].weight) and torch.equal(fresh[1].weight, model[0].weight)
+    assert (
+        not result.missing_keys
+        and torch.equal(fresh[0].weight, model[0].weight)
+        and torch.equal(fresh[1].weight, model[0].weight)
+    )
     r = subprocess.run([sys.executable, "-m", "aiotensor", "convert", url, str(tmp_path / "out.safetensors")],
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -690,7 +694,9 @@ async def test_a_mirror_copies_unchanged_shards_on_the_server(s3: Any, run: str,
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # DCP's notices without a process group
-async def test_dcp_saves_and_loads_through_aiotensor_in_a_bucket(s3_server: Weed, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_dcp_saves_and_loads_through_aiotensor_in_a_bucket(
+    s3_server: Weed, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``dcp.save``/``dcp.load`` with AiotensorWriter/AiotensorReader at an s3:// step (configured by
     ``storage_options`` alone), the step listed by a store; a second save to it, or one into a
     prefix that holds anything, is refused and leaves it as it was."""
@@ -724,7 +730,10 @@ async def test_dcp_saves_and_loads_through_aiotensor_in_a_bucket(s3_server: Weed
                      region="us-east-1", client_options={"allow_http": True})  # fmt: skip
     names = [k.rsplit("/", 1)[1] for k in keys_under(bucket, f"{run}dcp/step-000000000004/")]
     assert sorted(names) == [".aiotensor-folder", ".metadata.json", "__0_data.safetensors"]
-    assert bytes(await (await __import__("obstore").get_async(bucket, f"{run}dcp/latest")).bytes_async()).strip() == b"step-000000000004"
+    assert (
+        bytes(await (await __import__("obstore").get_async(bucket, f"{run}dcp/latest")).bytes_async()).strip()
+        == b"step-000000000004"
+    )
     async with aiotensor.TensorStore(f"s3://bucket/{run}dcp", readonly=True, storage_options=opts) as store:
         assert store.steps() == [4] and same((await store.load())["model"], state["model"])
 
@@ -748,7 +757,9 @@ async def test_a_distributed_store_in_a_bucket_two_ranks_save_three_load(s3: Any
         assert rep == {"rank": rep["rank"], "steps": [2, 3], "loaded_ok": True, "whole_ok": True}
     keys = keys_under(s3, f"{run}dist/")
     assert {k.split("/", 2)[2] for k in keys} == {"latest"} | {
-        f"step-00000000000{s}/{n}" for s in (2, 3) for n in (".aiotensor-folder", ".metadata.json", "__0_data.safetensors", "__1_data.safetensors")
+        f"step-00000000000{s}/{n}"
+        for s in (2, 3)
+        for n in (".aiotensor-folder", ".metadata.json", "__0_data.safetensors", "__1_data.safetensors")
     }  # no lease left once closed, nothing of step 1
     async with aiotensor.TensorStore(root, readonly=True) as store:
         got = await store.load()
