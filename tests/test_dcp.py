@@ -3,6 +3,7 @@ metadata, and DCP's own FileSystemWriter checkpoints read without running their 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -184,6 +185,43 @@ def test_dcp_file_system_checkpoints_are_read_without_their_pickle(tmp_path: Any
     with pytest.raises(UnsafeFileError):  # called directly, it is ours
         SafeFileSystemReader(tmp_path / "fs").read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+def test_dcp_metadata_pickled_with_enum_members_by_name_is_read(tmp_path: Any) -> None:
+    """Some Python 3.11 releases (3.11.2, Debian 12's) pickle an Enum member as
+    ``getattr(cls, name)``: DCP's metadata then holds ``builtins.getattr``. It is read (for an
+    admitted Enum's member only), whatever Python runs the tests: the pickle is made that way here."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from aiotensor.formats.dcp_metadata import loads_pickle
+
+    warnings.simplefilter("ignore")
+    s = state()
+    dcp.save(s, checkpoint_id=tmp_path / "fs")
+    path = tmp_path / "fs" / ".metadata"
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, _MEM_FORMAT_ENCODING):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    def repickle(m: Any) -> bytes:
+        buf = io.BytesIO()
+        ByName(buf, protocol=2).dump(m)
+        return buf.getvalue()
+
+    data = repickle(pickle.loads(path.read_bytes()))
+    assert b"getattr" in data
+    path.write_bytes(data)
+    into = {"model": {"w": torch.zeros(16, 8), "b": torch.ones(8, dtype=torch.bfloat16)}, "step": 0, "names": []}
+    dcp.load(into, storage_reader=SafeFileSystemReader(tmp_path / "fs"))
+    assert torch.equal(into["model"]["w"], s["model"]["w"]) and into["step"] == 3
+    # getattr on an admitted class for anything but an Enum's member is refused, nothing run
+    hostile = data.replace(b"X\x17\x00\x00\x00TORCH_CONTIGUOUS_FORMAT", b"X\x17\x00\x00\x00__init_subclass__\x00\x00\x00\x00\x00\x00")
+    assert hostile != data
+    with pytest.raises(UnsafeFileError, match="only an Enum's member"):
+        loads_pickle(hostile, path)
 
 
 @pytest.mark.parametrize("writer", ["filesystem", "aiotensor"])

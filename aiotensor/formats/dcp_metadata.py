@@ -7,6 +7,7 @@ anything is allocated from it.
 
 from __future__ import annotations
 
+import enum
 import io
 import math
 import pickle
@@ -148,7 +149,17 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _DCP_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
+        if name == "getattr" and module in ("builtins", "__builtin__"):
+            return self._member
         raise UnsafeFileError(f"refusing the global {module}.{name} in DCP metadata (nothing was run)", self.path)
+
+    def _member(self, cls: Any, name: Any) -> Any:
+        """``getattr(cls, name)``, as some Python 3.11 releases (3.11.2: Debian 12's) pickle an Enum
+        member (DCP's ``_MEM_FORMAT_ENCODING``): only a member of an Enum the allow-list admitted."""
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        what = getattr(cls, "__name__", type(cls).__name__)
+        raise UnsafeFileError(f"refusing getattr({what}, {name!r}) in DCP metadata (only an Enum's member)", self.path)
 
 
 def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:
