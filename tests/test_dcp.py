@@ -218,7 +218,9 @@ def test_dcp_metadata_pickled_with_enum_members_by_name_is_read(tmp_path: Any) -
     dcp.load(into, storage_reader=SafeFileSystemReader(tmp_path / "fs"))
     assert torch.equal(into["model"]["w"], s["model"]["w"]) and into["step"] == 3
     # getattr on an admitted class for anything but an Enum's member is refused, nothing run
-    hostile = data.replace(b"X\x17\x00\x00\x00TORCH_CONTIGUOUS_FORMAT", b"X\x17\x00\x00\x00__init_subclass__\x00\x00\x00\x00\x00\x00")
+    hostile = data.replace(
+        b"X\x17\x00\x00\x00TORCH_CONTIGUOUS_FORMAT", b"X\x17\x00\x00\x00__init_subclass__\x00\x00\x00\x00\x00\x00"
+    )
     assert hostile != data
     with pytest.raises(UnsafeFileError, match="only an Enum's member"):
         loads_pickle(hostile, path)
