@@ -52,7 +52,7 @@ from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 from .formats import torchsave as ts
 from .formats import tree
-from .location import absolute, engine_for, is_object, local_path, split
+from .location import engine_for, is_object, local_path, split, where
 
 METADATA = dm.JSON_NAME
 FORMAT = dm.FORMAT
@@ -191,7 +191,7 @@ class AiotensorWriter(StorageWriter):
         fence: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
-        self.path = absolute(local_path(path, objects=True))
+        self.path = where(path)
         self.latest, self.fence = latest, fence
         self.runner = _Runner(self.path, engine, scheduler, token, storage_options)
         self.is_coordinator = False
@@ -205,7 +205,7 @@ class AiotensorWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = absolute(local_path(checkpoint_id, objects=True))
+            self.path = where(checkpoint_id)
             self.runner.moved(self.path)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -348,14 +348,14 @@ class AiotensorReader(_MetadataOnce, StorageReader):
         self, path: str | os.PathLike[str], *, scheduler: Scheduler | None = None, token: Any = None, storage_options: Any = None
     ) -> None:
         super().__init__()
-        self.path = absolute(local_path(path, objects=True))
+        self.path = where(path)
         self.runner = _Runner(self.path, None, scheduler, token, storage_options)
         self.storage_data: dict[md.MetadataIndex, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._forget(checkpoint_id)
         if checkpoint_id is not None:
-            self.path = absolute(local_path(checkpoint_id, objects=True))
+            self.path = where(checkpoint_id)
             self.runner.moved(self.path)
 
     def _read_metadata(self) -> md.Metadata:
@@ -577,7 +577,7 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
         FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
             reading, naming the file and the item.
     """
-    folder = absolute(local_path(path, objects=True))
+    folder = where(path)
 
     async def load(sched: Scheduler) -> Any:
         src = await sched.call(sources.step, sched.engine, folder)

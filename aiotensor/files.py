@@ -26,7 +26,7 @@ from .commit import Publication
 from .errors import MismatchError, StateError
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
-from .location import absolute, engine_for, is_object, local_path
+from .location import engine_for, is_object, local_path, where
 
 CRC_KEY = st.CRC_KEY
 
@@ -89,8 +89,7 @@ async def save_file(
     Cancellation: the temporary file is removed and ``path`` is untouched; returns after the
     writing threads stopped.
     """
-    path = local_path(path, objects=True)
-    path = absolute(path)
+    path = where(path)
     async with (
         own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched,
         Publication(sched, path, folder=False) as pub,

@@ -63,6 +63,12 @@ def absolute(path: str) -> str:
     return path if is_object(path) else os.path.abspath(path)
 
 
+def where(path: str | os.PathLike[str]) -> str:
+    """A path a public API took that may name an object: :func:`local_path` (``s3://`` admitted),
+    made :func:`absolute`."""
+    return absolute(local_path(path, objects=True))
+
+
 def split(path: str) -> tuple[str, str]:
     """``path``'s absolute parent folder and its name (``s3://b/run/step-1/`` -> ``s3://b/run``, ``step-1``)."""
     p = absolute(path)
@@ -101,4 +107,4 @@ def engine_for(path: str, scheduler: Any = None, storage_options: Mapping[str, A
     return ObjectEngine(storage_options)
 
 
-__all__ = ["absolute", "engine_for", "is_folder", "is_object", "local_path", "mode_of", "real_path", "split"]
+__all__ = ["absolute", "engine_for", "is_folder", "is_object", "local_path", "mode_of", "real_path", "split", "where"]

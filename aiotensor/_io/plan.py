@@ -102,7 +102,7 @@ def plan_save(
     for keys, earlier in previous:
         if all(k in by_key for k in keys):
             group = [by_key[k] for k in keys]
-            header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
+            header, layout = _shard(group)
             if header == earlier.header:
                 planned.append((header, layout, True, earlier))
                 for k in keys:
@@ -115,7 +115,7 @@ def plan_save(
         *((g, False) for g in _fill([it for it in left if id(it) not in chosen], shard_bytes)),
     ]:
         group.sort(key=lambda x: -x[2].element_size())  # stable: state order within an itemsize
-        header, layout = st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
+        header, layout = _shard(group)
         planned.append((header, layout, candidate, None))
     shards = []
     arena = 0
@@ -129,6 +129,11 @@ def plan_save(
 def shard_header(specs: Sequence[st.TensorSpec]) -> tuple[bytes, st.Layout]:
     """The header and layout of a shard the store writes holding ``specs`` (in file order)."""
     return st.build([(s.key, s.dtype, s.shape) for s in specs], SHARD_METADATA)
+
+
+def _shard(group: list[tuple[str, str, torch.Tensor]]) -> tuple[bytes, st.Layout]:
+    """The header and layout of a shard holding ``group`` (key, safetensors dtype, tensor), in order."""
+    return st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
 
 
 def _fill(items: list[tuple[str, str, torch.Tensor]], most: int) -> list[list[tuple[str, str, torch.Tensor]]]:

@@ -19,7 +19,7 @@ from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
 from ..errors import UnsafeFileError, annotate_oserror
-from ..location import absolute, engine_for, local_path
+from ..location import engine_for, local_path, where
 
 
 async def load_torch(
@@ -152,8 +152,7 @@ async def save_torch(
 
     Cancellation: the write finishes in its thread, then the temporary file is removed.
     """
-    path = local_path(path, objects=True)
-    path = absolute(path)
+    path = where(path)
     async with (
         own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched,
         Publication(sched, path, folder=False) as pub,

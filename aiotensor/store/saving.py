@@ -219,16 +219,21 @@ async def _reuse(
     digests = {sh.file: d for sh, d in zip(hashed, got, strict=True)}
     digests |= {sh.file: sh.reuse.digest for sh in plan.shards if sh.file in proven and sh.reuse is not None}
     reused: dict[str, int] = {}
-    for sh in plan.shards:
-        if not sh.candidate:
-            continue
-        if sh.reuse is not None and digests[sh.file] == sh.reuse.digest:
+
+    def link(sh: Any, earlier: Previous) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
             try:
-                await sched.call(sched.engine.link, sh.reuse.path, os.path.join(folder, sh.file), priority=prio)
+                await sched.call(sched.engine.link, earlier.path, os.path.join(folder, sh.file), priority=prio)
             except OSError as e:
-                log.info("writing %s instead of linking %s (%s)", sh.file, sh.reuse.path, e)
-                continue
-            reused[sh.file] = sh.reuse.step
+                log.info("writing %s instead of linking %s (%s)", sh.file, earlier.path, e)
+                return
+            reused[sh.file] = earlier.step
+
+        return run
+
+    # several at once: on an object store each link is a server-side copy of a whole shard
+    same = [(sh, sh.reuse) for sh in plan.shards if sh.candidate and sh.reuse is not None and digests[sh.file] == sh.reuse.digest]
+    await run_concurrently(*(link(sh, earlier) for sh, earlier in same))
     return digests, reused
 
 
