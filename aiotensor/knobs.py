@@ -66,6 +66,11 @@ CARVE_BLOCK_BYTES = 16 * MiB
 # where each read is a request (an object store): small tensors at most this far apart in the file
 # are fetched by one read (a torch.save zip's storages have their entries' headers between them)
 CARVE_GAP_BYTES = 64 * 1024
+# Tensors of at most this many bytes that exist already (load_into, a swap, load(into=)) are read
+# with their neighbours in the file into a bounce slot and copied out: a syscall per 5 KB tensor
+# cost more than the copy (bench_serving.py: 20,000 tensors). Where each read is a request (an
+# object store), tensors up to CARVE_TENSOR_BYTES are.
+GATHER_TENSOR_BYTES = 64 * 1024
 
 # --- saves (aiotensor.store) --------------------------------------------------------------------
 # The largest shard file of a checkpoint (a tensor is never split).

@@ -62,6 +62,13 @@ MALFORMED = {
     "trailing bytes": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, 5, None),
     "past the end": ({"a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, 4, None),
     "overflowing shape": ({"a": {"dtype": "F64", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, 8, None),
+    "negative dims": ({"a": {"dtype": "F32", "shape": [-1, -1], "data_offsets": [0, 4]}}, 4, None),
+    "duplicate field": (None, 1, b'{"a": {"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}'),
+    "duplicate metadata key": (
+        None,
+        1,
+        b'{"__metadata__": {"m":"x","m":"y"}, "a": {"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    ),
     "bad metadata": ({"__metadata__": {"a": 1}}, 0, None),
     "NaN constant": (None, 0, b'{"__metadata__": {"a": NaN}}'),
     "deep nesting": (None, 0, b"[" * 100000 + b"]" * 100000),
@@ -193,6 +200,9 @@ def test_manifest_refuses_shard_paths_outside_the_folder(name: str) -> None:
         mf.loads(_manifest(shards=[{"file": name, "size": 4100}]), "m.json")
 
 
+_ENTRY = {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}
+
+
 @pytest.mark.parametrize(
     "over, match",
     [
@@ -228,6 +238,16 @@ def test_manifest_refuses_shard_paths_outside_the_folder(name: str) -> None:
         ),
         # found by the fuzzer (test_fuzz.py): an unhashable shard name raised TypeError
         ({"tensors": {"w": {"shard": [], "dtype": "F32", "shape": [1], "offset": 0, "nbytes": 4, "crc32c": 1}}}, "not listed"),
+        # each passes the checks every real entry passes at once, but one: the full checks name it
+        *(
+            ({"tensors": {"w": _ENTRY | bad}}, match)
+            for bad, match in [
+                ({"shape": [-1, -1]}, "shape must be"),
+                ({"crc32c": 2**32}, "crc32c must be"),
+                ({"offset": True}, "must be non-negative integers"),
+                ({"dtype": "F4", "shape": [3], "nbytes": 1}, "packs 2 values"),
+            ]
+        ),
         ({"aliases": {"v": "nope"}}, "aliases"),
         ({"tree": {"dict": {}}}, "same tensors"),
         ({"tree": {"weird": 1}}, "state tree"),

@@ -6,6 +6,7 @@ bytes, checked against the checksums, cold, warm and half-warm."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 from typing import Any
 
@@ -212,6 +213,35 @@ async def test_load_into_reads_straight_into_the_module_once(tmp_path: Any, monk
     swap = await aiotensor.prepare_swap(mlp(), path)
     assert all(t.dtype == torch.float32 for t in swap.tensors.values())
     equal(swap.tensors, src.state_dict())
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+async def test_small_tensors_of_a_module_are_read_together_and_copied_out(tmp_path: Any, monkeypatch: Any, cache: str) -> None:
+    """load_into of 600 small parameters reads them in a few pieces (a read each cost more than the
+    copy out of the bounce slot), into the module's own memory, exactly; a flipped bit is caught."""
+    calls: list[int] = []
+    pread = PosixEngine.pread
+    monkeypatch.setattr(PosixEngine, "pread", lambda self, fd, buf, off: (calls.append(len(buf)), pread(self, fd, buf, off))[1])
+    torch.manual_seed(0)
+    src = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(100 + i % 9)) for i in range(600)])
+    src.append(torch.nn.Parameter(torch.randn(3 * knobs.GATHER_TENSOR_BYTES // 4)))  # too big to gather: read in place
+    path = tmp_path / "small.safetensors"
+    await aiotensor.save_file(src.state_dict(), path)
+    evict(path) if cache == "cold" else warm(path)
+    dst = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(p)) for p in src])
+    where = {k: v.data_ptr() for k, v in dst.state_dict().items()}
+    calls.clear()
+    await aiotensor.load_into(dst, path)
+    assert len(calls) < 20, f"{len(calls)} reads for 601 tensors"
+    assert {k: v.data_ptr() for k, v in dst.state_dict().items()} == where
+    equal(dst.state_dict(), src.state_dict())
+    data = bytearray(path.read_bytes())  # one bit of tensor 300, in the middle of a gathered read
+    n = int.from_bytes(data[:8], "little")
+    data[8 + n + json.loads(data[8 : 8 + n])["300"]["data_offsets"][0] + 17] ^= 0x10
+    path.write_bytes(bytes(data))
+    evict(path) if cache == "cold" else warm(path)
+    with pytest.raises(ChecksumError, match="'300'"):
+        await aiotensor.load_into(dst, path)
 
 
 async def test_a_shape_mismatch_is_found_before_anything_is_read_into_the_module(tmp_path: Any) -> None:

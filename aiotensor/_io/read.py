@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime.buffers import PAGE, copy_bytes, round_up
+from .._runtime.buffers import PAGE, address, copy_bytes, move, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
@@ -130,8 +130,9 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
             room = slot if bounce else memoryview(bytearray(u.nbytes))
             data, direct = _fetch(eng, fd, dfd if bounce else None, room, u.offset, u.nbytes, path, what)
             if u.members:
+                at = address(data)
                 for j, a in u.members:
-                    copy_bytes(byte_view(targets[j].tensor.detach()), data[a : a + targets[j].spec.nbytes])
+                    move(targets[j].tensor.data_ptr(), at + a, targets[j].spec.nbytes)
                 return _crcs(targets, u, data), direct
             t = targets[u.target]
             dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
@@ -258,7 +259,8 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     units: list[_ReadUnit] = []
     host = _read_piece(sched, odirect)
     blocks: dict[Block, list[int]] = {}
-    small: list[int] = []  # gathered where each read is a request (sched.engine.read_bytes)
+    small: list[int] = []  # read together, then copied out (knobs.GATHER_TENSOR_BYTES)
+    gather = knobs.GATHER_TENSOR_BYTES if sched.engine.read_bytes is None else knobs.CARVE_TENSOR_BYTES
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
@@ -267,7 +269,7 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
             blocks.setdefault(t.block, []).append(i)
             continue
         part = (i,) if t.crc is not None else ()
-        if sched.engine.read_bytes is not None and direct(dst) and spec.nbytes <= knobs.CARVE_TENSOR_BYTES:
+        if spec.nbytes <= gather and direct(dst) and not sched.engine.handles_device(dst):
             small.append(i)
             continue
         if sched.engine.handles_device(dst) or direct(dst):

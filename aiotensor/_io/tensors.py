@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -215,10 +216,16 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
             return
         lo, end = specs[run[0]].offset // PAGE * PAGE, specs[run[-1]].offset + specs[run[-1]].nbytes
         block = Block(lo, end, aligned_empty(end - lo))
+        typed: dict[torch.dtype, torch.Tensor] = {}  # the block as each dtype: one view op per tensor
         for i in run:
             s = specs[i]
-            mem = block.memory[s.offset - lo : s.offset - lo + s.nbytes]
-            out[i] = (mem.view(SAFETENSORS_TO_TORCH[s.dtype]).view(torch_shape(s.dtype, s.shape)), block)
+            dtype = SAFETENSORS_TO_TORCH[s.dtype]
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = block.memory.view(dtype)
+            shape = torch_shape(s.dtype, s.shape)
+            at = base.storage_offset() + (s.offset - lo) // dtype.itemsize
+            out[i] = (base.as_strided(shape, contiguous_strides(shape), at), block)
         run.clear()
 
     for i in sorted(range(len(specs)), key=lambda i: specs[i].offset):
@@ -241,6 +248,16 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
 
 
 _EMPTY = torch.empty(0)
+
+
+@lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,17 @@ def copy_bytes(dst: Any, src: Any) -> None:
     np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
+def move(dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``src`` to address ``dst`` (libc memmove through ctypes: the
+    GIL is released, and a call costs far less than making buffers of both ends)."""
+    ctypes.memmove(dst, src, nbytes)
+
+
+def address(buf: memoryview) -> int:
+    """The address of a writable, non-empty memoryview's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 @functools.cache
 def _memcmp() -> Any:
     fn = ctypes.CDLL(None).memcmp  # a ctypes call releases the GIL

@@ -18,7 +18,7 @@ from .._runtime import gil
 from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import TensorSpec, is_count, parse_members, shape_problem
+from .safetensors import TensorSpec, is_count, parse_members, plain_nbytes, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -159,6 +159,12 @@ _FIELDS = frozenset({"shard", "dtype", "shape", "offset", "nbytes", "crc32c"})
 
 
 def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestError]) -> Entry:
+    if type(t) is dict and t.keys() == _FIELDS:  # every real entry, in few C calls
+        shard, offset, nbytes, crc = t["shard"], t["offset"], t["nbytes"], t["crc32c"]
+        if type(shard) is str and type(offset) is int and type(crc) is int and 0 <= crc < 2**32 and offset >= 0:
+            n = plain_nbytes(t["dtype"], t["shape"])
+            if n and n == nbytes and offset + n <= shards.get(shard, -1):
+                return Entry(shard, TensorSpec(key, t["dtype"], tuple(t["shape"]), offset, n), crc)
     if not (type(t) is dict and t.keys() == _FIELDS):
         raise bad(f"tensor {key!r}: entry must have exactly {sorted(_FIELDS)}")
     if not (isinstance(t["shard"], str) and t["shard"] in shards):

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._runtime import gil
 from ..errors import FormatError, HeaderError
-from .dtypes import ITEMSIZE, nbytes_of, packing_problem
+from .dtypes import ITEMSIZE, PACKED, nbytes_of, packing_problem
 
 ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
@@ -270,11 +270,37 @@ def is_count(x: object) -> bool:
 
 
 _INT = frozenset({int})
+_PLAIN_ITEMSIZE = {k: v for k, v in ITEMSIZE.items() if k not in PACKED}
+
+
+def plain_nbytes(dtype: Any, shape: Any) -> int:
+    """The bytes of a tensor of ``dtype`` (not packed) and ``shape`` where both are what real files
+    hold, every dimension at least 1; else 0 (then check it slowly, for the message). A caller
+    compares the result with a real size, which bounds every dimension."""
+    if (
+        type(dtype) is str
+        and dtype in _PLAIN_ITEMSIZE
+        and type(shape) is list
+        and len(shape) <= MAX_DIMS
+        and _INT.issuperset(map(type, shape))
+        and min(shape, default=1) >= 1
+    ):
+        return math.prod(shape) * _PLAIN_ITEMSIZE[dtype]
+    return 0
+
+
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 def _spec(key: str, info: Any, data_start: int, file_size: int, path: object) -> TensorSpec:
     """One tensor entry of a header, validated."""
+    if type(info) is dict and info.keys() == _ENTRY_FIELDS:  # every real entry, in few C calls
+        offsets = info["data_offsets"]
+        if type(offsets) is list and len(offsets) == 2 and _INT.issuperset(map(type, offsets)):
+            begin, end = offsets
+            n = plain_nbytes(info["dtype"], info["shape"])
+            if n and n == end - begin and begin >= 0 and data_start + end <= file_size:
+                return TensorSpec(key, info["dtype"], tuple(info["shape"]), data_start + begin, n)
     if type(info) is not dict or info.keys() != _ENTRY_FIELDS:
         raise HeaderError(f"tensor {key!r}: entry must have exactly dtype, shape and data_offsets", path)
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
