@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._io.read import close, open_read, read_layout, read_tensors, verify_mapped
+from ._io.read import close, layout_of, open_read, read_layout, read_tensors, verify_mapped
 from ._io.tensors import Block, Target, carve, check_device, check_into, check_tensor, io_bytes, materialize, wait_for_streams
 from ._io.write import crcs_of, write_file
 from ._runtime import cuda
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
 from .commit import Publication
-from .errors import MismatchError, StateError
+from .engines import Engine
+from .errors import MismatchError, StateError, annotate_oserror
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from .location import engine_for, is_object, local_path, where
@@ -250,11 +251,11 @@ async def load_file(
     """
     path = local_path(path, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
-        real = await user_path(sched, path)
         if mmap:
-            if into is not None or torch.device(device).type != "cpu":
-                raise ValueError("mmap=True maps the file into new CPU tensors: it takes neither into= nor another device")
-            return await map_file(sched, real, verify, name=path)
+            if into is not None or torch.device(device).type != "cpu" or is_object(path):
+                raise ValueError("mmap=True maps a local file into new CPU tensors: not with into=, another device or a URL")
+            return await map_file(sched, path, verify)
+        real = await user_path(sched, path)
         ok = not strict
         return await read_file(
             sched, real, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, name=path
@@ -299,21 +300,30 @@ async def read_file(
     return dest
 
 
-async def map_file(sched: Scheduler, path: str, verify: bool = True, name: str | None = None) -> dict[str, torch.Tensor]:
-    """:func:`load_file` with ``mmap=True`` of a file at a path that is never resolved (links
-    refused); errors name the file as ``name``."""
-    name = name or path
-    fd, layout = await _open_layout(sched, path, name)
-    try:
-        targets = await sched.call(_mapped, fd, layout, name, verify, priority=Priority.LOAD)
-    finally:
-        await close(sched, fd)
-    await verify_mapped(sched, name, targets, Priority.LOAD)
+async def map_file(sched: Scheduler, path: str, verify: bool = True) -> dict[str, torch.Tensor]:
+    """:func:`load_file` with ``mmap=True`` (``path`` as the user named it: links resolved, see
+    :func:`user_path`), the file opened, parsed and mapped in one worker call (a server maps many
+    shards: each hop to a thread costs as much as the mapping)."""
+    targets = await sched.call(_mapped, sched.engine, path, verify, priority=Priority.LOAD)
+    if any(t.crc is not None for t in targets):
+        await verify_mapped(sched, path, targets, Priority.LOAD)
     return {t.spec.key: t.tensor for t in targets}
 
 
-def _mapped(fd: int, layout: st.Layout, path: str, verify: bool) -> list[Target]:
-    """A copy-on-write mapping of the file and a view of it for each tensor (with its crc)."""
+def _mapped(engine: Engine, path: str, verify: bool) -> list[Target]:
+    """A copy-on-write mapping of the file the user named and a view of it for each tensor (with its crc)."""
+    try:
+        fd = engine.open_read(os.path.realpath(path))
+    except OSError as e:
+        raise annotate_oserror(e, f"opening {path}") from e
+    try:
+        layout = layout_of(engine, fd, path)
+        return _views(fd, layout, path, verify)
+    finally:
+        engine.close(fd)
+
+
+def _views(fd: int, layout: st.Layout, path: str, verify: bool) -> list[Target]:
     crcs = st.crc_table(layout, path) if verify else None
     whole = torch.empty(0, dtype=torch.uint8)
     if layout.file_size:

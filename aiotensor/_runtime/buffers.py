@@ -205,6 +205,11 @@ class SlotPool:
         self._free: list[int] = []
         self._pinning: Any = None  # the cuda.Pinning that pinned the slots, if any
 
+    @property
+    def mapped(self) -> bool:
+        """Whether the slots are mapped (closing the pool then unmaps them: a syscall)."""
+        return self._buf is not None
+
     def take(self) -> int:
         """Take a free slot's index."""
         if self._buf is None:

@@ -398,5 +398,8 @@ async def own_scheduler(given: Scheduler | None, engine: Engine | None = None) -
         with sched.operation():
             yield sched
     finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(sched.close)
+        if sched.slots.mapped or sched.cuda is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(sched.close)
+        else:  # nothing to free (a header read, a mapping): no thread hop
+            sched.close()
