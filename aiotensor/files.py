@@ -8,17 +8,26 @@ Files written here carry a crc32c per tensor in their ``__metadata__`` under ``a
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ._io.read import close, layout_of, open_read, read_layout, read_tensors, verify_mapped
-from ._io.tensors import Block, Target, carve, check_device, check_into, check_tensor, io_bytes, materialize, wait_for_streams
+from ._io.tensors import (
+    Block,
+    Target,
+    carve,
+    check_device,
+    check_into,
+    check_tensor,
+    io_bytes,
+    mapped,
+    materialize,
+    wait_for_streams,
+)
 from ._io.write import crcs_of, write_file
 from ._runtime import cuda
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
@@ -318,26 +327,10 @@ def _mapped(engine: Engine, path: str, verify: bool) -> list[Target]:
         raise annotate_oserror(e, f"opening {path}") from e
     try:
         layout = layout_of(engine, fd, path)
-        return _views(fd, layout, path, verify)
+        crcs = st.crc_table(layout, path) if verify else None
+        return mapped(fd, layout.file_size, layout.tensors, None if crcs is None else [crcs[s.key] for s in layout.tensors])
     finally:
         engine.close(fd)
-
-
-def _views(fd: int, layout: st.Layout, path: str, verify: bool) -> list[Target]:
-    crcs = st.crc_table(layout, path) if verify else None
-    whole = torch.empty(0, dtype=torch.uint8)
-    if layout.file_size:
-        # numpy keeps the mapping alive for as long as any tensor over it (torch.frombuffer would not)
-        whole = torch.from_numpy(np.frombuffer(mmap.mmap(fd, layout.file_size, access=mmap.ACCESS_COPY), np.uint8))
-    targets = []
-    for s in layout.tensors:
-        dtype, shape = SAFETENSORS_TO_TORCH[s.dtype], torch_shape(s.dtype, s.shape)
-        raw = whole[s.offset : s.offset + s.nbytes]
-        if s.offset % dtype.itemsize:
-            raw = raw.clone()
-        t = raw.view(dtype).view(shape) if s.nbytes else torch.empty(shape, dtype=dtype)
-        targets.append(Target(s, t, None if crcs is None else crcs[s.key]))
-    return targets
 
 
 def _targets(

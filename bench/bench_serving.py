@@ -9,7 +9,8 @@ and O_DIRECT), the Run:ai model streamer, tensorizer (its own format, same tenso
 plain mmap (no copy, pages not touched) is the baseline of our ``mmap=True`` mode, outside the
 copying peers. Ours:
 ``stream``, ``load_file``, ``load_into`` (a module of the file's shapes), a store's ``load()``
-(one file layouts only) and ``load_file(mmap=True)`` with and without verifying the checksums.
+(one file layouts only; also with ``mmap=True``) and ``load_file(mmap=True)`` with and without verifying the
+checksums.
 
 Cold means the files' pages were dropped and ``mincore`` found none left. Limits in the same run:
 fio sequential O_DIRECT reads at several depths and sizes, and a memcpy of the state into fresh
@@ -223,6 +224,12 @@ def ours(src: str, store: str | None, state: dict[str, torch.Tensor]) -> dict[st
                 return await s.load()
 
         tools["aiotensor store.load()"] = load
+
+        async def load_mapped() -> dict[str, torch.Tensor]:
+            async with aiotensor.TensorStore(store, readonly=True) as s:
+                return await s.load(mmap=True)
+
+        tools["aiotensor store.load(mmap)"] = load_mapped
     return tools
 
 
@@ -312,7 +319,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 OURS = ("aiotensor.stream", "aiotensor.load_file", "aiotensor.load_into", "aiotensor store.load()")
-MAPPED = ("aiotensor.load_file(mmap)", "aiotensor.load_file(mmap, verify=False)")
+MAPPED = ("aiotensor.load_file(mmap)", "aiotensor.load_file(mmap, verify=False)", "aiotensor store.load(mmap)")
 NO_COPY = "safetensors mmap (no copy)"
 
 

@@ -282,3 +282,36 @@ async def test_mmap_loads_copy_nothing_and_verify_the_mapped_pages(tmp_path: Any
     ok = await aiotensor.load_file(tmp_path / "st.safetensors", mmap=True)
     os.unlink(tmp_path / "st.safetensors")
     equal(ok, w)
+
+
+async def test_a_store_step_maps_without_a_copy_and_outlives_its_retirement(tmp_path: Any) -> None:
+    """store.load(mmap=True): views of the step's shards (several, with a tied weight and the state
+    tree kept), checksums verified from the mapped pages; a step retired while mapped stays readable."""
+    w = mixed()
+    state = {"model": dict(w), "tied": w["big"], "step": 3, "lr": [0.1, 0.01]}
+    root = tmp_path / "root"
+    async with aiotensor.TensorStore(root, keep_last=1, shard_bytes=8 << 20) as store:
+        await store.save(1, state)
+        got = await store.load(mmap=True)
+        assert got["step"] == 3 and got["lr"] == [0.1, 0.01]
+        equal(got["model"], w)
+        assert got["tied"] is got["model"]["big"]
+        mapped = {t.untyped_storage().data_ptr() for t in got["model"].values() if t.numel()}
+        assert len(mapped) == len(list((root / "step-000000000001").glob("*.safetensors"))) > 1
+        got["model"]["big"].mul_(0)  # copy-on-write: never the file
+        equal((await store.load())["model"], w)
+        with pytest.raises(ValueError, match="mmap"):
+            await store.load(mmap=True, into=state)
+        keep = await store.load(mmap=True)
+        await store.save(2, state)  # retires step 1, whose shards are mapped
+        assert store.steps() == [2]
+        equal(keep["model"], w)
+    # a flipped bit: ChecksumError from the mapped pages unless verify=False
+    shard = max((root / "step-000000000002").glob("*.safetensors"), key=os.path.getsize)
+    data = bytearray(shard.read_bytes())
+    data[-7_000_000] ^= 0x10
+    shard.write_bytes(bytes(data))
+    async with aiotensor.TensorStore(root, readonly=True) as store:
+        with pytest.raises(ChecksumError):
+            await store.load(mmap=True)
+        assert (await store.load(mmap=True, verify=False))["model"].keys() == w.keys()

@@ -7,11 +7,13 @@ copy is done) and run in worker threads.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import knobs
@@ -248,6 +250,33 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
 
 
 _EMPTY = torch.empty(0)
+
+
+def mapped(fd: int, size: int, specs: Sequence[st.TensorSpec], crcs: Sequence[int | None] | None) -> list[Target]:
+    """A copy-on-write mapping of the open file ``fd`` of ``size`` bytes and a view of it for each
+    of ``specs`` (validated against the file), each with its crc (``crcs[i]``; None: none to check).
+    A tensor at an offset that is not a multiple of its item size is copied out. Writes to a view
+    stay in this process; the mapping lives as long as any view of it (and keeps the file's inode:
+    a file deleted meanwhile is still read)."""
+    whole = _EMPTY.view(torch.uint8)
+    if size:
+        # numpy keeps the mapping alive for as long as any tensor over it (torch.frombuffer would not)
+        whole = torch.from_numpy(np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), np.uint8))
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    targets = []
+    for i, s in enumerate(specs):
+        dtype, shape = SAFETENSORS_TO_TORCH[s.dtype], torch_shape(s.dtype, s.shape)
+        if not s.nbytes:
+            t = torch.empty(shape, dtype=dtype)
+        elif s.offset % dtype.itemsize:
+            t = whole[s.offset : s.offset + s.nbytes].clone().view(dtype).view(shape)
+        else:
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = whole[: size - size % dtype.itemsize].view(dtype)
+            t = base.as_strided(shape, contiguous_strides(shape), s.offset // dtype.itemsize)
+        targets.append(Target(s, t, None if crcs is None else crcs[i]))
+    return targets
 
 
 @lru_cache(maxsize=4096)

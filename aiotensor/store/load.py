@@ -11,14 +11,14 @@ from .. import root as _root
 from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
-from .._io.read import begins_with, close, layout_of, open_read, read_tensors, verify_tensors
-from .._io.tensors import Target, carve, check_device, check_into
+from .._io.read import begins_with, close, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
+from .._io.tensors import Target, carve, check_device, check_into, mapped
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
 from ..formats.tree import flatten, leaves, unflatten, update
-from ..location import local_path
+from ..location import is_object, local_path
 
 
 async def load_checkpoint(
@@ -31,8 +31,9 @@ async def load_checkpoint(
     atomic: bool = False,
     step: int | None = None,
     progress: ProgressCallback | None = None,
+    mmap: bool = False,
 ) -> Any:
-    """Load one checkpoint folder (see :meth:`TensorStore.load` for ``into``, ``device``, ``atomic``).
+    """Load one checkpoint folder (see :meth:`TensorStore.load` for ``into``, ``device``, ``atomic``, ``mmap``).
 
     With ``step``, the folder must be a real folder (not a symbolic link) whose manifest names that
     step. At most one shard file is open at a time, whatever the number of shards.
@@ -50,7 +51,10 @@ async def load_checkpoint(
     """
     with sched.operation():  # the whole load
         path = local_path(folder, objects=True)
-        return await _load(sched, path, into, verify, check_device(sched, device), atomic, step, progress)
+        dev = check_device(sched, device)
+        if mmap and (into is not None or dev.type != "cpu" or is_object(path)):
+            raise ValueError("mmap=True maps a local step's shards into new CPU tensors: not with into=, another device or a URL")
+        return await _load(sched, path, into, verify, dev, atomic, step, progress, mmap)
 
 
 async def _load(
@@ -62,21 +66,28 @@ async def _load(
     atomic: bool,
     step: int | None,
     progress: ProgressCallback | None,
+    mmap: bool = False,
 ) -> Any:
     if await sched.call(_root.is_dcp_step, sched.engine, folder, priority=Priority.LOAD):
+        if mmap:
+            raise ValueError(f"{folder} was written through DCP (a shard per rank, chunks to assemble): mmap=True cannot map it")
         return await _load_dcp(sched, folder, into, dev, verify)
     m: mf.Manifest
     m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)
     mpath = os.path.join(folder, _root.MANIFEST)
     # every shard's header must agree with the manifest before anything is allocated: a hostile
     # manifest cannot make us allocate what the files do not hold
+    views: dict[str, list[Target]] = {}
     for shard, size in m.shards.items():
         path = os.path.join(folder, shard)
         fd = await open_read(sched, path)
         try:
-            await sched.call(_check_shard, sched, fd, path, size, by_shard[shard], mpath, priority=Priority.LOAD)
+            args = (sched, fd, path, size, by_shard[shard], mpath, verify if mmap else None)
+            views[shard] = await sched.call(_check_shard, *args, priority=Priority.LOAD)
         finally:
             await close(sched, fd)
+    if mmap:
+        return await _mapped(sched, folder, m, views, mpath)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
     dest, targets, nbytes = await sched.call(
@@ -190,7 +201,18 @@ def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str, into: Any
     return state if into is None else update(into, state)
 
 
-def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
+def _check_shard(
+    sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str, mapping: bool | None
+) -> list[Target]:
+    """Check that the shard holds what its manifest entries say; with ``mapping`` (not None), map it
+    and return a view of it for each entry (with its crc if ``mapping``: verify)."""
+    _check_header(sched, fd, path, size, entries, mpath)
+    if mapping is None:
+        return []
+    return mapped(fd, size, [e.spec for e in entries], [e.crc32c for e in entries] if mapping else None)
+
+
+def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
     # A shard the store wrote begins with exactly the header its manifest entries make: equal byte
     # for byte, that proves what parsing it would (a third of a 20,000-tensor load's time)
     specs = tuple(sorted((e.spec for e in entries), key=lambda s: s.offset))
@@ -202,6 +224,20 @@ def _check_shard(sched: Scheduler, fd: int, path: str, size: int, entries: list[
     listed = {e.spec.key: e.spec for e in entries}
     if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
         raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)
+
+
+async def _mapped(sched: Scheduler, folder: str, m: mf.Manifest, views: dict[str, list[Target]], mpath: str) -> Any:
+    """The state of a step whose shards are mapped (``views``): checksums verified by reading the
+    mapped pages (where the views carry them), then the state tree rebuilt."""
+    for shard, targets in views.items():
+        if any(t.crc is not None for t in targets):
+            await verify_mapped(sched, os.path.join(folder, shard), targets, Priority.LOAD)
+    dest = {t.spec.key: t.tensor for targets in views.values() for t in targets}
+    state = await sched.call(_finish, m, dest, mpath, None, priority=Priority.LOAD)
+    manifest = [m]
+    del m
+    await sched.discard(views, dest, manifest)
+    return state
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -537,12 +537,19 @@ class TensorStore:
         device: str | torch.device = "cpu",
         atomic: bool = False,
         progress: ProgressCallback | None = None,
+        mmap: bool = False,
     ) -> Any:
         """Load a committed step (default: the newest) as the nested state it was saved as: new
         tensors on ``device``, or, with ``into`` (a state of the same structure), its tensors filled
         in place and every saved non-tensor value put into its dicts and lists; ``into`` is returned
         (the same on 1 and N processes). ``atomic=True`` verifies every checksum before writing into
         ``into``, so a corrupt step leaves it untouched. ``progress(done, total)``: as for ``save``.
+
+        ``mmap=True`` (CPU, without ``into``, a local store) copies nothing: the tensors are
+        copy-on-write views of the step's shard files (as ``load_file(mmap=True)``), their
+        checksums verified by reading the mapped pages unless ``verify=False``. A step retired
+        later stays readable through them (a mapping keeps the file's inode), and its disk space
+        is freed only when the last view is gone (``docs/serving.md``).
 
         Raises:
             CheckpointNotFoundError: no such committed step, or another process retired it meanwhile.
@@ -556,7 +563,7 @@ class TensorStore:
         self._check_open()
         tier = self._tier
         if tier is not None and (self.latest() if step is None else step) in tier._steps.committed - self._steps.committed:
-            return await tier.load(step, into=into, verify=verify, device=device, atomic=atomic, progress=progress)
+            return await tier.load(step, into=into, verify=verify, device=device, atomic=atomic, progress=progress, mmap=mmap)
         step = self._steps.check(step)
         self._steps.readers[step] += 1  # never retired by this store meanwhile
         try:
@@ -574,6 +581,7 @@ class TensorStore:
                     atomic=atomic,
                     step=step,
                     progress=progress,
+                    mmap=mmap,
                 )
         except FileNotFoundError as e:
             if await call(self.scheduler, self.engine.exists, self.path(step), what=f"checking {self.path(step)}"):
