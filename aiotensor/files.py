@@ -313,14 +313,16 @@ async def map_file(sched: Scheduler, path: str, verify: bool = True) -> dict[str
     """:func:`load_file` with ``mmap=True`` (``path`` as the user named it: links resolved, see
     :func:`user_path`), the file opened, parsed and mapped in one worker call (a server maps many
     shards: each hop to a thread costs as much as the mapping)."""
-    targets = await sched.call(_mapped, sched.engine, path, verify, priority=Priority.LOAD)
-    if any(t.crc is not None for t in targets):
+    targets, tensors, checked = await sched.call(_mapped, sched.engine, path, verify, priority=Priority.LOAD)
+    if checked:
         await verify_mapped(sched, path, targets, Priority.LOAD)
-    return {t.spec.key: t.tensor for t in targets}
+    await sched.discard(targets)  # tens of thousands of objects, for a file of many tensors
+    return tensors
 
 
-def _mapped(engine: Engine, path: str, verify: bool) -> list[Target]:
-    """A copy-on-write mapping of the file the user named and a view of it for each tensor (with its crc)."""
+def _mapped(engine: Engine, path: str, verify: bool) -> tuple[list[Target], dict[str, torch.Tensor], bool]:
+    """A copy-on-write mapping of the file the user named and a view of it for each tensor (with
+    its crc), the tensors by name, and whether any has a crc to check."""
     try:
         fd = engine.open_read(os.path.realpath(path))
     except OSError as e:
@@ -328,7 +330,8 @@ def _mapped(engine: Engine, path: str, verify: bool) -> list[Target]:
     try:
         layout = layout_of(engine, fd, path)
         crcs = st.crc_table(layout, path) if verify else None
-        return mapped(fd, layout.file_size, layout.tensors, None if crcs is None else [crcs[s.key] for s in layout.tensors])
+        targets = mapped(fd, layout.file_size, layout.tensors, None if crcs is None else [crcs[s.key] for s in layout.tensors])
+        return targets, {t.spec.key: t.tensor for t in targets}, crcs is not None
     finally:
         engine.close(fd)
 

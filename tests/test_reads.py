@@ -192,7 +192,7 @@ async def test_load_into_reads_straight_into_the_module_once(tmp_path: Any, monk
     filled: list[str] = []
     each = m._each
     monkeypatch.setattr(
-        m, "_each", lambda fn, batch, streams: (filled.extend(n[0] for n, _, _ in batch), each(fn, batch, streams))
+        m, "_each", lambda fn, fills, got, streams: (filled.extend(n[0] for n, _, _ in fills), each(fn, fills, got, streams))
     )
     src = mlp()
     path = tmp_path / "m.safetensors"

@@ -88,8 +88,12 @@ async def _matched(
         )
         for entries, into, fills in batches:
             got = await read(sched, entries, dev, into=into)
-            await sched.call(_each, fn, [(names, dst, got[i]) for names, dst, i in fills], streams, priority=Priority.LOAD)
-        await sched.discard(known, batches)
+            await sched.call(_each, fn, fills, got, streams, priority=Priority.LOAD)
+        # what holds tens of thousands of objects (the source's entries, the plan, the module's
+        # tensors) is freed in a thread: freeing them on the loop's thread held it 10 ms and more
+        held = [src]
+        del src
+        await sched.discard(known, ties, batches, held, *(batches[-1] if batches else ()))
     return LoadResult(left, unexpected)
 
 
@@ -143,11 +147,12 @@ def _plan(
     return batches, list(left), unexpected
 
 
-def _each(fn: Fill, batch: list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]], streams: list[Any]) -> None:
+def _each(fn: Fill, fills: list[tuple[tuple[str, ...], torch.Tensor, int]], got: list[torch.Tensor], streams: list[Any]) -> None:
+    """``fn(names, module's tensor, got[i])`` for each of ``fills``."""
     with torch.no_grad(), cuda.on_streams(streams):  # per thread: set in the worker
-        for names, dst, t in batch:
-            fn(names, dst, t)
-    batch.clear()  # the loaded tensors are freed here, not on the loop's thread
+        for names, dst, i in fills:
+            fn(names, dst, got[i])
+    got.clear()  # the loaded tensors are freed here, not on the loop's thread
 
 
 def _itself(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:

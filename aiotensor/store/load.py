@@ -87,7 +87,7 @@ async def _load(
         finally:
             await close(sched, fd)
     if mmap:
-        return await _mapped(sched, folder, m, views, mpath)
+        return await _mapped(sched, folder, m, views, mpath, verify)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
     dest, targets, nbytes = await sched.call(
@@ -190,8 +190,13 @@ def _targets(
 
 
 @gil.quiet_gc
-def _finish(m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str, into: Any) -> Any:
-    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there."""
+def _finish(
+    m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str, into: Any, views: dict[str, list[Target]] | None = None
+) -> Any:
+    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there.
+    ``views``: the tensors (mapped shards' views) are put in ``dest`` first."""
+    for targets in (views or {}).values():
+        dest.update((t.spec.key, t.tensor) for t in targets)
     for alias, target in m.aliases.items():
         if alias not in dest:
             dest[alias] = dest[target]
@@ -226,14 +231,15 @@ def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list
         raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)
 
 
-async def _mapped(sched: Scheduler, folder: str, m: mf.Manifest, views: dict[str, list[Target]], mpath: str) -> Any:
-    """The state of a step whose shards are mapped (``views``): checksums verified by reading the
-    mapped pages (where the views carry them), then the state tree rebuilt."""
-    for shard, targets in views.items():
-        if any(t.crc is not None for t in targets):
+async def _mapped(sched: Scheduler, folder: str, m: mf.Manifest, views: dict[str, list[Target]], mpath: str, verify: bool) -> Any:
+    """The state of a step whose shards are mapped (``views``): with ``verify``, checksums verified
+    by reading the mapped pages, then the state tree rebuilt (in a thread: tens of thousands of
+    tensors are Python work)."""
+    if verify:
+        for shard, targets in views.items():
             await verify_mapped(sched, os.path.join(folder, shard), targets, Priority.LOAD)
-    dest = {t.spec.key: t.tensor for targets in views.values() for t in targets}
-    state = await sched.call(_finish, m, dest, mpath, None, priority=Priority.LOAD)
+    dest: dict[str, torch.Tensor] = {}
+    state = await sched.call(_finish, m, dest, mpath, None, views, priority=Priority.LOAD)
     manifest = [m]
     del m
     await sched.discard(views, dest, manifest)
