@@ -31,6 +31,15 @@ class Span:
     spec: st.TensorSpec
     crc: int | None
     kind: str = "crc32c"  # or "crc32": a zip entry's (a torch.save storage)
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        # hashed once: spans key the dicts and sets of every read plan, tens of thousands at a time,
+        # and a dataclass hashes its fields (and the spec's) on every lookup
+        object.__setattr__(self, "_hash", hash((self.path, self.spec, self.crc, self.kind)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True)
