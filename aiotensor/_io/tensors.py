@@ -252,9 +252,11 @@ def mapped(fd: int, size: int, specs: Sequence[st.TensorSpec], crcs: Sequence[in
     stay in this process; the mapping lives as long as any view of it (and keeps the file's inode:
     a file deleted meanwhile is still read)."""
     whole = _EMPTY.view(torch.uint8)
+    block = None
     if size:
         # numpy keeps the mapping alive for as long as any tensor over it (torch.frombuffer would not)
         whole = torch.from_numpy(np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), np.uint8))
+        block = Block(0, size, whole)  # verified in big pieces of the mapping, not tensor by tensor
     tensors: list[torch.Tensor] = [_EMPTY] * len(specs)
     viewed = []
     for i, s in enumerate(specs):
@@ -268,7 +270,11 @@ def mapped(fd: int, size: int, specs: Sequence[st.TensorSpec], crcs: Sequence[in
     viewed.sort(key=lambda i: specs[i].offset)
     for i, t in zip(viewed, views(whole, 0, [specs[i] for i in viewed]), strict=True):
         tensors[i] = t
-    return [Target(s, t, None if crcs is None else crcs[i]) for i, (s, t) in enumerate(zip(specs, tensors, strict=True))]
+    ours = set(viewed)
+    return [
+        Target(s, t, None if crcs is None else crcs[i], block=block if i in ours else None)
+        for i, (s, t) in enumerate(zip(specs, tensors, strict=True))
+    ]
 
 
 def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> list[torch.Tensor]:
