@@ -297,7 +297,7 @@ async def read_file(
         # it was allocated on, and the worker's default stream would let the caller's work race a reuse
         streams = cuda.caller_streams()
         dest, targets, nbytes = await sched.call(
-            cuda.under, streams, _targets, sched, layout, name, into, dev, verify, ok, keys, priority=Priority.LOAD
+            cuda.under, streams, _targets, sched, layout, name, into, dev, verify, ok, keys, priority=Priority.LOAD, home=True
         )
         with reporting(nbytes, progress):
             await read_tensors(sched, fd, name, targets, Priority.LOAD)

@@ -73,6 +73,62 @@ async def test_idle_threads_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert await _threads.run_sync(divmod, 9, 4, nice=7) == (2, 1)  # and new ones start on demand
 
 
+async def test_home_calls_run_in_one_thread_one_after_another_and_it_exits_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a load returns is allocated in the home thread (glibc's arena of one thread: memory a
+    load freed is reused by the next); its calls queue there, and it ends when idle as the others do."""
+    monkeypatch.setattr(_threads, "IDLE_S", 0.2)
+    nice = 5
+    running: list[int] = []
+
+    def call(i: int) -> str:
+        running.append(i)
+        time.sleep(0.01)
+        assert running == [i]  # nothing else runs there meanwhile
+        running.remove(i)
+        return threading.current_thread().name
+
+    names: list[str] = []
+
+    async def one(i: int) -> None:
+        names.append(await _threads.run_sync(call, i, nice=nice, home=True))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(6):
+            tg.start_soon(one, i)
+    assert set(names) == {f"aiotensor-home-nice+{nice}"} and len(names) == 6
+    deadline = time.monotonic() + 5
+    while any(t.name == f"aiotensor-home-nice+{nice}" for t in threading.enumerate()) and time.monotonic() < deadline:
+        await anyio.sleep(0.02)
+    assert not any(t.name == f"aiotensor-home-nice+{nice}" for t in threading.enumerate())
+    assert await _threads.run_sync(call, 7, nice=nice, home=True) == f"aiotensor-home-nice+{nice}"  # a new one
+
+
+async def test_loads_allocate_what_they_return_in_the_home_thread(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import aiotensor
+    from aiotensor._io import tensors
+
+    seen: list[str] = []
+    carve = tensors.carve
+
+    def spy(*a: object) -> object:
+        seen.append(threading.current_thread().name)
+        return carve(*a)  # type: ignore[arg-type]
+
+    for mod in ("aiotensor.files", "aiotensor.store.load", "aiotensor._io.assemble"):
+        monkeypatch.setattr(sys.modules[mod], "carve", spy)
+    path = os.path.join(str(tmp_path), "m.safetensors")
+    await aiotensor.save_file({"w": torch.ones(3), "b": torch.zeros(2)}, path)
+    await aiotensor.load_file(path)
+    async with aiotensor.stream(path) as s:
+        assert {n async for n, _ in s} == {"w", "b"}
+    async with aiotensor.TensorStore(os.path.join(str(tmp_path), "root")) as store:
+        await store.save(1, {"w": torch.ones(3)})
+        await store.load()
+    assert len(seen) == 3 and all(n.startswith("aiotensor-home") for n in seen), seen
+
+
 def _child(q: multiprocessing.Queue[object]) -> None:
     # a fresh thread: the forked main thread still looks like it runs the parent's loop
     t = threading.Thread(target=lambda: q.put(anyio.run(_threads.run_sync, divmod, 9, 2)))
@@ -100,3 +156,6 @@ async def test_exit_ends_the_idle_threads() -> None:
     _threads._end_idle_workers()  # what atexit runs
     assert not any(t.name.startswith("aiotensor-worker") for t in threading.enumerate())
     assert await _threads.run_sync(divmod, 9, 4, nice=6) == (2, 1)
+    await _threads.run_sync(divmod, 9, 4, nice=6, home=True)
+    _threads._end_idle_workers()  # the home thread too
+    assert not any(t.name == "aiotensor-home-nice+6" for t in threading.enumerate())

@@ -227,7 +227,7 @@ async def read(
         with cuda.on_streams([stream]):
             return finish(a, [e.names[0] for e in entries], dtype)
 
-    a = await sched.call(start, priority=Priority.LOAD)
+    a = await sched.call(start, priority=Priority.LOAD, home=True)
     for path, targets in a.targets.items():
         fd = await open_read(sched, path)
         try:

@@ -200,8 +200,11 @@ class Scheduler:
         priority: int = Priority.SAVE,
         slot: bool = False,
         cleanup: Callable[[T], object] | None = None,
+        home: bool = False,
     ) -> T:
-        """Run ``fn(*args)`` in a worker thread once admitted; with ``slot``, ``fn(slot, *args)``.
+        """Run ``fn(*args)`` in a worker thread once admitted; with ``slot``, ``fn(slot, *args)``;
+        with ``home``, in the home thread, where the tensors a load returns are allocated (see
+        :func:`aiotensor._runtime.threads.run_sync`).
 
         Cancellation: while waiting for admission, the call is withdrawn and never runs. Once its
         thread has started, cancellation waits for the thread to return (the thread may be writing
@@ -212,17 +215,19 @@ class Scheduler:
         async with self._gate.hold(nbytes, priority):
             self.stats.calls += 1
             if not slot:
-                return await self.run_sync(fn, *args, cleanup=cleanup)
+                return await self.run_sync(fn, *args, cleanup=cleanup, home=home)
             i = self.slots.take()
             try:
                 return await self.run_sync(fn, self.slots.view(i), *args, cleanup=cleanup)
             finally:
                 self.slots.give(i)
 
-    async def run_sync(self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None) -> T:
+    async def run_sync(
+        self, fn: Callable[..., T], *args: Any, cleanup: Callable[[T], object] | None = None, home: bool = False
+    ) -> T:
         """Run ``fn(*args)`` in one of the worker threads now, outside the gate (for work that is
         not I/O, such as mapping memory). Cancellation: as for :meth:`call` once started."""
-        return await threads.run_sync(gil.call_collecting, fn, *args, nice=self.nice, cleanup=cleanup)
+        return await threads.run_sync(gil.call_collecting, fn, *args, nice=self.nice, cleanup=cleanup, home=home)
 
     @contextmanager
     def operation(self) -> Iterator[None]:

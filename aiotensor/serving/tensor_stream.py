@@ -270,7 +270,7 @@ class TensorStream:
         sched = self.scheduler
         try:
             with sched.operation():
-                a = await sched.call(_prepare, entries, self.device, self.verify, self._stream, priority=Priority.LOAD)
+                a = await sched.call(_prepare, entries, self.device, self.verify, self._stream, priority=Priority.LOAD, home=True)
                 for path, targets in a.targets.items():
                     await read_tensors(sched, fds[path], path, targets, Priority.LOAD)
                 self.bytes_read += nbytes

@@ -91,7 +91,7 @@ async def _load(
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
     dest, targets, nbytes = await sched.call(
-        cuda.under, streams, _targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD
+        cuda.under, streams, _targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD, home=True
     )
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
