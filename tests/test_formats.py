@@ -245,6 +245,7 @@ _ENTRY = {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "off
                 ({"shape": [-1, -1]}, "shape must be"),
                 ({"crc32c": 2**32}, "crc32c must be"),
                 ({"offset": True}, "must be non-negative integers"),
+                ({"dtype": "U8", "nbytes": True}, "must be non-negative integers"),
                 ({"dtype": "F4", "shape": [3], "nbytes": 1}, "packs 2 values"),
             ]
         ),

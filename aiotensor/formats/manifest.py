@@ -161,7 +161,8 @@ _FIELDS = frozenset({"shard", "dtype", "shape", "offset", "nbytes", "crc32c"})
 def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestError]) -> Entry:
     if type(t) is dict and t.keys() == _FIELDS:  # every real entry, in few C calls
         shard, offset, nbytes, crc = t["shard"], t["offset"], t["nbytes"], t["crc32c"]
-        if type(shard) is str and type(offset) is int and type(crc) is int and 0 <= crc < 2**32 and offset >= 0:
+        ints = type(offset) is int and type(nbytes) is int and type(crc) is int  # bool is no count
+        if type(shard) is str and ints and 0 <= crc < 2**32 and offset >= 0:
             n = plain_nbytes(t["dtype"], t["shape"])
             if n and n == nbytes and offset + n <= shards.get(shard, -1):
                 return Entry(shard, TensorSpec(key, t["dtype"], tuple(t["shape"]), offset, n), crc)
