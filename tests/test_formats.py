@@ -246,6 +246,8 @@ _ENTRY = {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "off
                 ({"crc32c": 2**32}, "crc32c must be"),
                 ({"offset": True}, "must be non-negative integers"),
                 ({"dtype": "U8", "nbytes": True}, "must be non-negative integers"),
+                # found by review: the fast path took a shape past 2**63 a forged shard size allowed
+                ({"dtype": "U8", "shape": [2**62, 4], "nbytes": 2**64}, "shape"),
                 ({"dtype": "F4", "shape": [3], "nbytes": 1}, "packs 2 values"),
             ]
         ),

@@ -315,3 +315,21 @@ async def test_a_store_step_maps_without_a_copy_and_outlives_its_retirement(tmp_
         with pytest.raises(ChecksumError):
             await store.load(mmap=True)
         assert (await store.load(mmap=True, verify=False))["model"].keys() == w.keys()
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+async def test_read_only_destinations_and_in_place_updates_of_loaded_views(tmp_path: Any) -> None:
+    """Found by review: a small destination in read-only memory is an error, not a crash (it is
+    never memmoved into); carved views take in-place updates from values that need grad."""
+    import numpy as np
+
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file({"w": torch.arange(6.0), "b": torch.ones(3)}, path)
+    np.save(tmp_path / "ro.npy", np.zeros(6, np.float32))
+    ro = torch.from_numpy(np.load(tmp_path / "ro.npy", mmap_mode="r"))
+    with pytest.raises(OSError):
+        await aiotensor.load_file(path, into={"w": ro, "b": torch.zeros(3)})
+    got = await aiotensor.load_file(path)
+    x = torch.ones(3, requires_grad=True)
+    got["b"].mul_(x)  # a view of a multi-view split refused this
+    assert got["b"].requires_grad

@@ -269,7 +269,9 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
             blocks.setdefault(t.block, []).append(i)
             continue
         part = (i,) if t.crc is not None else ()
-        if spec.nbytes <= gather and direct(dst) and not sched.engine.handles_device(dst):
+        # memmove into memory torch allocated only: a read-only mapping (from_numpy of np.load's
+        # mmap) is an OSError to pread, a crash to memmove
+        if spec.nbytes <= gather and direct(dst) and not sched.engine.handles_device(dst) and dst.untyped_storage().resizable():
             small.append(i)
             continue
         if sched.engine.handles_device(dst) or direct(dst):

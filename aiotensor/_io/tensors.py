@@ -298,7 +298,8 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
             sizes.append(s.nbytes // dtype.itemsize)
             pos = s.offset + s.nbytes
         typed = memory[specs[j].offset - base : pos - base].view(dtype)
-        pieces = typed.split_with_sizes(sizes) if len(sizes) > 1 else (typed,)
+        # unsafe_: plain views (split_with_sizes' refuse in-place updates from values that need grad)
+        pieces = typed.unsafe_split_with_sizes(sizes) if len(sizes) > 1 else (typed,)
         for s, p in zip(specs[j:k], kept, strict=True):
             shape = torch_shape(s.dtype, s.shape)
             out.append(pieces[p] if len(shape) == 1 else pieces[p].view(shape))

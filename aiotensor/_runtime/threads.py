@@ -65,7 +65,8 @@ class _Worker(threading.Thread):
             except queue.Empty:
                 with self.pool.lock:
                     if self.home and self.jobs.empty():  # submit() puts under this lock: none is on the way
-                        self.pool.home = None
+                        if self.pool.home is self:  # not a successor started after _end_idle_workers
+                            self.pool.home = None
                         return
                     if self in self.pool.idle:  # nobody took this thread: it ends
                         self.pool.idle.remove(self)

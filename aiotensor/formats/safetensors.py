@@ -285,7 +285,8 @@ def plain_nbytes(dtype: Any, shape: Any) -> int:
         and _INT.issuperset(map(type, shape))
         and min(shape, default=1) >= 1
     ):
-        return math.prod(shape) * _PLAIN_ITEMSIZE[dtype]
+        n = math.prod(shape)
+        return n * _PLAIN_ITEMSIZE[dtype] if n < 2**63 else 0  # a manifest's shard size is only what it says
     return 0
 
 
