@@ -102,9 +102,12 @@ OBJECT_CONNECT_S = 5.0
 # --- streams and module loads (aiotensor.serving) -----------------------------------------------
 # Bytes of tensors a stream reads ahead of its consumer.
 WINDOW_BYTES = 256 * MiB
-# Neighbouring small tensors of one file are read together, up to this many bytes and tensors; a
-# load into a module copies them in worker calls of the same size (bench_loop.py: 20,000 tensors).
-STREAM_BATCH_BYTES = 16 * MiB
+# Neighbouring tensors of one file are read together, up to this many bytes and tensors (a bigger
+# tensor alone), each batch in one worker call; a load into a module copies them in worker calls of
+# the same size. Each batch costs about 1 ms of CPU beyond its bytes: a stream of a 0.5 GB file
+# took 131 ms in 16 MiB batches, 109 ms in 64 MiB ones, as load_file (bench_serving.py); the count
+# bounds the batches of many small tensors (bench_loop.py: 20,000 tensors).
+STREAM_BATCH_BYTES = 64 * MiB
 STREAM_BATCH_TENSORS = 512
 # A consumer whose next tensors are already read lets other tasks run at least this often.
 YIELD_S = 0.0005

@@ -15,6 +15,7 @@ import torch
 
 import aiotensor
 from aiotensor import knobs
+from aiotensor._io import read
 from aiotensor.engines import PosixEngine
 from aiotensor.errors import ChecksumError, MismatchError
 from aiotensor.testing import evict
@@ -88,15 +89,23 @@ def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
         assert torch.equal(got[k], want[k]), k
 
 
-async def test_cold_reads_go_past_the_cache_warm_ones_come_from_it(tmp_path: Any) -> None:
+# a read of at most a batch's bytes is planned, read and checked in one worker call; a bigger one in
+# parallel calls (read.read_tensors): 64 MiB takes the whole ~40 MB file in one call, 16 MiB does not
+BATCHES = pytest.mark.parametrize("batch", [64 << 20, 16 << 20], ids=["one-call", "parallel"])
+
+
+@BATCHES
+async def test_cold_reads_go_past_the_cache_warm_ones_come_from_it(tmp_path: Any, monkeypatch: Any, batch: int) -> None:
     w, path = await saved(tmp_path)
+    calls = []
+    monkeypatch.setattr(read, "_read_at_once", spy(read._read_at_once, calls))
     for cache in ("cold", "warm", "half"):
         evict(path)
         if cache == "warm":
             warm(path)
         elif cache == "half":
             warm(path, os.path.getsize(path) // 2 + 12345)
-        sched = aiotensor.Scheduler()
+        sched = aiotensor.Scheduler(batch_bytes=batch)
         equal(await aiotensor.load_file(path, scheduler=sched), w)
         into = {k: torch.empty_like(v) for k, v in w.items()}  # the caller's memory: not page-aligned
         evict(path) if cache == "cold" else None
@@ -111,6 +120,15 @@ async def test_cold_reads_go_past_the_cache_warm_ones_come_from_it(tmp_path: Any
             assert direct == 0
         else:
             assert 0 < direct < 1.5 * total
+    assert len(calls) == (6 if batch > total else 0)
+
+
+def spy(fn: Any, calls: list[Any]) -> Any:
+    def wrapped(*args: Any) -> Any:
+        calls.append(args)
+        return fn(*args)
+
+    return wrapped
 
 
 async def test_store_loads_and_streams_read_cold_shards_exactly(tmp_path: Any) -> None:
@@ -129,13 +147,15 @@ async def test_store_loads_and_streams_read_cold_shards_exactly(tmp_path: Any) -
     equal(got, w)
 
 
-async def test_a_flipped_bit_is_caught_on_the_direct_path(tmp_path: Any) -> None:
+@BATCHES
+async def test_a_flipped_bit_is_caught_on_the_direct_path(tmp_path: Any, batch: int) -> None:
     _, path = await saved(tmp_path)
     await flip_a_bit_in_a_big_tensor(path)
-    evict(path)
-    with pytest.raises(ChecksumError) as e:
-        await aiotensor.load_file(path)
-    assert str(path) in str(e.value)
+    for cache in ("cold", "warm"):
+        evict(path) if cache == "cold" else warm(path)
+        with pytest.raises(ChecksumError) as e:
+            await aiotensor.load_file(path, scheduler=aiotensor.Scheduler(batch_bytes=batch))
+        assert str(path) in str(e.value) and "'ints' is corrupt" in str(e.value)
 
 
 async def test_a_file_system_refusing_o_direct_mid_read_gets_buffered_reads(tmp_path: Any) -> None:

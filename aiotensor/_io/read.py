@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import numpy as np
@@ -111,43 +112,73 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     Cancellation: returns only once no thread writes into any target tensor.
     """
     await wait_for_streams(sched, (t.tensor for t in targets))
-    eng = sched.engine
-    units, nbytes, dfd = await sched.call(_plan, sched, fd, targets, priority=priority, cleanup=_close_direct(eng))
+    total = sum(t.spec.nbytes for t in targets)
+    if total <= sched.batch_bytes:
+        # what one worker call would read anyway (a stream's batch, a small file): planned, read
+        # and checked in that one call; each hop to a thread and back costs ~0.1 ms of the loop's
+        # and the thread's time, and a stream of a 0.5 GB file made 250 of them
+        [(nbytes, direct)] = await sched.map(
+            _read_at_once, [(sched, fd, path, targets)], nbytes=lambda _: total, priority=priority, slot=True, io=True
+        )
+        sched.stats.bytes_read += nbytes
+        sched.stats.bytes_direct += direct
+        return
+    units, nbytes, dfd = await sched.call(_plan, sched, fd, targets, priority=priority, cleanup=_close_direct(sched.engine))
     try:
-
-        def run(slot: memoryview, u: _ReadUnit) -> tuple[list[int], int]:
-            what = f"tensor {targets[u.parts[0][0] if u.parts else u.target].spec.key!r}"
-            if isinstance(u.dest, torch.Tensor):  # device memory the engine reads into
-                _read_exact(eng, fd, u.dest, u.offset, path, what)
-                if not u.parts:
-                    return [], 0
-                copy_tensor(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
-                return _crcs(targets, u, slot), 0
-            if u.dest is not None:
-                direct = _fill(eng, fd, dfd, u.dest, u.offset, u.nbytes, u.aligned, slot, path, what)
-                return _crcs(targets, u, u.dest), direct
-            bounce = u.nbytes + 2 * PAGE <= len(slot)
-            room = slot if bounce else memoryview(bytearray(u.nbytes))
-            data, direct = _fetch(eng, fd, dfd if bounce else None, room, u.offset, u.nbytes, path, what)
-            if u.members:
-                at = address(data)
-                for j, a in u.members:
-                    move(targets[j].tensor.data_ptr(), at + a, targets[j].spec.nbytes)
-                return _crcs(targets, u, data), direct
-            t = targets[u.target]
-            dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
-            src = torch.from_numpy(np.frombuffer(data, np.uint8, u.nbytes)).view(dtype)
-            target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
-            dst = target[u.row0 : u.row1] if target.dim() else target
-            src = src.view((u.row1 - u.row0, *t.tensor.shape[1:])) if t.tensor.dim() else src.view(())
-            copy_tensor(sched, dst, src)
-            return _crcs(targets, u, data), direct
-
+        run = partial(_read_unit, sched, fd, dfd, path, targets)
         got = await sched.map(run, units, nbytes=lambda u: u.nbytes, priority=priority, slot=True, io=True)
     finally:
         if dfd is not None:
             await close(sched, dfd)
     await _checked(sched, path, targets, units, nbytes, got, priority)
+
+
+def _read_at_once(slot: memoryview, job: tuple[Scheduler, int, str, Sequence[Target]]) -> tuple[int, int]:
+    """:func:`read_tensors` in the calling thread: plan, read every unit, check the crcs; the bytes
+    read, and how many of them with O_DIRECT."""
+    sched, fd, path, targets = job
+    units, nbytes, dfd = _plan(sched, fd, targets)
+    try:
+        got = [_read_unit(sched, fd, dfd, path, targets, slot, u) for u in units]
+    finally:
+        if dfd is not None:
+            sched.engine.close(dfd)
+    _check_crcs(path, targets, units, got)
+    return nbytes, sum(n for _, n in got)
+
+
+def _read_unit(
+    sched: Scheduler, fd: int, dfd: int | None, path: str, targets: Sequence[Target], slot: memoryview, u: _ReadUnit
+) -> tuple[list[int], int]:
+    """Read one unit where it goes (through ``slot`` where it must bounce); its pieces' crcs, and
+    the bytes read with O_DIRECT."""
+    eng = sched.engine
+    what = f"tensor {targets[u.parts[0][0] if u.parts else u.target].spec.key!r}"
+    if isinstance(u.dest, torch.Tensor):  # device memory the engine reads into
+        _read_exact(eng, fd, u.dest, u.offset, path, what)
+        if not u.parts:
+            return [], 0
+        copy_tensor(sched, torch.from_numpy(np.frombuffer(slot, np.uint8, u.nbytes)), u.dest)
+        return _crcs(targets, u, slot), 0
+    if u.dest is not None:
+        direct = _fill(eng, fd, dfd, u.dest, u.offset, u.nbytes, u.aligned, slot, path, what)
+        return _crcs(targets, u, u.dest), direct
+    bounce = u.nbytes + 2 * PAGE <= len(slot)
+    room = slot if bounce else memoryview(bytearray(u.nbytes))
+    data, direct = _fetch(eng, fd, dfd if bounce else None, room, u.offset, u.nbytes, path, what)
+    if u.members:
+        at = address(data)
+        for j, a in u.members:
+            move(targets[j].tensor.data_ptr(), at + a, targets[j].spec.nbytes)
+        return _crcs(targets, u, data), direct
+    t = targets[u.target]
+    dtype = SAFETENSORS_TO_TORCH[t.spec.dtype]
+    src = torch.from_numpy(np.frombuffer(data, np.uint8, u.nbytes)).view(dtype)
+    target = t.tensor.detach()  # parameters require grad: copy into their memory, not their autograd view
+    dst = target[u.row0 : u.row1] if target.dim() else target
+    src = src.view((u.row1 - u.row0, *t.tensor.shape[1:])) if t.tensor.dim() else src.view(())
+    copy_tensor(sched, dst, src)
+    return _crcs(targets, u, data), direct
 
 
 def _plan(sched: Scheduler, fd: int, targets: Sequence[Target]) -> tuple[list[_ReadUnit], int, int | None]:

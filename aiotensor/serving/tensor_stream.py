@@ -275,7 +275,10 @@ class TensorStream:
                     await read_tensors(sched, fds[path], path, targets, Priority.LOAD)
                 self.bytes_read += nbytes
                 first = [n[0] for n in names]
-                got = await sched.call(_finish, a, first, self.dtype, self._stream, priority=Priority.LOAD)
+                if a.copies or self.dtype is not None:
+                    got = await sched.call(_finish, a, first, self.dtype, self._stream, priority=Priority.LOAD)
+                else:  # nothing to finish: no hop to a thread
+                    got = a.out
         except Exception as e:
             self._failed = True
             self._ready[start] = (names[0], e)
