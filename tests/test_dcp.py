@@ -302,6 +302,8 @@ def test_a_distributed_store_in_one_rank_saves_loads_and_snapshots_without_skipp
             assert torch.equal(into["w"], torch.full((64, 64), 3.0)) and into["step"] == 3
             with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: nope"):
                 await store.load(into={"nope": torch.zeros(1)})  # DCP's own error, as itself (not a BaseException)
+            with pytest.raises(ValueError, match="mmap=True maps"):  # not ignored under a group
+                await store.load(into=into, mmap=True)
 
     anyio.run(main)
     with pytest.raises(ValueError, match="readonly=True and distributed= do not go together"):

@@ -568,7 +568,7 @@ class TensorStore:
         self._steps.readers[step] += 1  # never retired by this store meanwhile
         try:
             with self._tasks.running():  # close() waits for it
-                if self._group is not None and into is not None:
+                if self._group is not None and into is not None and not mmap:  # mmap with into=: refused below
                     await self._group.load(into, self.path(step), f"loading step {step} from {self.root}")
                     return into
                 verify = self.verify if verify is None else verify
