@@ -296,16 +296,17 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
             continue
-        if t.block is not None and not sched.engine.handles_device(dst):
+        engine_reads = sched.engine.handles_device(dst)  # device memory the engine reads into itself
+        if t.block is not None and not engine_reads:
             blocks.setdefault(t.block, []).append(i)
             continue
         part = (i,) if t.crc is not None else ()
         # memmove into memory torch allocated only: a read-only mapping (from_numpy of np.load's
         # mmap) is an OSError to pread, a crash to memmove
-        if spec.nbytes <= gather and direct(dst) and not sched.engine.handles_device(dst) and dst.untyped_storage().resizable():
+        if spec.nbytes <= gather and not engine_reads and direct(dst) and dst.untyped_storage().resizable():
             small.append(i)
             continue
-        if sched.engine.handles_device(dst) or direct(dst):
+        if engine_reads or direct(dst):
             whole = io_bytes(sched.engine, dst)
             piece = sched.chunk_bytes if isinstance(whole, torch.Tensor) else host
             units += [

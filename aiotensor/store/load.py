@@ -82,8 +82,11 @@ async def _load(
         path = os.path.join(folder, shard)
         fd = await open_read(sched, path)
         try:
-            args = (sched, fd, path, size, by_shard[shard], mpath, verify if mmap else None)
-            views[shard] = await sched.call(_check_shard, *args, priority=Priority.LOAD)
+            args = (sched, fd, path, size, by_shard[shard], mpath)
+            if mmap:
+                views[shard] = await sched.call(_map_shard, *args, verify, priority=Priority.LOAD)
+            else:
+                await sched.call(_check_header, *args, priority=Priority.LOAD)
         finally:
             await close(sched, fd)
     if mmap:
@@ -206,18 +209,17 @@ def _finish(
     return state if into is None else update(into, state)
 
 
-def _check_shard(
-    sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str, mapping: bool | None
+def _map_shard(
+    sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str, verify: bool
 ) -> list[Target]:
-    """Check that the shard holds what its manifest entries say; with ``mapping`` (not None), map it
-    and return a view of it for each entry (with its crc if ``mapping``: verify)."""
+    """:func:`_check_header`, then a copy-on-write mapping of the shard and a view of it for each
+    entry (with its crc, to verify, if ``verify``)."""
     _check_header(sched, fd, path, size, entries, mpath)
-    if mapping is None:
-        return []
-    return mapped(fd, size, [e.spec for e in entries], [e.crc32c for e in entries] if mapping else None)
+    return mapped(fd, size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
 
 
 def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
+    """Check that the shard holds exactly what its manifest entries say (else ManifestError)."""
     # A shard the store wrote begins with exactly the header its manifest entries make: equal byte
     # for byte, that proves what parsing it would (a third of a 20,000-tensor load's time)
     specs = tuple(sorted((e.spec for e in entries), key=lambda s: s.offset))
