@@ -412,9 +412,11 @@ def select(src: Source, keys: Iterable[str] | str | Callable[[str], bool] | None
         MismatchError: naming what selected nothing (and the prefix meant, for a prefix written
             without its dot).
     """
+    if keys is None:  # every entry under every name (20,000 predicate calls cost 15 ms)
+        return [(e, e.names) for e in src.entries]
     pick = selector(keys)
     chosen = [(e, names) for e in src.entries if (names := tuple(n for n in e.names if pick(n)))]
-    if keys is None or callable(keys):
+    if callable(keys):
         return chosen
     wanted = [keys] if isinstance(keys, str) else list(keys)
     found = {n for _, names in chosen for n in names}

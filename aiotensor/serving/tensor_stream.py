@@ -48,13 +48,19 @@ def _planned(
         else:
             units.append([(e, names)])
     batches = []
-    cuts = batched(units, lambda u: stored_bytes([e for e, _ in u]), batch_bytes, knobs.STREAM_BATCH_TENSORS,
+    cuts = batched(units, _unit_bytes, batch_bytes, knobs.STREAM_BATCH_TENSORS,
                    lambda a, b: a[0][0].parts[0].span.path != b[0][0].parts[0].span.path)  # fmt: skip
     for group, nbytes in cuts:
         pairs = [pair for unit in group for pair in unit]
         files = list(dict.fromkeys(p.span.path for e, _ in pairs for p in e.parts))
         batches.append(([e for e, _ in pairs], [names for _, names in pairs], nbytes, files))
     return len(chosen), batches
+
+
+def _unit_bytes(unit: list[tuple[Entry, tuple[str, ...]]]) -> int:
+    if len(unit) == 1 and len(unit[0][0].parts) == 1:  # nearly every unit: no set of spans to make
+        return unit[0][0].parts[0].span.spec.nbytes
+    return stored_bytes([e for e, _ in unit])
 
 
 def _prepare(entries: list[Entry], device: torch.device, verify: bool, stream: Any) -> Assembly:
