@@ -66,3 +66,39 @@ def test_slots_are_taken_given_back_pinned_once_and_never_over_handed() -> None:
     slots.give(j)
     slots.close()
     assert calls == ["pin", "unpin"]
+
+
+def _in_memory(buf: memoryview) -> list[bool]:
+    """Which pages of ``buf`` (page-aligned) are in memory, by ``mincore``."""
+    import ctypes
+
+    from aiotensor._runtime.buffers import address
+
+    n = len(buf) // PAGE
+    vec = ctypes.create_string_buffer(n)
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(address(buf)), ctypes.c_size_t(len(buf)), vec) == 0
+    return [bool(b & 1) for b in vec.raw]
+
+
+def test_prefault_faults_in_fresh_memory_in_one_call_and_leaves_used_memory_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+
+    from aiotensor._runtime import buffers
+
+    m = mmap.mmap(-1, 64 * PAGE)
+    whole = memoryview(m)
+    assert not any(_in_memory(whole))  # fresh anonymous memory: no page yet
+    buffers.prefault(whole[PAGE + 5 : 40 * PAGE - 3])  # a read about to fill these bytes
+    got = _in_memory(whole)
+    if not any(got):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert got == [False] + [True] * 39 + [False] * 24  # the pages the bytes lie on, no others
+    calls: list[object] = []
+    mincore = buffers._vm()[0]
+    monkeypatch.setattr(buffers, "_vm", lambda: (mincore, lambda *a: calls.append(a)))
+    buffers.prefault(whole[PAGE : 40 * PAGE])
+    assert calls == []  # in memory already (a load's memory used before): one page checked, nothing done
+    buffers.prefault(whole[50 * PAGE :])
+    assert len(calls) == 1
+    del whole
+    m.close()

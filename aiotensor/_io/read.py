@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime.buffers import PAGE, address, copy_bytes, move, round_up
+from .._runtime.buffers import PAGE, address, copy_bytes, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
@@ -260,6 +260,7 @@ def _cached(engine: Engine, fd: int, buf: memoryview, off: int, path: str, what:
     reads of at most :data:`knobs.HOST_READ_BYTES`); return the count."""
     got = engine.cached(fd, off, len(buf))
     for a, b in spans(got, knobs.HOST_READ_BYTES):
+        prefault(buf[a:b])
         _read_exact(engine, fd, buf[a:b], off + a, path, what)
     return got
 
@@ -269,6 +270,7 @@ def _read_direct(engine: Engine, fd: int, dfd: int, buf: memoryview, off: int, n
     O_DIRECT, in whole pages (``buf`` has room up to the page boundary after them); a file system
     that refuses it mid-way (EINVAL) gets buffered reads of the rest."""
     done, room = 0, round_up(need)
+    prefault(buf[:room])  # O_DIRECT pins the pages it reads into: faulted in one by one otherwise
     while done < need:
         try:
             n = engine.pread(dfd, buf[done:room], off + done)

@@ -39,6 +39,40 @@ def move(dst: int, src: int, nbytes: int) -> None:
     ctypes.memmove(dst, src, nbytes)
 
 
+@functools.cache
+def _vm() -> Any:
+    """libc's ``mincore`` and ``madvise`` (None where there is no such libc)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore, madvise = libc.mincore, libc.madvise
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return mincore, madvise
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+
+
+def prefault(buf: memoryview) -> None:
+    """Fault in the pages of ``buf`` (writable host memory) in one call if its first page is not
+    in memory yet (fresh memory that a read is about to fill; memory used before is left alone, a
+    check of one page). A ``pread`` into fresh memory takes each page's fault inside the kernel's
+    copy: a 0.5 GB read from the page cache in 1 MiB pieces on 2 threads took 174-205 ms that way,
+    160-164 ms with the pages faulted in first (bench_fresh.py). Nothing where the kernel lacks it."""
+    vm = _vm()
+    if vm is None or not len(buf):
+        return
+    mincore, madvise = vm
+    at = address(buf)
+    start = at - at % PAGE
+    vec = ctypes.c_ubyte()
+    if mincore(start, PAGE, ctypes.byref(vec)) != 0 or vec.value & 1:
+        return
+    madvise(start, at + len(buf) - start, _MADV_POPULATE_WRITE)
+
+
 def address(buf: memoryview) -> int:
     """The address of a writable, non-empty memoryview's first byte."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
