@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
@@ -102,3 +104,35 @@ def test_prefault_faults_in_fresh_memory_in_one_call_and_leaves_used_memory_alon
     assert len(calls) == 1
     del whole
     m.close()
+
+
+def test_a_copy_on_write_mapping_holds_no_descriptor_and_goes_with_its_last_array(tmp_path: Any) -> None:
+    import errno
+    import os
+
+    from aiotensor._runtime.buffers import map_copy
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 32)
+    fd = os.open(path, os.O_RDONLY)
+    a = map_copy(fd, 8192)
+    os.close(fd)  # the mapping needs no descriptor
+    assert bytes(a[250:260]) == bytes([250, 251, 252, 253, 254, 255, 0, 1, 2, 3])
+    a[0] = 7  # copy-on-write: this process only
+    assert path.read_bytes()[0] == 0
+    view = a[4096:]
+    del a
+    assert int(view[1]) == 1  # alive while any array over it lives
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(str(path) in line for line in f)
+
+    assert mapped()
+    del view
+    assert not mapped()
+    fd = os.open(path, os.O_WRONLY)
+    with pytest.raises(OSError) as e:
+        map_copy(fd, 8192)  # a mapping needs a readable file
+    assert e.value.errno == errno.EACCES
+    os.close(fd)

@@ -5,7 +5,9 @@ bytes, checked against the checksums, cold, warm and half-warm."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import os
 from typing import Any
@@ -326,6 +328,13 @@ async def test_a_store_step_maps_without_a_copy_and_outlives_its_retirement(tmp_
         await store.save(2, state)  # retires step 1, whose shards are mapped
         assert store.steps() == [2]
         equal(keep["model"], w)
+        # the mappings hold no file descriptor (hundreds of shards mapped would hold hundreds), and
+        # they go when their tensors go
+        step1 = str(root / "step-000000000001")  # renamed as it is retired: .tmp-del...
+        assert _mapped_under(step1) and not _open_under(step1)
+        del keep, got
+        gc.collect()
+        assert not _mapped_under(step1)
     # a flipped bit: ChecksumError from the mapped pages unless verify=False
     shard = max((root / "step-000000000002").glob("*.safetensors"), key=os.path.getsize)
     data = bytearray(shard.read_bytes())
@@ -335,6 +344,22 @@ async def test_a_store_step_maps_without_a_copy_and_outlives_its_retirement(tmp_
         with pytest.raises(ChecksumError):
             await store.load(mmap=True)
         assert (await store.load(mmap=True, verify=False))["model"].keys() == w.keys()
+
+
+def _open_under(prefix: str) -> list[str]:
+    """What this process holds open at paths that begin with ``prefix`` (Linux)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(prefix):
+                held.append(fd)
+    return held
+
+
+def _mapped_under(prefix: str) -> list[str]:
+    """This process's mappings of files at paths that begin with ``prefix`` (Linux)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if f" {prefix}" in line]
 
 
 @pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")

@@ -7,17 +7,15 @@ copy is done) and run in worker threads.
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import knobs
 from .._runtime import cuda
-from .._runtime.buffers import PAGE, round_up
+from .._runtime.buffers import PAGE, map_copy, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import MismatchError, StateError
 from ..formats import checksum
@@ -254,8 +252,7 @@ def mapped(fd: int, size: int, specs: Sequence[st.TensorSpec], crcs: Sequence[in
     whole = _EMPTY.view(torch.uint8)
     block = None
     if size:
-        # numpy keeps the mapping alive for as long as any tensor over it (torch.frombuffer would not)
-        whole = torch.from_numpy(np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), np.uint8))
+        whole = torch.from_numpy(map_copy(fd, size))  # alive as long as any tensor over it
         block = Block(0, size, whole)  # verified in big pieces of the mapping, not tensor by tensor
     tensors: list[torch.Tensor] = [_EMPTY] * len(specs)
     viewed = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
+import weakref
 from typing import Any
 
 import anyio
@@ -71,6 +73,41 @@ def prefault(buf: memoryview) -> None:
     if mincore(start, PAGE, ctypes.byref(vec)) != 0 or vec.value & 1:
         return
     madvise(start, at + len(buf) - start, _MADV_POPULATE_WRITE)
+
+
+@functools.cache
+def _maps() -> Any:
+    """libc's ``mmap`` and ``munmap``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    map_, unmap = libc.mmap, libc.munmap
+    map_.restype = ctypes.c_void_p
+    map_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return map_, unmap
+
+
+class _Mapping:
+    """Mapped memory, as numpy's array interface sees it; unmapped once nothing refers to it."""
+
+    def __init__(self, at: int, size: int) -> None:
+        self.__array_interface__ = {"data": (at, False), "shape": (size,), "typestr": "|u1", "version": 3}
+        weakref.finalize(self, _maps()[1], at, size).atexit = False  # arrays may outlive atexit
+
+
+def map_copy(fd: int, size: int) -> np.ndarray:
+    """``size`` (> 0) bytes of the open file ``fd`` mapped copy-on-write (writes stay in this
+    process), as a uint8 array; unmapped when the last array or tensor over it goes. It holds no
+    file descriptor, as ``mmap.mmap`` does for its whole life before Python 3.13 (a dup of ``fd``:
+    a store's hundreds of shards, mapped, held hundreds); the mapping keeps the file's inode, so a
+    file deleted meanwhile is still read.
+
+    Raises:
+        OSError: the kernel refused the mapping."""
+    at = _maps()[0](None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if at is None or at == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return np.asarray(_Mapping(at, size))
 
 
 def address(buf: memoryview) -> int:
