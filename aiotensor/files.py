@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._io.read import close, layout_of, open_read, read_layout, read_tensors, verify_mapped
+from ._io.read import close, layout_of, read_tensors, verify_mapped
 from ._io.tensors import (
     Block,
     Target,
@@ -164,24 +164,35 @@ def _ranges(
     return ranges + [(s.offset, src) for s, src in zip(layout.tensors, sources, strict=True) if s.nbytes]
 
 
-async def _open_layout(sched: Scheduler, path: str, name: str | None = None) -> tuple[int, st.Layout]:
-    """Open ``path`` (never following a link: see :func:`user_path`) and read its header; errors
-    name the file as ``name`` (default: ``path``)."""
-    fd = await open_read(sched, path)
+def _opened(engine: Engine, path: str, resolve: bool) -> tuple[int, st.Layout]:
+    """Open ``path`` and read its header, in one worker call (errors name ``path``).
+    ``resolve``: the file a user named, links resolved (the user chose it: a Hugging Face cache
+    links its files to blobs). Files inside a checkpoint folder are never resolved: a link there
+    could lead out of it, so opening one is refused (see
+    :func:`aiotensor.engines.posix.open_regular`)."""
+    real = os.path.realpath(path) if resolve and not is_object(path) else path
     try:
-        return fd, await read_layout(sched, fd, name or path)
+        fd = engine.open_read(real)
+    except OSError as e:
+        raise annotate_oserror(e, f"opening {path}") from e
+    try:
+        return fd, layout_of(engine, fd, path)
     except BaseException:
-        await close(sched, fd)
+        engine.close(fd)
         raise
 
 
-async def user_path(sched: Scheduler, path: str) -> str:
-    """The file a user named, with links resolved: the user chose it (a Hugging Face cache links its
-    files to blobs). Files inside a checkpoint folder are never resolved: a link there could lead
-    out of it, so opening one is refused (see :func:`aiotensor.engines.posix.open_regular`)."""
-    if is_object(path):
-        return path
-    return await sched.call(os.path.realpath, path, priority=Priority.LOAD)
+async def _open_layout(sched: Scheduler, path: str, resolve: bool) -> tuple[int, st.Layout]:
+    """The open file ``path`` and its header (:func:`_opened`). Cancellation: returns once the
+    open has stopped; nothing is left open."""
+    eng = sched.engine
+    return await sched.call(_opened, eng, path, resolve, priority=Priority.LOAD, cleanup=lambda got: eng.close(got[0]))
+
+
+def _header(engine: Engine, path: str) -> st.Layout:
+    fd, layout = _opened(engine, path, True)
+    engine.close(fd)
+    return layout
 
 
 async def read_header(
@@ -202,8 +213,7 @@ async def read_header(
     """
     path = local_path(path, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
-        fd, layout = await _open_layout(sched, await user_path(sched, path), path)
-        await close(sched, fd)
+        layout = await sched.call(_header, sched.engine, path, priority=Priority.LOAD)
         crcs = st.crc_table(layout, path)
     meta = {k: v for k, v in (layout.metadata or {}).items() if k != CRC_KEY}
     return FileInfo(path, layout.file_size, {s.key: tensor_info(s) for s in layout.tensors}, meta, crcs is not None)
@@ -264,10 +274,9 @@ async def load_file(
             if into is not None or torch.device(device).type != "cpu" or is_object(path):
                 raise ValueError("mmap=True maps a local file into new CPU tensors: not with into=, another device or a URL")
             return await map_file(sched, path, verify)
-        real = await user_path(sched, path)
         ok = not strict
         return await read_file(
-            sched, real, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, name=path
+            sched, path, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, resolve=True
         )
 
 
@@ -282,14 +291,13 @@ async def read_file(
     missing_ok: bool = False,
     unexpected_ok: bool = False,
     progress: ProgressCallback | None = None,
-    name: str | None = None,
+    resolve: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """:func:`load_file` of a file at a path that is never resolved (links refused), on ``sched``;
-    ``keys`` (without ``into``): read only those tensors; ``missing_ok``/``unexpected_ok``: as
-    :func:`check_into`. Errors name the file as ``name``."""
-    name = name or path
+    """:func:`load_file` on ``sched`` of a file at a path that is never resolved (links refused),
+    unless ``resolve`` (:func:`_opened`); ``keys`` (without ``into``): read only those tensors;
+    ``missing_ok``/``unexpected_ok``: as :func:`check_into`."""
     dev = check_device(sched, device)
-    fd, layout = await _open_layout(sched, path, name)
+    fd, layout = await _open_layout(sched, path, resolve)
     dest: dict[str, torch.Tensor]
     try:
         ok = (missing_ok, unexpected_ok)
@@ -297,10 +305,10 @@ async def read_file(
         # it was allocated on, and the worker's default stream would let the caller's work race a reuse
         streams = cuda.caller_streams()
         dest, targets, nbytes = await sched.call(
-            cuda.under, streams, _targets, sched, layout, name, into, dev, verify, ok, keys, priority=Priority.LOAD, home=True
+            cuda.under, streams, _targets, sched, layout, path, into, dev, verify, ok, keys, priority=Priority.LOAD, home=True
         )
         with reporting(nbytes, progress):
-            await read_tensors(sched, fd, name, targets, Priority.LOAD)
+            await read_tensors(sched, fd, path, targets, Priority.LOAD)
     finally:
         await close(sched, fd)
     big = [layout]
@@ -311,7 +319,7 @@ async def read_file(
 
 async def map_file(sched: Scheduler, path: str, verify: bool = True) -> dict[str, torch.Tensor]:
     """:func:`load_file` with ``mmap=True`` (``path`` as the user named it: links resolved, see
-    :func:`user_path`), the file opened, parsed and mapped in one worker call (a server maps many
+    :func:`_opened`), the file opened, parsed and mapped in one worker call (a server maps many
     shards: each hop to a thread costs as much as the mapping)."""
     targets, tensors, checked = await sched.call(_mapped, sched.engine, path, verify, priority=Priority.LOAD)
     if checked:
@@ -323,12 +331,8 @@ async def map_file(sched: Scheduler, path: str, verify: bool = True) -> dict[str
 def _mapped(engine: Engine, path: str, verify: bool) -> tuple[list[Target], dict[str, torch.Tensor], bool]:
     """A copy-on-write mapping of the file the user named and a view of it for each tensor (with
     its crc), the tensors by name, and whether any has a crc to check."""
+    fd, layout = _opened(engine, path, True)
     try:
-        fd = engine.open_read(os.path.realpath(path))
-    except OSError as e:
-        raise annotate_oserror(e, f"opening {path}") from e
-    try:
-        layout = layout_of(engine, fd, path)
         crcs = st.crc_table(layout, path) if verify else None
         targets = mapped(fd, layout.file_size, layout.tensors, None if crcs is None else [crcs[s.key] for s in layout.tensors])
         return targets, {t.spec.key: t.tensor for t in targets}, crcs is not None

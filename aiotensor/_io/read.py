@@ -72,11 +72,6 @@ def begins_with(engine: Engine, fd: int, data: bytes, path: str) -> bool:
     return buf == data
 
 
-async def read_layout(sched: Scheduler, fd: int, path: str) -> st.Layout:
-    """Read and validate the safetensors header of an open file, in one worker-thread call."""
-    return await sched.call(layout_of, sched.engine, fd, path, priority=Priority.LOAD)
-
-
 @dataclass(frozen=True)
 class _ReadUnit:
     offset: int  # file offset
