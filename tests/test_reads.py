@@ -10,6 +10,7 @@ import errno
 import gc
 import json
 import os
+import stat
 from typing import Any
 
 import pytest
@@ -347,11 +348,13 @@ async def test_a_store_step_maps_without_a_copy_and_outlives_its_retirement(tmp_
 
 
 def _open_under(prefix: str) -> list[str]:
-    """What this process holds open at paths that begin with ``prefix`` (Linux)."""
+    """The files (not folders: a retired step's removal walks its folder meanwhile) this process
+    holds open at paths that begin with ``prefix`` (Linux)."""
     held = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the listing's own descriptor is gone
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(prefix):
+            link = f"/proc/self/fd/{fd}"
+            if os.readlink(link).startswith(prefix) and stat.S_ISREG(os.stat(link).st_mode):
                 held.append(fd)
     return held
 
