@@ -419,3 +419,76 @@ def test_a_long_pause_collects_the_young_garbage_in_the_workers(monkeypatch: Any
         assert asyncio.run(main()) == (True, True)
     finally:
         sched.close()
+
+
+def _outcome(text: bytes, size: int) -> object:
+    try:
+        layout = st.parse(text, size, "f")
+    except HeaderError as e:
+        return ("error", str(e))
+    return (layout.tensors, layout.metadata)
+
+
+_KEYS = hs.text(alphabet=hs.sampled_from(["a", '"', "\\", "}", ",", ":", "{", " ", "é", "]"]), min_size=1, max_size=6)
+_ENTRY = hs.fixed_dictionaries(
+    {"dtype": hs.sampled_from(["U8", "F32", "BF16", "F7"]), "shape": hs.lists(hs.integers(0, 3), max_size=2)},
+    optional={"x": hs.just({}), "data_offsets": hs.just(None)},
+)
+
+
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(
+    hs.lists(hs.tuples(_KEYS, _ENTRY), max_size=8),
+    hs.one_of(hs.none(), hs.dictionaries(_KEYS, hs.one_of(hs.text(max_size=3), hs.just([]), hs.just({})), max_size=2)),
+    hs.sampled_from([(",", ":"), (", ", ": "), (",\n ", ": ")]),
+    hs.integers(0, 3),
+    hs.booleans(),
+)
+def test_the_fragment_parse_agrees_with_the_member_walk(
+    entries: list[tuple[str, dict[str, Any]]], meta: Any, seps: tuple[str, str], dup: int, shuffle: bool
+) -> None:
+    """Headers as writers make them and near misses (duplicate keys, keys holding '},"', empty or
+    array values, extra fields, bad dtypes, whitespace): the C-scanner fragments accept exactly what
+    the member-by-member walk accepts, with the same tensors, metadata and error."""
+    from unittest import mock
+
+    members, pos = [], 0
+    for key, e in entries:
+        n = st.nbytes_of(e["dtype"], e["shape"]) if e["dtype"] != "F7" else 1
+        item = {k: v for k, v in e.items() if k != "data_offsets"} | {"data_offsets": [pos, pos + n]}
+        if "data_offsets" in e:  # a near miss: the field left out
+            del item["data_offsets"]
+        members.append(f"{json.dumps(key)}{seps[1]}{json.dumps(item, separators=seps)}")
+        pos += n
+    if dup and members:
+        members.insert(dup % (len(members) + 1), members[0])
+    if meta is not None:
+        members.insert(len(members) // 2 if shuffle else 0, f'"__metadata__"{seps[1]}{json.dumps(meta, separators=seps)}')
+    text = ("{" + seps[0].join(members) + "}   ").encode()
+    size = 8 + len(text) + pos
+    with mock.patch.object(st, "_FRAGMENT_CHARS", 8):
+        fast = _outcome(text, size)
+    with mock.patch.object(st, "_parse_plain", lambda doc, member: False):
+        slow = _outcome(text, size)
+    assert fast == slow
+
+
+def test_a_header_of_many_tensors_is_parsed_in_fragments() -> None:
+    """The fast path really serves real headers (here 3,000 tensors, a dozen fragments), and a
+    value that is not an object sends the parse to the member walk, which names it."""
+    from unittest import mock
+
+    blob, layout = st.build([(f"layer.{i}.weight", "F32", (3, i % 5 + 1)) for i in range(3000)], {"format": "pt"})
+    n = struct.unpack("<Q", blob[:8])[0]
+    calls: list[int] = []
+    real = st._TUPLES.decode
+    with mock.patch.object(st, "_TUPLES", mock.Mock(decode=lambda s: calls.append(len(s)) or real(s))):
+        with mock.patch.object(st, "parse_members", side_effect=AssertionError("walked")):
+            parsed = st.parse(blob[8 : 8 + n], layout.file_size, "x")
+    assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
+    assert len(calls) > 3 and max(calls) <= 4 * st._FRAGMENT_CHARS + 2
+    doc = json.loads(blob[8 : 8 + n])
+    doc["layer.7.weight"] = [doc["layer.7.weight"]]
+    bad = json.dumps(doc, separators=(",", ":")).encode()
+    with pytest.raises(HeaderError, match="'layer.7.weight': entry must have exactly"):
+        st.parse(bad, layout.file_size - n + len(bad), "x")

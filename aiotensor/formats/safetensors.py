@@ -264,6 +264,68 @@ def _text(text: bytes, path: object, what: str, error: type[FormatError]) -> str
         raise error(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})", path) from None
 
 
+_FRAGMENT_CHARS = 64 * 1024
+# the C scanner with a C hook: each JSON object comes back as the tuple of its (key, value) pairs
+# (arrays stay lists, so ``{}`` and ``[]`` differ)
+_TUPLES = json.JSONDecoder(object_pairs_hook=tuple, parse_constant=_reject_constant)
+_CUT = re.compile(r'\}[ \t\n\r]*,[ \t\n\r]*"')  # where a member whose value is an object ends, and the next begins
+
+
+def _parse_plain(doc: str, member: Member) -> bool:
+    """The members of a header as every writer makes them (each value an object of unique keys,
+    holding no object), ``member(key, value)`` for each in order; the JSON parsed by the C scanner in
+    fragments of about :data:`_FRAGMENT_CHARS` cut where one member's object ends and the next
+    member begins. The member-by-member walk of :func:`parse_members` costs 3 µs a member in
+    Python (60 ms for 20,000 tensors). A fragment parses as an object only if it ends between two
+    tokens, so its members are the document's own, in order; where no cut comes soon, one member is
+    parsed alone, so parsing memory stays within a small multiple of a fragment or of one member.
+    False where anything is otherwise (a cut inside a string makes a fragment that is not valid
+    JSON), or ``member`` refused a value: nothing is known then, and the caller parses member by
+    member, which names the problem."""
+    body = doc.strip(" \t\n\r")
+    if body[:1] != "{" or body[-1:] != "}":
+        return False
+    end = len(body) - 1
+    start = _skip(body, 1)
+    if start == end:
+        return False  # no member: the walk says what that means
+    seen: set[str] = set()
+    count = 0
+    try:
+        while True:
+            if body[start : start + 1] != '"':
+                return False
+            cut = _CUT.search(body, start + _FRAGMENT_CHARS, start + 4 * _FRAGMENT_CHARS)
+            if cut is not None or end - start <= 4 * _FRAGMENT_CHARS:
+                stop = cut.start() + 1 if cut is not None else end
+                pairs = _TUPLES.decode("{" + body[start:stop] + "}")
+            else:  # one member alone: its value is parsed whole, as the walk parses it
+                key, i = json.decoder.scanstring(body, start + 1)  # type: ignore[attr-defined]
+                i = _skip(body, i)
+                if body[i : i + 1] != ":":
+                    return False
+                value, stop = _TUPLES.scan_once(body, _skip(body, i + 1))  # type: ignore[attr-defined]
+                pairs = ((key, value),)
+            for key, value in pairs:
+                if type(value) is not tuple:
+                    return False
+                obj = dict(value)
+                if len(obj) != len(value):
+                    return False
+                member(key, obj)
+            count += len(pairs)
+            seen.update(k for k, _ in pairs)
+            if stop >= end:
+                break
+            start = _skip(body, stop)
+            if body[start : start + 1] != ",":
+                return False
+            start = _skip(body, start + 1)
+    except (ValueError, TypeError, IndexError, RecursionError, StopIteration, FormatError):
+        return False
+    return len(seen) == count and _skip(body, stop) == end
+
+
 def is_count(x: object) -> bool:
     """A non-negative JSON integer (bool is not an integer here)."""
     return type(x) is int and x >= 0  # JSON and the restricted unpickler make exact ints: only bool to tell apart
@@ -343,7 +405,10 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
             return
         specs.append(_spec(key, info, data_start, file_size, path))
 
-    parse_members(header, path, "header", HeaderError, member)
+    if not _parse_plain(_text(header, path, "header", HeaderError), member):
+        specs.clear()
+        found.clear()
+        parse_members(header, path, "header", HeaderError, member)
     metadata = found.get("metadata")
     specs.sort(key=lambda s: (s.offset, s.nbytes))
     pos = data_start
