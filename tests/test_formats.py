@@ -430,22 +430,26 @@ def _outcome(text: bytes, size: int) -> object:
 
 
 _KEYS = hs.text(alphabet=hs.sampled_from(["a", '"', "\\", "}", ",", ":", "{", " ", "é", "]"]), min_size=1, max_size=6)
-_ENTRY = hs.fixed_dictionaries(
-    {"dtype": hs.sampled_from(["U8", "F32", "BF16", "F7"]), "shape": hs.lists(hs.integers(0, 3), max_size=2)},
+_HEADER_ENTRY = hs.fixed_dictionaries(
+    {
+        "dtype": hs.one_of(hs.sampled_from(["U8", "F32", "BF16", "F7"]), hs.just({"a": "U8"})),
+        "shape": hs.one_of(hs.lists(hs.integers(0, 3), max_size=2), hs.just([{"a": 1}])),
+    },
     optional={"x": hs.just({}), "data_offsets": hs.just(None)},
 )
 
 
 @settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
 @given(
-    hs.lists(hs.tuples(_KEYS, _ENTRY), max_size=8),
+    hs.lists(hs.tuples(_KEYS, _HEADER_ENTRY), max_size=8),
     hs.one_of(hs.none(), hs.dictionaries(_KEYS, hs.one_of(hs.text(max_size=3), hs.just([]), hs.just({})), max_size=2)),
     hs.sampled_from([(",", ":"), (", ", ": "), (",\n ", ": ")]),
     hs.integers(0, 3),
     hs.booleans(),
+    hs.sampled_from([24, 60, 150]),
 )
 def test_the_fragment_parse_agrees_with_the_member_walk(
-    entries: list[tuple[str, dict[str, Any]]], meta: Any, seps: tuple[str, str], dup: int, shuffle: bool
+    entries: list[tuple[str, dict[str, Any]]], meta: Any, seps: tuple[str, str], dup: int, shuffle: bool, chars: int
 ) -> None:
     """Headers as writers make them and near misses (duplicate keys, keys holding '},"', empty or
     array values, extra fields, bad dtypes, whitespace): the C-scanner fragments accept exactly what
@@ -454,11 +458,15 @@ def test_the_fragment_parse_agrees_with_the_member_walk(
 
     members, pos = [], 0
     for key, e in entries:
-        n = st.nbytes_of(e["dtype"], e["shape"]) if e["dtype"] != "F7" else 1
+        plain = isinstance(e["dtype"], str) and e["dtype"] in st.ITEMSIZE and all(type(d) is int for d in e["shape"])
+        n = st.nbytes_of(e["dtype"], e["shape"]) if plain else 1
         item = {k: v for k, v in e.items() if k != "data_offsets"} | {"data_offsets": [pos, pos + n]}
         if "data_offsets" in e:  # a near miss: the field left out
             del item["data_offsets"]
-        members.append(f"{json.dumps(key)}{seps[1]}{json.dumps(item, separators=seps)}")
+        text = json.dumps(item, separators=seps)
+        if e.get("x") == {}:  # and a field twice
+            text = '{"dtype"' + seps[1] + '"U8"' + seps[0] + text[1:]
+        members.append(f"{json.dumps(key)}{seps[1]}{text}")
         pos += n
     if dup and members:
         members.insert(dup % (len(members) + 1), members[0])
@@ -466,9 +474,9 @@ def test_the_fragment_parse_agrees_with_the_member_walk(
         members.insert(len(members) // 2 if shuffle else 0, f'"__metadata__"{seps[1]}{json.dumps(meta, separators=seps)}')
     text = ("{" + seps[0].join(members) + "}   ").encode()
     size = 8 + len(text) + pos
-    with mock.patch.object(st, "_FRAGMENT_CHARS", 8):
+    with mock.patch.object(st, "_FRAGMENT_CHARS", chars):  # fragments of one to a few members
         fast = _outcome(text, size)
-    with mock.patch.object(st, "_parse_plain", lambda doc, member: False):
+    with mock.patch.object(st, "_fragment", lambda doc, i, plain, seen: 0):
         slow = _outcome(text, size)
     assert fast == slow
 
@@ -481,9 +489,9 @@ def test_a_header_of_many_tensors_is_parsed_in_fragments() -> None:
     blob, layout = st.build([(f"layer.{i}.weight", "F32", (3, i % 5 + 1)) for i in range(3000)], {"format": "pt"})
     n = struct.unpack("<Q", blob[:8])[0]
     calls: list[int] = []
-    real = st._TUPLES.decode
-    with mock.patch.object(st, "_TUPLES", mock.Mock(decode=lambda s: calls.append(len(s)) or real(s))):
-        with mock.patch.object(st, "parse_members", side_effect=AssertionError("walked")):
+    real = st._TUPLES.raw_decode
+    with mock.patch.object(st, "_TUPLES", mock.Mock(raw_decode=lambda s: calls.append(len(s)) or real(s))):
+        with mock.patch.object(json.decoder, "scanstring", side_effect=AssertionError("walked")):
             parsed = st.parse(blob[8 : 8 + n], layout.file_size, "x")
     assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
     assert len(calls) > 3 and max(calls) <= 4 * st._FRAGMENT_CHARS + 2
@@ -492,3 +500,47 @@ def test_a_header_of_many_tensors_is_parsed_in_fragments() -> None:
     bad = json.dumps(doc, separators=(",", ":")).encode()
     with pytest.raises(HeaderError, match="'layer.7.weight': entry must have exactly"):
         st.parse(bad, layout.file_size - n + len(bad), "x")
+
+
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(
+    hs.lists(hs.tuples(_KEYS, hs.sampled_from(["ok", "nested", "twice", "short", "bool"])), min_size=1, max_size=8),
+    hs.lists(hs.tuples(_KEYS, hs.one_of(hs.integers(0, 8), hs.just({}))), max_size=3),
+    hs.sampled_from([24, 60, 150]),
+)
+def test_manifest_fragments_agree_with_the_member_walk(entries: list[tuple[str, str]], aliases: list[Any], chars: int) -> None:
+    """The manifest's tensor and alias tables (objects inside the document) parsed in fragments:
+    the same manifest, or the same error, as the member walk."""
+    from unittest import mock
+
+    tensors: dict[str, Any] = {}
+    for key, kind in entries:
+        t: Any = dict(_ENTRY)
+        if kind == "nested":
+            t["shape"] = [{"a": 1}]
+        elif kind == "short":
+            del t["crc32c"]
+        elif kind == "bool":
+            t["offset"] = True
+        tensors[key] = t
+    alias_doc = {k: (list(tensors)[v % len(tensors)] if isinstance(v, int) else v) for k, v in aliases}
+    leaves = {k: {"tensor": k} for k in [*tensors, *alias_doc]}
+    raw = _manifest(tensors=tensors, aliases=alias_doc, tree={"dict": leaves})
+    for key, kind in entries:  # a field twice: JSON that json.dumps cannot make
+        if kind == "twice":
+            k = json.dumps(key, separators=(",", ":")).encode()
+            raw = raw.replace(k + b':{"shard"', k + b':{"nbytes":4,"shard"', 1)
+    digits = len(raw) - 10  # sealed again: the digits sit right before the closing '"}'
+    raw = raw[:digits] + b"%08x" % _checksum.crc32c(raw[:digits] + b"0" * 8 + raw[-2:]) + raw[-2:]
+
+    def outcome() -> object:
+        try:
+            return mf.loads(raw, "m.json")
+        except ManifestError as e:
+            return str(e)
+
+    with mock.patch.object(st, "_FRAGMENT_CHARS", chars):
+        fast = outcome()
+    with mock.patch.object(st, "_fragment", lambda doc, i, plain, seen: 0):
+        slow = outcome()
+    assert fast == slow

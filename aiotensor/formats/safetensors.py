@@ -179,7 +179,8 @@ def parse_members(
     doc = _text(text, path, what, error)
     decoders = {k: _decoder(hook) for k, hook in (hooks or {}).items()}
     try:
-        end = _members(doc, 0, lambda k, j: _member(doc, k, j, member, nested or {}, decoders))
+        walk = lambda k, j: _member(doc, k, j, member, nested or {}, decoders)  # noqa: E731
+        end = _members(doc, 0, walk, None if nested or hooks else member)
         if doc[_skip(doc, end) :]:
             raise ValueError(f"extra data after the object at {end}")
     except FormatError:
@@ -203,7 +204,7 @@ def _decoder(hook: Callable[[list[tuple[str, Any]]], Any]) -> Callable[[str, int
 def _member(doc: str, key: str, j: int, member: Member, nested: Mapping[str, Member], decoders: Mapping[str, Any]) -> int:
     inner = nested.get(key)
     if inner is not None and doc[j : j + 1] == "{":
-        return _members(doc, j, lambda k, i: _apply(doc, k, i, inner, _DECODE))
+        return _members(doc, j, lambda k, i: _apply(doc, k, i, inner, _DECODE), inner)
     return _apply(doc, key, j, member, decoders.get(key, _DECODE))
 
 
@@ -223,9 +224,12 @@ def _skip(doc: str, i: int) -> int:
     return _WS.match(doc, i).end()  # type: ignore[union-attr]
 
 
-def _members(doc: str, i: int, member: Callable[[str, int], int]) -> int:
+def _members(doc: str, i: int, member: Callable[[str, int], int], plain: Member | None = None) -> int:
     """Walk the JSON object at ``doc[i]``: ``member(key, j)`` for each member, ``j`` where its
-    value starts, returning where the value ends; returns where the object ends."""
+    value starts, returning where the value ends; returns where the object ends. With ``plain``,
+    runs of members are parsed by the C scanner in fragments instead (:func:`_fragment`), each
+    handed to ``plain(key, value)`` as the walk's ``member`` would see it; where a fragment is not
+    what every writer makes, the walk takes its members."""
     i = _skip(doc, i)
     if doc[i : i + 1] != "{":
         raise ValueError(f"expected an object at {i}")
@@ -233,23 +237,80 @@ def _members(doc: str, i: int, member: Callable[[str, int], int]) -> int:
     if doc[i : i + 1] == "}":
         return i + 1
     seen: set[str] = set()
+    walk_to = 0  # members before this are walked (a fragment there was refused)
     while True:
         if doc[i : i + 1] != '"':
             raise ValueError(f"expected a key at {i}")
-        key, i = json.decoder.scanstring(doc, i + 1)  # type: ignore[attr-defined]
-        if key in seen:
-            raise _Duplicate(key)
-        seen.add(key)
+        end = 0
+        if plain is not None and i >= walk_to:
+            end = _fragment(doc, i, plain, seen)
+            walk_to = i + 4 * _FRAGMENT_CHARS if end == 0 else 0
+        if end > 0:
+            i = end
+        elif end < 0:  # the object's own end
+            return -end
+        else:
+            key, i = json.decoder.scanstring(doc, i + 1)  # type: ignore[attr-defined]
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
+            i = _skip(doc, i)
+            if doc[i : i + 1] != ":":
+                raise ValueError(f"expected ':' at {i}")
+            i = member(key, _skip(doc, i + 1))
         i = _skip(doc, i)
-        if doc[i : i + 1] != ":":
-            raise ValueError(f"expected ':' at {i}")
-        i = _skip(doc, member(key, _skip(doc, i + 1)))
         if doc[i : i + 1] == ",":
             i = _skip(doc, i + 1)
         elif doc[i : i + 1] == "}":
             return i + 1
         else:
             raise ValueError(f"expected ',' or '}}' at {i}")
+
+
+_FRAGMENT_CHARS = 64 * 1024
+# the C scanner with a C hook: each JSON object comes back as the tuple of its (key, value) pairs
+# (arrays stay lists, so ``{}`` and ``[]`` differ)
+_TUPLES = json.JSONDecoder(object_pairs_hook=tuple, parse_constant=_reject_constant)
+_CUT = re.compile(r'\}[ \t\n\r]*,[ \t\n\r]*"')  # where a member whose value is an object ends, and the next begins
+
+
+def _fragment(doc: str, i: int, plain: Member, seen: set[str]) -> int:
+    """Parse the members from ``doc[i]`` (a key) to a cut :data:`_FRAGMENT_CHARS` to four times that
+    further on, where a member's object ends and the next member begins, with one call of the C
+    scanner, and hand each to ``plain``: the walk costs 3 µs a member in Python (60 ms for a
+    header of 20,000 tensors). Returns where the fragment ends (> 0), or minus where the object
+    ends if it ends inside; 0, having handed nothing over, where the fragment is not plain (a cut
+    inside a string, which fails to parse; an object below a member's value; a duplicate key
+    inside a value): the walk then takes those members and names what is wrong. A fragment parses
+    only if it ends between two tokens, so its members are the document's own, in order; parsing
+    memory stays within a small multiple of the fragment's."""
+    cut = _CUT.search(doc, i + _FRAGMENT_CHARS, i + 4 * _FRAGMENT_CHARS)
+    stop = cut.start() + 1 if cut is not None else min(len(doc), i + 4 * _FRAGMENT_CHARS)
+    frag = "{" + doc[i:stop] + ("}" if cut is not None else "")
+    try:
+        pairs, n = _TUPLES.raw_decode(frag)
+    except (ValueError, RecursionError):
+        return 0
+    closed = n <= stop - i + 1  # the brace that closed it is the document's
+    if not closed and cut is None:
+        return 0
+    values: list[tuple[str, Any]] = []
+    objects = 0
+    for key, value in pairs:
+        if type(value) is tuple:
+            obj = dict(value)
+            if len(obj) != len(value):
+                return 0
+            value, objects = obj, objects + 1
+        values.append((key, value))
+    if frag.count("{", 0, n) != 1 + objects:  # an object below a value (or a brace in a string)
+        return 0
+    for key, value in values:
+        if key in seen:
+            raise _Duplicate(key)
+        seen.add(key)
+        plain(key, value)
+    return -(i + n - 1) if closed else stop
 
 
 def _text(text: bytes, path: object, what: str, error: type[FormatError]) -> str:
@@ -262,68 +323,6 @@ def _text(text: bytes, path: object, what: str, error: type[FormatError]) -> str
         return text.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})", path) from None
-
-
-_FRAGMENT_CHARS = 64 * 1024
-# the C scanner with a C hook: each JSON object comes back as the tuple of its (key, value) pairs
-# (arrays stay lists, so ``{}`` and ``[]`` differ)
-_TUPLES = json.JSONDecoder(object_pairs_hook=tuple, parse_constant=_reject_constant)
-_CUT = re.compile(r'\}[ \t\n\r]*,[ \t\n\r]*"')  # where a member whose value is an object ends, and the next begins
-
-
-def _parse_plain(doc: str, member: Member) -> bool:
-    """The members of a header as every writer makes them (each value an object of unique keys,
-    holding no object), ``member(key, value)`` for each in order; the JSON parsed by the C scanner in
-    fragments of about :data:`_FRAGMENT_CHARS` cut where one member's object ends and the next
-    member begins. The member-by-member walk of :func:`parse_members` costs 3 µs a member in
-    Python (60 ms for 20,000 tensors). A fragment parses as an object only if it ends between two
-    tokens, so its members are the document's own, in order; where no cut comes soon, one member is
-    parsed alone, so parsing memory stays within a small multiple of a fragment or of one member.
-    False where anything is otherwise (a cut inside a string makes a fragment that is not valid
-    JSON), or ``member`` refused a value: nothing is known then, and the caller parses member by
-    member, which names the problem."""
-    body = doc.strip(" \t\n\r")
-    if body[:1] != "{" or body[-1:] != "}":
-        return False
-    end = len(body) - 1
-    start = _skip(body, 1)
-    if start == end:
-        return False  # no member: the walk says what that means
-    seen: set[str] = set()
-    count = 0
-    try:
-        while True:
-            if body[start : start + 1] != '"':
-                return False
-            cut = _CUT.search(body, start + _FRAGMENT_CHARS, start + 4 * _FRAGMENT_CHARS)
-            if cut is not None or end - start <= 4 * _FRAGMENT_CHARS:
-                stop = cut.start() + 1 if cut is not None else end
-                pairs = _TUPLES.decode("{" + body[start:stop] + "}")
-            else:  # one member alone: its value is parsed whole, as the walk parses it
-                key, i = json.decoder.scanstring(body, start + 1)  # type: ignore[attr-defined]
-                i = _skip(body, i)
-                if body[i : i + 1] != ":":
-                    return False
-                value, stop = _TUPLES.scan_once(body, _skip(body, i + 1))  # type: ignore[attr-defined]
-                pairs = ((key, value),)
-            for key, value in pairs:
-                if type(value) is not tuple:
-                    return False
-                obj = dict(value)
-                if len(obj) != len(value):
-                    return False
-                member(key, obj)
-            count += len(pairs)
-            seen.update(k for k, _ in pairs)
-            if stop >= end:
-                break
-            start = _skip(body, stop)
-            if body[start : start + 1] != ",":
-                return False
-            start = _skip(body, start + 1)
-    except (ValueError, TypeError, IndexError, RecursionError, StopIteration, FormatError):
-        return False
-    return len(seen) == count and _skip(body, stop) == end
 
 
 def is_count(x: object) -> bool:
@@ -405,10 +404,7 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
             return
         specs.append(_spec(key, info, data_start, file_size, path))
 
-    if not _parse_plain(_text(header, path, "header", HeaderError), member):
-        specs.clear()
-        found.clear()
-        parse_members(header, path, "header", HeaderError, member)
+    parse_members(header, path, "header", HeaderError, member)
     metadata = found.get("metadata")
     specs.sort(key=lambda s: (s.offset, s.nbytes))
     pos = data_start
