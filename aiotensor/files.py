@@ -334,7 +334,9 @@ def _mapped(engine: Engine, path: str, verify: bool) -> tuple[list[Target], dict
     fd, layout = _opened(engine, path, True)
     try:
         crcs = st.crc_table(layout, path) if verify else None
-        targets = mapped(fd, layout.file_size, layout.tensors, None if crcs is None else [crcs[s.key] for s in layout.tensors])
+        targets = mapped(
+            fd, path, layout.file_size, layout.tensors, None if crcs is None else [crcs[s.key] for s in layout.tensors]
+        )
         return targets, {t.spec.key: t.tensor for t in targets}, crcs is not None
     finally:
         engine.close(fd)

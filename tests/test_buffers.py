@@ -88,7 +88,7 @@ def test_prefault_faults_in_fresh_memory_in_one_call_and_leaves_used_memory_alon
     from aiotensor._runtime import buffers
 
     probe = mmap.mmap(-1, PAGE)  # the kernel asked directly: does it know the advice at all?
-    if buffers._vm()[1](buffers.address(memoryview(probe)), PAGE, 23) != 0:
+    if buffers.libc().madvise(buffers.address(memoryview(probe)), PAGE, 23) != 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
     probe.close()
     m = mmap.mmap(-1, 64 * PAGE)
@@ -98,8 +98,15 @@ def test_prefault_faults_in_fresh_memory_in_one_call_and_leaves_used_memory_alon
     got = _in_memory(whole)
     assert got == [False] + [True] * 39 + [False] * 24  # the pages the bytes lie on, no others
     calls: list[object] = []
-    mincore = buffers._vm()[0]
-    monkeypatch.setattr(buffers, "_vm", lambda: (mincore, lambda *a: calls.append(a)))
+    real = buffers.libc()
+
+    class Spy:
+        mincore = real.mincore
+
+        def madvise(self, *a: object) -> None:
+            calls.append(a)
+
+    monkeypatch.setattr(buffers, "libc", Spy)
     buffers.prefault(whole[PAGE : 40 * PAGE])
     assert calls == []  # in memory already (a load's memory used before): one page checked, nothing done
     buffers.prefault(whole[50 * PAGE :])
@@ -138,3 +145,22 @@ def test_a_copy_on_write_mapping_holds_no_descriptor_and_goes_with_its_last_arra
         map_copy(fd, 8192)  # a mapping needs a readable file
     assert e.value.errno == errno.EACCES
     os.close(fd)
+
+
+def test_a_mapping_past_the_end_of_a_file_is_refused_naming_it(tmp_path: Any) -> None:
+    """Found by review: libc's mmap maps past a file's end (touching it there is a SIGBUS that kills
+    the process), where mmap.mmap refused; a file truncated after its header was read is an OSError
+    that names it."""
+    import os
+
+    from aiotensor._io.tensors import mapped
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\1" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match=f"mapping {path}: the file is 8192 bytes now, fewer than the 12288"):
+            mapped(fd, str(path), 12288, [], None)
+        assert len(mapped(fd, str(path), 8192, [], None)) == 0
+    finally:
+        os.close(fd)

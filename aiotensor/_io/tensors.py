@@ -17,7 +17,7 @@ from .. import knobs
 from .._runtime import cuda
 from .._runtime.buffers import PAGE, map_copy, round_up
 from .._runtime.scheduler import Priority, Scheduler
-from ..errors import MismatchError, StateError
+from ..errors import MismatchError, StateError, annotate_oserror
 from ..formats import checksum
 from ..formats import safetensors as st
 from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, torch_shape
@@ -243,16 +243,22 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
 _EMPTY = torch.empty(0)
 
 
-def mapped(fd: int, size: int, specs: Sequence[st.TensorSpec], crcs: Sequence[int | None] | None) -> list[Target]:
-    """A copy-on-write mapping of the open file ``fd`` of ``size`` bytes and a view of it for each
+def mapped(fd: int, path: str, size: int, specs: Sequence[st.TensorSpec], crcs: Sequence[int | None] | None) -> list[Target]:
+    """A copy-on-write mapping of the open file ``fd`` (``path``) of ``size`` bytes and a view of it for each
     of ``specs`` (validated against the file), each with its crc (``crcs[i]``; None: none to check).
     A tensor at an offset that is not a multiple of its item size is copied out. Writes to a view
     stay in this process; the mapping lives as long as any view of it (and keeps the file's inode:
-    a file deleted meanwhile is still read)."""
+    a file deleted meanwhile is still read).
+
+    Raises:
+        OSError: the file is shorter than ``size`` now, or cannot be mapped, naming it."""
     whole = _EMPTY.view(torch.uint8)
     block = None
     if size:
-        whole = torch.from_numpy(map_copy(fd, size))  # alive as long as any tensor over it
+        try:
+            whole = torch.from_numpy(map_copy(fd, size))  # alive as long as any tensor over it
+        except OSError as e:
+            raise annotate_oserror(e, f"mapping {path}") from e
         block = Block(0, size, whole)  # verified in big pieces of the mapping, not tensor by tensor
     tensors: list[torch.Tensor] = [_EMPTY] * len(specs)
     viewed = []

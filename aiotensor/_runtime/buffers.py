@@ -8,6 +8,7 @@ saves, only with the largest state staged so far.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -42,18 +43,25 @@ def move(dst: int, src: int, nbytes: int) -> None:
 
 
 @functools.cache
-def _vm() -> Any:
-    """libc's ``mincore`` and ``madvise`` (None where there is no such libc)."""
+def libc() -> Any:
+    """This process's C library, with the signatures of the calls aiotensor makes through ctypes
+    (each releases the GIL): ``mmap``, ``munmap``, ``mincore``, ``madvise``, ``memcmp``; None where
+    there is no such library. One handle for every caller: the signatures are set once."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        mincore, madvise = libc.mincore, libc.madvise
+        c = ctypes.CDLL(None, use_errno=True)
+        c.mmap.restype = ctypes.c_void_p
+        c.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        c.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        c.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        c.memcmp.restype = ctypes.c_int
+        c.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     except (OSError, AttributeError):
         return None
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return mincore, madvise
+    return c
 
 
+MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
@@ -63,27 +71,15 @@ def prefault(buf: memoryview) -> None:
     check of one page). A ``pread`` into fresh memory takes each page's fault inside the kernel's
     copy: a 0.5 GB read from the page cache in 1 MiB pieces on 2 threads took 174-205 ms that way,
     160-164 ms with the pages faulted in first (bench_fresh.py). Nothing where the kernel lacks it."""
-    vm = _vm()
-    if vm is None or not len(buf):
+    c = libc()
+    if c is None or not len(buf):
         return
-    mincore, madvise = vm
     at = address(buf)
     start = at - at % PAGE
     vec = ctypes.c_ubyte()
-    if mincore(start, PAGE, ctypes.byref(vec)) != 0 or vec.value & 1:
+    if c.mincore(start, PAGE, ctypes.byref(vec)) != 0 or vec.value & 1:
         return
-    madvise(start, at + len(buf) - start, _MADV_POPULATE_WRITE)
-
-
-@functools.cache
-def _maps() -> Any:
-    """libc's ``mmap`` and ``munmap``."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    map_, unmap = libc.mmap, libc.munmap
-    map_.restype = ctypes.c_void_p
-    map_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return map_, unmap
+    c.madvise(start, at + len(buf) - start, _MADV_POPULATE_WRITE)
 
 
 class _Mapping:
@@ -91,7 +87,7 @@ class _Mapping:
 
     def __init__(self, at: int, size: int) -> None:
         self.__array_interface__ = {"data": (at, False), "shape": (size,), "typestr": "|u1", "version": 3}
-        weakref.finalize(self, _maps()[1], at, size).atexit = False  # arrays may outlive atexit
+        weakref.finalize(self, libc().munmap, at, size).atexit = False  # arrays may outlive atexit
 
 
 def map_copy(fd: int, size: int) -> np.ndarray:
@@ -102,10 +98,15 @@ def map_copy(fd: int, size: int) -> np.ndarray:
     file deleted meanwhile is still read.
 
     Raises:
-        OSError: the kernel refused the mapping."""
-    at = _maps()[0](None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
-    if at is None or at == ctypes.c_void_p(-1).value:
-        err = ctypes.get_errno()
+        OSError: the file is shorter than ``size`` now (a touch past its end would kill the process
+            with SIGBUS), or the kernel refused the mapping."""
+    have = os.fstat(fd).st_size
+    if have < size:
+        raise OSError(errno.EIO, f"the file is {have} bytes now, fewer than the {size} to map (truncated meanwhile?)")
+    c = libc()
+    at = None if c is None else c.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if at is None or at == MAP_FAILED:
+        err = ctypes.get_errno() if c is not None else errno.ENOSYS
         raise OSError(err, os.strerror(err))
     return np.asarray(_Mapping(at, size))
 
@@ -115,18 +116,10 @@ def address(buf: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
-@functools.cache
-def _memcmp() -> Any:
-    fn = ctypes.CDLL(None).memcmp  # a ctypes call releases the GIL
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    return fn
-
-
 def same_bytes(a: int, b: int, nbytes: int) -> bool:
     """Are the ``nbytes`` bytes at addresses ``a`` and ``b`` equal (libc's memcmp, GIL released;
     as fast as a copy of them)?"""
-    return nbytes == 0 or _memcmp()(a, b, nbytes) == 0
+    return nbytes == 0 or libc().memcmp(a, b, nbytes) == 0
 
 
 class HostBuffer:

@@ -10,8 +10,8 @@ import mmap
 import os
 import shutil
 import stat
-from typing import Any
 
+from .._runtime.buffers import MAP_FAILED, libc
 from ..errors import UnsafePathError
 from .base import Engine
 
@@ -138,21 +138,8 @@ def open_regular(path: str) -> int:
     return fd
 
 
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
+_LIBC = libc()
 _PAGE = mmap.PAGESIZE
-_MAP_FAILED = ctypes.c_void_p(-1).value
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets the low bit of a resident page's byte
 
 
@@ -165,7 +152,7 @@ def resident(fd: int, offset: int, nbytes: int) -> int:
     start = offset // _PAGE * _PAGE
     length = offset + nbytes - start
     addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-    if addr is None or addr == _MAP_FAILED:
+    if addr is None or addr == MAP_FAILED:
         return 0
     try:
         pages = -(-length // _PAGE)

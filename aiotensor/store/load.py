@@ -215,7 +215,7 @@ def _map_shard(
     """:func:`_check_header`, then a copy-on-write mapping of the shard and a view of it for each
     entry (with its crc, to verify, if ``verify``)."""
     _check_header(sched, fd, path, size, entries, mpath)
-    return mapped(fd, size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
+    return mapped(fd, path, size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
 
 
 def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], mpath: str) -> None:
