@@ -381,3 +381,31 @@ async def test_read_only_destinations_and_in_place_updates_of_loaded_views(tmp_p
     x = torch.ones(3, requires_grad=True)
     got["b"].mul_(x)  # a view of a multi-view split refused this
     assert got["b"].requires_grad
+
+
+def test_residency_is_counted_without_a_mapping_and_agrees_with_mincore(tmp_path: Any, monkeypatch: Any) -> None:
+    """``cachestat`` (Linux 6.5) answers all-in and all-out ranges in one call, with no mapping (a
+    mapping takes the memory-map lock behind every page fault of the other threads); mixed ranges,
+    and kernels without it, go to mincore of a mapping. Both answer alike."""
+    from aiotensor.engines import posix
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    evict(str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1 << 20)], 0)  # the first MiB, and what read-ahead brings
+        ranges = [(0, 4096), (100, 1 << 19), (0, 4 << 20), (3 << 20, 1 << 20), (5000, 3 << 20)]
+        if posix._cached_pages(fd, 0, 4096) is None:
+            pytest.skip("this kernel has no cachestat (Linux 6.5)")
+        mapped: list[Any] = []
+        monkeypatch.setattr(posix._LIBC, "mmap", spy(posix._LIBC.mmap, mapped))
+        counted = [posix.resident(fd, off, n) for off, n in ranges]
+        mixed = len(mapped)
+        monkeypatch.setattr(posix, "_cachestat_works", False)
+        assert counted == [posix.resident(fd, off, n) for off, n in ranges]
+        assert len(mapped) - mixed == len(ranges)  # without it, a mapping each
+        assert counted[0] == 4096 and counted[3] == 0 and 1 << 20 <= counted[2] < 4 << 20
+        assert mixed == 2  # only the ranges partly in the cache were mapped
+    finally:
+        os.close(fd)

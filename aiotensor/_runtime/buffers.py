@@ -45,7 +45,7 @@ def move(dst: int, src: int, nbytes: int) -> None:
 @functools.cache
 def libc() -> Any:
     """This process's C library, with the signatures of the calls aiotensor makes through ctypes
-    (each releases the GIL): ``mmap``, ``munmap``, ``mincore``, ``madvise``, ``memcmp``; None where
+    (each releases the GIL): ``mmap``, ``munmap``, ``mincore``, ``madvise``, ``memcmp``, ``syscall``; None where
     there is no such library. One handle for every caller: the signatures are set once."""
     try:
         c = ctypes.CDLL(None, use_errno=True)
@@ -56,6 +56,7 @@ def libc() -> Any:
         c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         c.memcmp.restype = ctypes.c_int
         c.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        c.syscall.restype = ctypes.c_long
     except (OSError, AttributeError):
         return None
     return c

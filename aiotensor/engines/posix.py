@@ -10,6 +10,7 @@ import mmap
 import os
 import shutil
 import stat
+import sys
 
 from .._runtime.buffers import MAP_FAILED, libc
 from ..errors import UnsafePathError
@@ -143,19 +144,54 @@ _PAGE = mmap.PAGESIZE
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets the low bit of a resident page's byte
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_NR_CACHESTAT = 451  # Linux 6.5, the same number on every architecture (asm-generic/unistd.h)
+_cachestat_works = sys.platform == "linux"
+
+
+def _cached_pages(fd: int, start: int, length: int) -> int | None:
+    """``cachestat``: how many pages of the range are in the page cache, in one call and with no
+    mapping (None where the kernel has no such call)."""
+    global _cachestat_works
+    if not _cachestat_works:
+        return None
+    got = _Cachestat()
+    if _LIBC.syscall(
+        _NR_CACHESTAT, ctypes.c_int(fd), ctypes.byref(_CachestatRange(start, length)), ctypes.byref(got), ctypes.c_uint(0)
+    ):
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter
+            _cachestat_works = False
+        return None
+    return int(got.nr_cache)
+
+
 def resident(fd: int, offset: int, nbytes: int) -> int:
     """How many of the ``nbytes`` bytes of ``fd`` at ``offset`` are in the page cache, from the
-    first on: ``mincore`` of a mapping that is never touched (a read with ``RWF_NOWAIT`` would
-    start read-ahead of what is missing, reading it twice). 0 where it cannot be told."""
+    first on (a read with ``RWF_NOWAIT`` would start read-ahead of what is missing, reading it
+    twice). ``cachestat`` counts the pages in one call (Linux 6.5); where it finds some in and
+    some out, or the kernel lacks it, ``mincore`` of a mapping that is never touched says which. A
+    mapping costs more than its syscalls: mapping and unmapping take the process's memory-map lock
+    for writing, behind every page fault and ``madvise`` of the other threads (1.2 ms a call in a
+    stream of 20,000 tensors, where ``cachestat`` takes a few µs). 0 where it cannot be told."""
     if _LIBC is None or nbytes <= 0:
         return 0
     start = offset // _PAGE * _PAGE
     length = offset + nbytes - start
+    pages = -(-length // _PAGE)
+    counted = _cached_pages(fd, start, length)
+    if counted is not None and (counted == 0 or counted >= pages):
+        return nbytes if counted else 0
     addr = _LIBC.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if addr is None or addr == MAP_FAILED:
         return 0
     try:
-        pages = -(-length // _PAGE)
         vec = ctypes.create_string_buffer(pages)
         # the first, middle and last page first: a range is nearly always all in or all out, and
         # asking for every page costs ~70 ns each (a tenth of copying them from the cache)
