@@ -158,13 +158,14 @@ _cachestat_works = sys.platform == "linux"
 
 def _cached_pages(fd: int, start: int, length: int) -> int | None:
     """``cachestat``: how many pages of the range are in the page cache, in one call and with no
-    mapping (None where the kernel has no such call)."""
+    mapping (None where the kernel has no such call). ``syscall`` is variadic: every argument goes
+    as a whole register (a C ``long``), as the kernel reads them."""
     global _cachestat_works
     if not _cachestat_works:
         return None
     got = _Cachestat()
     if _LIBC.syscall(
-        _NR_CACHESTAT, ctypes.c_int(fd), ctypes.byref(_CachestatRange(start, length)), ctypes.byref(got), ctypes.c_uint(0)
+        _NR_CACHESTAT, ctypes.c_long(fd), ctypes.byref(_CachestatRange(start, length)), ctypes.byref(got), ctypes.c_long(0)
     ):
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter
             _cachestat_works = False
