@@ -185,6 +185,7 @@ def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], Man
     return Entry(t["shard"], TensorSpec(key, t["dtype"], tuple(shape), t["offset"], t["nbytes"]), t["crc32c"])
 
 
+@gil.quiet_gc  # tens of thousands of entries: no collection walks them meanwhile
 def loads(data: bytes, path: object) -> Manifest:
     """Validate a manifest completely before anything is allocated from it.
 

@@ -384,6 +384,7 @@ def _spec(key: str, info: Any, data_start: int, file_size: int, path: object) ->
     return TensorSpec(key, dtype, tuple(shape), data_start + begin, n)
 
 
+@gil.quiet_gc  # tens of thousands of specs, and the fragments' tuples: no collection walks them meanwhile
 def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TENSORS) -> Layout:
     """Validate a header (the JSON bytes after the 8-byte prefix) against the file size.
 
