@@ -195,6 +195,21 @@ def test_a_manifest_claiming_a_huge_tensor_allocates_nothing(tmp_path: Any) -> N
         load_copy(files)
 
 
+def test_a_manifest_pointing_two_tensors_at_the_same_bytes_is_refused(tmp_path: Any) -> None:
+    """The shard's header is compared with the one the manifest's entries make, which holds their
+    keys, dtypes and shapes but no offsets: the offsets must run on from the header with no gap
+    or overlap. Here a tensor's bytes are said to be its neighbour's (the header stays the same)."""
+    files = original_files()
+    doc = json.loads(files["manifest.json"])
+    shard = doc["shards"][0]["file"]
+    mine = sorted((e["offset"], k) for k, e in doc["tensors"].items() if e["shard"] == shard)
+    assert len(mine) >= 2
+    doc["tensors"][mine[1][1]]["offset"] = mine[0][0]
+    files["manifest.json"] = mf.seal(doc)
+    with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
+        load_copy(files)
+
+
 # --- torch.save zips and DCP checkpoints (issue 22: the readers of files aiotensor did not write) ---
 
 

@@ -126,9 +126,9 @@ def plan_save(
     return SavePlan(tree, tuple(shards), aliases, arena, nbytes), {k: t for k, _, t in stored}
 
 
-def shard_header(specs: Sequence[st.TensorSpec]) -> tuple[bytes, st.Layout]:
-    """The header and layout of a shard the store writes holding ``specs`` (in file order)."""
-    return st.build([(s.key, s.dtype, s.shape) for s in specs], SHARD_METADATA)
+def shard_header(specs: Sequence[st.TensorSpec]) -> bytes:
+    """The header of a shard the store writes holding ``specs`` (in file order)."""
+    return st.header_bytes([(s.key, s.dtype, s.shape) for s in specs], SHARD_METADATA)[0]
 
 
 def _shard(group: list[tuple[str, str, torch.Tensor]]) -> tuple[bytes, st.Layout]:

@@ -63,13 +63,27 @@ def shape_problem(shape: object, dtype: str) -> str | None:
     return packing_problem(dtype, shape)
 
 
-@gil.quiet_gc
 def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
     """Header bytes (length prefix included, padded with spaces to a multiple of 4096) and the layout.
 
     ``entries`` are ``(key, dtype, shape)`` in the order their bytes follow each other. Callers order
     them by descending itemsize so that every tensor starts at a multiple of its own itemsize.
     """
+    blob, sizes = header_bytes(entries, metadata)
+    specs = []
+    pos = data_start = len(blob)
+    for (key, dtype, shape), n in zip(entries, sizes, strict=True):
+        specs.append(TensorSpec(key, dtype, tuple(shape), pos, n))
+        pos += n
+    return blob, Layout(data_start, pos, tuple(specs), metadata or None)
+
+
+@gil.quiet_gc
+def header_bytes(
+    entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[int]]:
+    """:func:`build`'s header bytes, and each entry's size in bytes, without the layout (a reader
+    that only compares headers needs no specs)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -83,14 +97,7 @@ def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[st
     text = gil.dumps(header).encode()
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
-    blob = struct.pack("<Q", padded) + text + b" " * (padded - len(text))
-    data_start = len(blob)
-    specs = []
-    pos = data_start
-    for (key, dtype, shape), n in zip(entries, sizes, strict=True):
-        specs.append(TensorSpec(key, dtype, tuple(shape), pos, n))
-        pos += n
-    return blob, Layout(data_start, pos, tuple(specs), metadata or None)
+    return struct.pack("<Q", padded) + text + b" " * (padded - len(text)), sizes
 
 
 def header_length(prefix: bytes, file_size: int, path: object) -> int:

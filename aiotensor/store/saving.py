@@ -69,7 +69,7 @@ class Incremental:
         self.previous = []
         for file, digest in m.digests.items():
             entries = sorted(by_shard.get(file, []), key=lambda e: e.spec.offset)
-            header, _ = shard_header([e.spec for e in entries])
+            header = shard_header([e.spec for e in entries])
             crcs = {e.spec.key: e.crc32c for e in entries}
             prev = Previous(os.path.join(folder, file), header, digest, crcs, m.step)
             self.previous.append((tuple(e.spec.key for e in entries), prev))
