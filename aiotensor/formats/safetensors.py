@@ -63,6 +63,7 @@ def shape_problem(shape: object, dtype: str) -> str | None:
     return packing_problem(dtype, shape)
 
 
+@gil.quiet_gc
 def build(entries: Sequence[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, Layout]:
     """Header bytes (length prefix included, padded with spaces to a multiple of 4096) and the layout.
 
