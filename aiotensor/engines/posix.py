@@ -165,7 +165,11 @@ def _cached_pages(fd: int, start: int, length: int) -> int | None:
         return None
     got = _Cachestat()
     if _LIBC.syscall(
-        _NR_CACHESTAT, ctypes.c_long(fd), ctypes.byref(_CachestatRange(start, length)), ctypes.byref(got), ctypes.c_long(0)
+        ctypes.c_long(_NR_CACHESTAT),
+        ctypes.c_long(fd),
+        ctypes.byref(_CachestatRange(start, length)),
+        ctypes.byref(got),
+        ctypes.c_long(0),
     ):
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter
             _cachestat_works = False
