@@ -476,9 +476,96 @@ def test_the_fragment_parse_agrees_with_the_member_walk(
     size = 8 + len(text) + pos
     with mock.patch.object(st, "_FRAGMENT_CHARS", chars):  # fragments of one to a few members
         fast = _outcome(text, size)
-    with mock.patch.object(st, "_fragment", lambda doc, i, plain, seen: 0):
+    with mock.patch.object(st, "_fragment", lambda *args: 0):
         slow = _outcome(text, size)
     assert fast == slow
+
+
+# fields of a header entry made odd (data_offsets from the entry's place): what the member walk
+# refuses, or takes the slow way
+_HEADER_MISSES: dict[str, dict[str, Any]] = {
+    "unknown dtype": {"dtype": "F7"},
+    "dtype not a string": {"dtype": ["F32"]},
+    "packed": {"dtype": "F4"},
+    "empty": {"shape": [0], "data_offsets": [0, 0]},
+    "empty, huge": {"shape": [0, 2**64], "data_offsets": [0, 0]},
+    "scalar": {"shape": [], "data_offsets": [0, 4]},
+    "bool dim": {"shape": [True], "data_offsets": [0, 4]},
+    "shape not a list": {"shape": 1},
+    "dims": {"shape": [1] * 65, "data_offsets": [0, 4]},
+    "negative": {"data_offsets": [-4, 0]},
+    "backwards": {"data_offsets": [4, 0]},
+    "far past the end": {"data_offsets": [0, 10**6]},
+    "float": {"data_offsets": [0.0, 4]},
+    "bool": {"data_offsets": [False, 4]},
+    "three": {"data_offsets": [0, 4, 4]},
+    "not a list": {"data_offsets": 4},
+    "wrong span": {"data_offsets": [0, 8]},
+    "reordered": {},
+}
+
+
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(
+    hs.lists(hs.sampled_from([*["ok"] * 8, *_HEADER_MISSES]), min_size=1, max_size=10),
+    hs.one_of(hs.none(), hs.dictionaries(hs.sampled_from("ab"), hs.sampled_from(["v", "w", "x", [], 1]), max_size=2)),
+    hs.integers(0, 10),
+    hs.booleans(),
+    hs.sampled_from([0, 0, 4]),
+    hs.sampled_from([24, 60, 150]),
+)
+def test_header_fragments_taken_at_once_agree_with_the_member_walk(
+    kinds: list[str], meta: dict[str, Any] | None, where: int, twice: bool, short: int, chars: int
+) -> None:
+    """Headers of entries as every writer makes them, with fields of some made odd, metadata with
+    a key twice or a value not a string, a file too short for the last tensor: whole fragments
+    taken at once (``bulk``, column by column) give the same layout, or the same error, as the
+    member walk."""
+    from unittest import mock
+
+    members, pos = [], 0
+    for i, kind in enumerate(kinds):
+        n = 4 * (i % 3 + 1)
+        item: dict[str, Any] = {"dtype": "F32", "shape": [n // 4], "data_offsets": [0, n]}
+        item.update(_HEADER_MISSES.get(kind, {}))
+        if type(item["data_offsets"]) is list and type(item["data_offsets"][0]) is int:
+            item["data_offsets"] = [pos + item["data_offsets"][0], pos + item["data_offsets"][1], *item["data_offsets"][2:]]
+        if kind == "reordered":
+            item = {"data_offsets": item.pop("data_offsets"), **item}
+        pos += n if kind not in ("empty", "empty, huge") else 0
+        members.append(f'"t{i}":{json.dumps(item, separators=(",", ":"))}')
+    if meta is not None:
+        text = json.dumps(meta, separators=(",", ":"))
+        if twice and meta:  # a key twice
+            text = text[:-1] + "," + text[1:]
+        members.insert(where % (len(members) + 1), f'"__metadata__":{text}')
+    text = ("{" + ",".join(members) + "}").encode()
+    size = 8 + len(text) + pos - short
+    with mock.patch.object(st, "_FRAGMENT_CHARS", chars):
+        fast = _outcome(text, size)
+    with mock.patch.object(st, "_fragment", lambda *args: 0):
+        slow = _outcome(text, size)
+    assert fast == slow
+
+
+def test_real_headers_and_manifests_are_taken_a_fragment_at_a_time() -> None:
+    """The column-by-column path (``bulk``) really serves what aiotensor and safetensors write:
+    no entry of a 3,000-tensor header or manifest goes through the one-entry checks."""
+    from unittest import mock
+
+    from safetensors.torch import save as st_save
+
+    blob = st_save({f"layer.{i}.weight": torch.ones(3, i % 5 + 1) for i in range(3000)}, {"format": "pt"})
+    n = struct.unpack("<Q", blob[:8])[0]
+    with mock.patch.object(st, "_spec", side_effect=AssertionError("one by one")):
+        parsed = st.parse(blob[8 : 8 + n], len(blob), "x")
+    assert len(parsed.tensors) == 3000 and parsed.metadata == {"format": "pt"}
+    specs = {e.key: e for e in parsed.tensors}
+    m = mf.Manifest(
+        7, {"dict": {k: {"tensor": k} for k in specs}}, {"s": len(blob)}, {k: mf.Entry("s", e, 5) for k, e in specs.items()}, {}
+    )
+    with mock.patch.object(mf, "_entry", side_effect=AssertionError("one by one")):
+        assert mf.loads(mf.dumps(m), "m.json") == m
 
 
 def test_a_header_of_many_tensors_is_parsed_in_fragments() -> None:
@@ -502,9 +589,35 @@ def test_a_header_of_many_tensors_is_parsed_in_fragments() -> None:
         st.parse(bad, layout.file_size - n + len(bad), "x")
 
 
+# a field of a manifest entry and a value the member walk refuses, or takes the slow way
+_NEAR_MISSES: dict[str, tuple[str, Any]] = {
+    "nested": ("shape", [{"a": 1}]),
+    "twice": ("nbytes", 4),
+    "short": ("crc32c", None),
+    "reordered": ("dtype", "F32"),
+    "bool": ("offset", True),
+    "float": ("nbytes", 4.0),
+    "negative": ("offset", -4),
+    "crc too big": ("crc32c", 2**32),
+    "crc bool": ("crc32c", False),
+    "past the end": ("offset", 4097),
+    "unknown shard": ("shard", "other.safetensors"),
+    "shard not a string": ("shard", ["shard-00000.safetensors"]),
+    "dtype not a string": ("dtype", ["F32"]),
+    "packed": ("dtype", "F4"),
+    "unknown dtype": ("dtype", "F7"),
+    "zero dim": ("shape", [0]),
+    "scalar": ("shape", []),
+    "wrong size": ("nbytes", 8),
+    "shape not a list": ("shape", 1),
+    "dims": ("shape", [1] * 65),
+    "huge": ("shape", [2**62]),
+}
+
+
 @settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
 @given(
-    hs.lists(hs.tuples(_KEYS, hs.sampled_from(["ok", "nested", "twice", "short", "bool"])), min_size=1, max_size=8),
+    hs.lists(hs.tuples(_KEYS, hs.sampled_from([*["ok"] * 6, *_NEAR_MISSES])), min_size=1, max_size=8),
     hs.lists(hs.tuples(_KEYS, hs.one_of(hs.integers(0, 8), hs.just({}))), max_size=3),
     hs.sampled_from([24, 60, 150]),
 )
@@ -520,8 +633,13 @@ def test_manifest_fragments_agree_with_the_member_walk(entries: list[tuple[str, 
             t["shape"] = [{"a": 1}]
         elif kind == "short":
             del t["crc32c"]
-        elif kind == "bool":
-            t["offset"] = True
+        elif kind == "reordered":
+            t = {"dtype": t.pop("dtype"), **t}
+        elif kind in _NEAR_MISSES:
+            field, value = _NEAR_MISSES[kind]
+            t[field] = value
+            if field == "shape" and isinstance(value, list) and value and value[0] != 0:  # only the shape odd
+                t["nbytes"] = 4 * value[0]
         tensors[key] = t
     alias_doc = {k: (list(tensors)[v % len(tensors)] if isinstance(v, int) else v) for k, v in aliases}
     leaves = {k: {"tensor": k} for k in [*tensors, *alias_doc]}
@@ -541,6 +659,6 @@ def test_manifest_fragments_agree_with_the_member_walk(entries: list[tuple[str, 
 
     with mock.patch.object(st, "_FRAGMENT_CHARS", chars):
         fast = outcome()
-    with mock.patch.object(st, "_fragment", lambda doc, i, plain, seen: 0):
+    with mock.patch.object(st, "_fragment", lambda *args: 0):
         slow = outcome()
     assert fast == slow

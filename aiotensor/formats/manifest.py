@@ -10,7 +10,7 @@ change silently.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from .._runtime import gil
 from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import TensorSpec, is_count, parse_members, plain_nbytes, shape_problem
+from .safetensors import TensorSpec, columns, counts, is_count, parse_members, plain_nbytes, plain_sizes, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -155,7 +155,8 @@ def _shards(raw: Any, bad: Callable[[str], ManifestError], digests: dict[str, st
     return shards
 
 
-_FIELDS = frozenset({"shard", "dtype", "shape", "offset", "nbytes", "crc32c"})
+_ORDER = ("shard", "dtype", "shape", "offset", "nbytes", "crc32c")  # as dumps writes them
+_FIELDS = frozenset(_ORDER)
 
 
 def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestError]) -> Entry:
@@ -215,6 +216,22 @@ def loads(data: bytes, path: object) -> Manifest:
             raise bad("the manifest lists its tensors before its shards")
         entries[key] = _entry(key, t, shards, bad)
 
+    def many(keys: Sequence[str], objects: Sequence[Any]) -> bool:  # the same, many entries at once
+        cols = columns(objects, _ORDER) if "shards" in doc else None
+        if cols is None:
+            return False
+        shard, dtype, shape, offset, nbytes, crc = cols
+        sizes = plain_sizes(dtype, shape)
+        if sizes is None or not counts(offset, nbytes, crc) or sizes != nbytes or max(crc) >= 2**32:
+            return False
+        if not (set(map(type, shard)) == {str} and shards.keys() >= set(shard)):
+            return False
+        if not all(map(int.__le__, map(int.__add__, offset, nbytes), map(shards.__getitem__, shard))):
+            return False
+        specs = map(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
+        entries.update(zip(keys, map(Entry, shard, specs, crc), strict=True))
+        return True
+
     aliases: dict[str, str] = {}
 
     def alias(key: str, target: Any) -> None:
@@ -224,15 +241,16 @@ def loads(data: bytes, path: object) -> Manifest:
 
     leaves: set[str] = set()
 
-    def node(pairs: list[tuple[str, Any]]) -> Any:  # the tree's objects, as they are parsed
-        if len(pairs) == 1 and pairs[0][0] == "tensor":
-            key = pairs[0][1]
+    def node(obj: dict[str, Any]) -> Any:  # the tree's objects, as they are parsed
+        if len(obj) == 1 and "tensor" in obj:
+            key = obj["tensor"]
             if not (isinstance(key, str) and (key in entries or key in aliases)) or key in leaves:
                 raise bad(f"the state tree and the tensor table do not list the same tensors ({str(key)[:80]!r})")
             leaves.add(key)
-        return dict(pairs)
+        return obj
 
-    parse_members(data, path, "manifest", ManifestError, member, {"tensors": tensor, "aliases": alias}, {"tree": node})
+    nested = {"tensors": tensor, "aliases": alias}
+    parse_members(data, path, "manifest", ManifestError, member, nested, {"tree": node}, {"tensors": many})
     doc["aliases"] = aliases
     doc.pop("checksum", None)
     if doc.get("format") != FORMAT:
