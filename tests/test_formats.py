@@ -38,6 +38,41 @@ def test_build_then_parse_round_trips_and_aligns() -> None:
     assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
 
 
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(
+    hs.lists(
+        hs.tuples(
+            hs.text(max_size=6), hs.sampled_from(["F32", "U8", "BF16", "F4", "I64"]), hs.lists(hs.integers(0, 5), max_size=3)
+        ),
+        max_size=12,
+        unique_by=lambda e: e[0],
+    ),
+    hs.one_of(hs.none(), hs.dictionaries(hs.text(max_size=4), hs.text(max_size=4), max_size=3)),
+    hs.sampled_from([1, 2, 1000]),
+)
+def test_header_bytes_are_json_dumps_of_the_header(entries: list[Any], metadata: Any, step: int) -> None:
+    """What every writer's header is, byte for byte (any key: quotes, controls, non-ASCII), in
+    calls of any size: what store shards hold, and what a load compares them with."""
+    from unittest import mock
+
+    from aiotensor import knobs
+
+    entries = [(k, d, (*shape, 2) if d == "F4" else tuple(shape)) for k, d, shape in entries]
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    pos = 0
+    for key, dtype, shape in entries:
+        n = st.nbytes_of(dtype, shape)
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    with mock.patch.object(st, "JSON_CHUNK_VALUES", step * 8):
+        blob, sizes = st.header_bytes(entries, metadata)
+    assert knobs.JSON_CHUNK_VALUES >= 8
+    assert blob[8 : 8 + len(text)] == text and blob[8 + len(text) :].strip(b" ") == b""
+    assert struct.unpack("<Q", blob[:8])[0] == len(blob) - 8 and len(blob) % 4096 == 0
+    assert sizes == [st.nbytes_of(d, s) for _, d, s in entries]
+
+
 MALFORMED = {
     "not json": (None, 0, b"{nope"),
     "not an object": ([1, 2], 0, None),
