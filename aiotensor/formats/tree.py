@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -138,6 +140,9 @@ class _Unflatten:
             items = [self.walk(v, depth + 1) for v in val]
             return items if tag == "list" else tuple(items)
         if tag == "dict" and isinstance(val, dict):
+            keys = _tensor_keys(val.values()) if depth <= _MAX_DEPTH else None
+            if keys is not None:  # only tensors below (a state_dict): C loops, not a walk per tensor
+                return dict(zip(val, map(self.tensor, keys), strict=True))
             return {k: self.walk(v, depth + 1) for k, v in val.items()}
         if tag == "items" and isinstance(val, list):
             out = {}
@@ -157,6 +162,20 @@ class _Unflatten:
                 raise self.bad(f"unknown dtype {val!r}")
             return dt
         return self.scalar(node)
+
+
+def _tensor_keys(nodes: Collection[Any]) -> list[str] | None:
+    """The keys of ``nodes`` where every one is a tensor's (``{"tensor": key}``), else None."""
+    if len(nodes) < 2 or not _DICT.issuperset(map(type, nodes)) or set(map(len, nodes)) != {1}:
+        return None
+    if set(chain.from_iterable(nodes)) != {"tensor"}:
+        return None
+    keys = list(map(_TENSOR, nodes))
+    return keys if _STR.issuperset(map(type, keys)) else None
+
+
+_DICT, _STR = frozenset({dict}), frozenset({str})
+_TENSOR = itemgetter("tensor")
 
 
 def unflatten(tree: Any, tensor: Callable[[str], Any], where: object = None) -> Any:
