@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, repeat
-from operator import add, floordiv, itemgetter, mul, sub
+from operator import add, attrgetter, floordiv, itemgetter, mul, sub
 from typing import Any
 
 from .._runtime import gil
@@ -512,7 +512,10 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
 
     parse_members(header, path, "header", HeaderError, member, bulk={None: bulk})
     metadata = found.get("metadata")
-    specs.sort(key=lambda s: (s.offset, s.nbytes))
+    specs.sort(key=_PLACE)
+    ends = list(accumulate(map(_NBYTES, specs), initial=data_start))
+    if list(map(_OFFSET, specs)) == ends[:-1] and ends[-1] == file_size:  # each right after the last (C loops)
+        return Layout(data_start, file_size, tuple(specs), metadata)
     pos = data_start
     for s in specs:
         if s.offset != pos:
@@ -524,6 +527,7 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
     return Layout(data_start, file_size, tuple(specs), metadata)
 
 
+_PLACE, _OFFSET, _NBYTES = attrgetter("offset", "nbytes"), attrgetter("offset"), attrgetter("nbytes")
 CRC_KEY = "aiotensor.crc32c"  # the __metadata__ entry of aiotensor's per-tensor checksums
 
 
