@@ -56,6 +56,8 @@ async def test_save_file_replaces_atomically_and_refuses_bad_input(tmp_path: Any
         await aiotensor.save_file({"a": torch.ones(3), "b": 5}, p)  # type: ignore[dict-item]
     with pytest.raises(StateError, match="metadata"):
         await aiotensor.save_file({"a": torch.ones(3)}, p, {"k": 1})  # type: ignore[dict-item]
+    with pytest.raises(StateError, match="cannot be named '__metadata__'"):  # the header's own member
+        await aiotensor.save_file({"a": torch.ones(3), "__metadata__": torch.ones(2)}, p)
     assert torch.equal((await aiotensor.load_file(p))["a"], torch.ones(3))
     await aiotensor.save_file({"a": torch.zeros(3)}, p)
     assert torch.equal((await aiotensor.load_file(p))["a"], torch.zeros(3))

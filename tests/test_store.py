@@ -152,6 +152,8 @@ async def test_errors_are_typed_and_named(tmp_path: Any) -> None:
             await store.save(1, {"opt": {"sched": object()}})
         with pytest.raises(ValueError, match="step must be"):
             store.save(-1, {})
+        with pytest.raises(StateError, match="cannot be named '__metadata__'"):  # a shard header's own member
+            await store.save(1, {"__metadata__": torch.ones(2)})
         await store.save(1, {"x": torch.ones(2)})
         with pytest.raises(CheckpointExistsError, match="step 1 is already committed"):
             store.save(1, {})

@@ -23,8 +23,11 @@ from ..formats import safetensors as st
 from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, torch_shape
 
 
-def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",)) -> str:
-    """The safetensors dtype of ``t``, or a StateError naming ``key`` and saying what to do."""
+def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",), *, stored: bool = True) -> str:
+    """The safetensors dtype of ``t``, or a StateError naming ``key`` and saying what to do
+    (``stored``: ``key`` names it in a file's header too, where ``__metadata__`` is taken)."""
+    if stored and key == st.METADATA_KEY:
+        raise StateError(f"a tensor cannot be named {key!r}: a safetensors header keeps its metadata under that name")
     if t.is_nested:
         raise StateError(f"tensor {key!r} is a nested tensor; store its components (t.unbind()) or t.to_padded_tensor(0)")
     if t.layout != torch.strided:
@@ -149,7 +152,7 @@ def check_into(
         spec = specs.get(k)
         if spec is None:
             continue
-        check_tensor(k, t, devices)
+        check_tensor(k, t, devices, stored=False)
         want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
         if tuple(t.shape) != shape or t.dtype != want:
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")

@@ -26,6 +26,7 @@ ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
 MAX_TENSORS = 1 << 18
 MAX_DIMS = 64
+METADATA_KEY = "__metadata__"  # the header member that is not a tensor
 _DENSE_FREE = 100_000  # values any JSON may have before its density is checked
 _MIN_BYTES_PER_VALUE = 6  # real headers and manifests: 15-25 bytes of text per JSON value
 
@@ -89,7 +90,9 @@ def header_bytes(
     """:func:`build`'s header bytes, and each entry's size in bytes, without the layout (a reader
     that only compares headers needs no specs). The text is ``json.dumps`` of ``{"__metadata__":
     metadata, key: {"dtype", "shape", "data_offsets"}, ...}`` (compact, not ASCII-escaped), byte for
-    byte, each entry written by C calls (``map``), a few hundred entries a call."""
+    byte, the entries written by C calls (``map``) of a few hundred entries each (the sizes and
+    offsets by C calls over all of them: 2 ms for 20,000). The keys are distinct and none is
+    ``__metadata__`` (callers check: :func:`aiotensor._io.tensors.check_tensor`), as a dict's would be."""
     keys, dtypes, shapes = zip(*entries, strict=True) if entries else ((), (), ())
     itemsizes = map(ITEMSIZE.__getitem__, dtypes)
     sizes = list(map(floordiv, map(mul, map(math.prod, shapes), itemsizes), map(PACKED.get, dtypes, repeat(1))))
@@ -480,7 +483,7 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
     found: dict[str, dict[str, str]] = {}
 
     def member(key: str, info: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
-        if key == "__metadata__":
+        if key == METADATA_KEY:
             if not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
                 raise HeaderError("__metadata__ must map strings to strings", path)
             found["metadata"] = info
@@ -489,8 +492,8 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
 
     def bulk(keys: Sequence[str], objects: Sequence[Any]) -> bool:  # the same, many entries at once
         meta = None
-        if "__metadata__" in keys:
-            k = keys.index("__metadata__")
+        if METADATA_KEY in keys:
+            k = keys.index(METADATA_KEY)
             meta = dict(objects[k])
             if not (_STR.issuperset(map(type, meta.values())) and len(meta) == len(objects[k])):
                 return False
