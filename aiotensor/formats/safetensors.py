@@ -94,11 +94,11 @@ def header_bytes(
     offsets by C calls over all of them: 2 ms for 20,000). The keys are distinct and none is
     ``__metadata__`` (callers check: :func:`aiotensor._io.tensors.check_tensor`), as a dict's would be."""
     keys, dtypes, shapes = zip(*entries, strict=True) if entries else ((), (), ())
-    itemsizes = map(ITEMSIZE.__getitem__, dtypes)
+    itemsizes = map(ITEMSIZE.__getitem__, dtypes)  # nbytes_of, in C loops
     sizes = list(map(floordiv, map(mul, map(math.prod, shapes), itemsizes), map(PACKED.get, dtypes, repeat(1))))
     ends = list(accumulate(sizes))
     begins = [0, *ends[:-1]]
-    parts = ['"__metadata__":' + gil.dumps(dict(metadata))] if metadata else []
+    parts = [_quoted(METADATA_KEY) + ":" + gil.dumps(dict(metadata))] if metadata else []
     step = max(1, JSON_CHUNK_VALUES // 8)  # about 8 JSON values an entry
     for i in range(0, len(sizes), step):  # the GIL can change hands between calls
         j = i + step
@@ -338,7 +338,8 @@ def _fragment(doc: str, i: int, plain: Member, seen: set[str], bulk: Bulk | None
     if not closed and cut is None:
         return 0
     end = -(i + n - 1) if closed else stop
-    if bulk is not None and pairs and frag.count("{", 0, n) == 1 + len(pairs):  # objects, none below another
+    braces = frag.count("{", 0, n)
+    if bulk is not None and pairs and braces == 1 + len(pairs):  # objects, none below another
         keys, raw = zip(*pairs, strict=True)
         fresh = seen.isdisjoint(keys) and len(set(keys)) == len(keys)
         if fresh and set(map(type, raw)) == {tuple} and bulk(keys, raw):
@@ -353,7 +354,7 @@ def _fragment(doc: str, i: int, plain: Member, seen: set[str], bulk: Bulk | None
                 return 0
             value, objects = obj, objects + 1
         values.append((key, value))
-    if frag.count("{", 0, n) != 1 + objects:  # an object below a value (or a brace in a string)
+    if braces != 1 + objects:  # an object below a value (or a brace in a string)
         return 0
     for key, value in values:
         if key in seen:
@@ -516,10 +517,9 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
     parse_members(header, path, "header", HeaderError, member, bulk={None: bulk})
     metadata = found.get("metadata")
     specs.sort(key=_PLACE)
-    ends = list(accumulate(map(_NBYTES, specs), initial=data_start))
-    if list(map(_OFFSET, specs)) == ends[:-1] and ends[-1] == file_size:  # each right after the last (C loops)
+    if follow_on(specs, data_start, file_size):
         return Layout(data_start, file_size, tuple(specs), metadata)
-    pos = data_start
+    pos = data_start  # the walk, to name the first gap or overlap
     for s in specs:
         if s.offset != pos:
             what = "a gap before" if s.offset > pos else "an overlap at"
@@ -528,6 +528,13 @@ def parse(header: bytes, file_size: int, path: object, max_tensors: int = MAX_TE
     if pos != file_size:
         raise HeaderError(f"{file_size - pos} trailing bytes after the last tensor", path)
     return Layout(data_start, file_size, tuple(specs), metadata)
+
+
+def follow_on(specs: Sequence[TensorSpec], start: int, end: int) -> bool:
+    """Do ``specs`` (in file order) fill bytes ``[start, end)``, each right after the one before,
+    with no gap and no overlap? (C loops: tens of thousands of specs.)"""
+    ends = list(accumulate(map(_NBYTES, specs), initial=start))
+    return list(map(_OFFSET, specs)) == ends[:-1] and ends[-1] == end
 
 
 _PLACE, _OFFSET, _NBYTES = attrgetter("offset", "nbytes"), attrgetter("offset"), attrgetter("nbytes")

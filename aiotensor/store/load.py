@@ -17,6 +17,7 @@ from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
+from ..formats import safetensors as st
 from ..formats.tree import flatten, leaves, unflatten, update
 from ..location import is_object, local_path
 
@@ -224,13 +225,9 @@ def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list
     # for byte, that proves what parsing it would (a third of a 20,000-tensor load's time)
     specs = sorted((e.spec for e in entries), key=lambda s: s.offset)
     header = shard_header(specs)
-    end = len(header)  # the tensors follow it with no gap, in this order, up to the end of the file
-    for s in specs:
-        if s.offset != end:
-            break
-        end += s.nbytes
-    else:
-        if end == size == sched.engine.size(fd) and begins_with(sched.engine, fd, header, path):
+    # the tensors follow it with no gap, in this order, up to the end of the file
+    if st.follow_on(specs, len(header), size) and size == sched.engine.size(fd):
+        if begins_with(sched.engine, fd, header, path):
             return
     layout = layout_of(sched.engine, fd, path)
     listed = {e.spec.key: e.spec for e in entries}
