@@ -30,6 +30,8 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ from .errors import CheckpointNotFoundError, FormatError, ManifestError, Mismatc
 from .formats import dcp_metadata as dm
 from .formats import safetensors as st
 from .formats import torchsave as ts
-from .formats.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, file_shape, torch_shape
+from .formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS, file_shape, torch_shape
 from .formats.tree import unflatten
 from .location import mode_of, real_path
 
@@ -292,15 +294,19 @@ def _safetensors_layout(engine: Engine, path: str) -> tuple[st.Layout, dict[str,
 
 
 def _safetensors_entries(path: str, layout: st.Layout, crcs: dict[str, int] | None) -> tuple[Entry, ...]:
-    return tuple(
-        Entry(
-            (s.key,),
-            SAFETENSORS_TO_TORCH[s.dtype],
-            torch_shape(s.dtype, s.shape),
-            (Part(Span(path, s, None if crcs is None else crcs[s.key])),),
-        )
-        for s in layout.tensors
-    )
+    """An entry per tensor, each one span of the file: made column by column in C loops
+    (:func:`~aiotensor.formats.safetensors.rows`; a 20,000-tensor file has as many)."""
+    specs = layout.tensors
+    keys = list(map(_KEY, specs))
+    kinds = list(map(_DTYPE, specs))
+    shapes = list(map(_SHAPE, specs)) if PACKED.keys().isdisjoint(kinds) else [torch_shape(s.dtype, s.shape) for s in specs]
+    spans = st.rows(Span, repeat(path), specs, repeat(None) if crcs is None else map(crcs.__getitem__, keys), repeat("crc32c"))
+    parts = zip(st.rows(Part, spans, repeat(None), repeat(None)))  # each a tuple of one
+    dtypes = map(SAFETENSORS_TO_TORCH.__getitem__, kinds)
+    return tuple(st.rows(Entry, zip(keys), dtypes, shapes, parts, repeat(False)))
+
+
+_KEY, _DTYPE, _SHAPE = attrgetter("key"), attrgetter("dtype"), attrgetter("shape")
 
 
 def _torch_file(engine: Engine, path: str) -> Source:

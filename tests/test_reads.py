@@ -6,6 +6,7 @@ bytes, checked against the checksums, cold, warm and half-warm."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import json
@@ -13,12 +14,15 @@ import os
 import stat
 from typing import Any
 
+import anyio
 import pytest
 import torch
+from safetensors.torch import save_file as save_st
 
 import aiotensor
-from aiotensor import knobs
+from aiotensor import knobs, sources
 from aiotensor._io import read
+from aiotensor._io.assemble import Entry, stored_bytes
 from aiotensor.engines import PosixEngine
 from aiotensor.errors import ChecksumError, MismatchError
 from aiotensor.testing import evict
@@ -410,3 +414,122 @@ def test_residency_is_counted_without_a_mapping_and_agrees_with_mincore(tmp_path
         assert mixed == 2  # only the ranges partly in the cache were mapped
     finally:
         os.close(fd)
+
+
+def _batches_unit_by_unit(chosen: list[Any], limit: int) -> list[tuple[list[Any], list[Any], int, list[str]]]:
+    """The stream's batches as they were made before they were made column by column: units (runs
+    of entries over one span) grouped greedily, a new batch at each new file (the reference)."""
+    units: list[list[Any]] = []
+    for e, names in chosen:
+        if units and e.parts[0].span is units[-1][0][0].parts[0].span:
+            units[-1].append((e, names))
+        else:
+            units.append([(e, names)])
+    out, batch, size = [], [], 0
+    for unit in units:
+        n = stored_bytes([e for e, _ in unit])
+        path = unit[0][0].parts[0].span.path
+        if batch and (size + n > limit or len(batch) == knobs.STREAM_BATCH_TENSORS or path != batch[-1][0][0].parts[0].span.path):
+            out.append((batch, size))
+            batch, size = [], 0
+        batch.append(unit)
+        size += n
+    if batch:
+        out.append((batch, size))
+    made = []
+    for group, nbytes in out:
+        pairs = [pair for unit in group for pair in unit]
+        files = list(dict.fromkeys(p.span.path for e, _ in pairs for p in e.parts))
+        made.append(([e for e, _ in pairs], [names for _, names in pairs], nbytes, files))
+    return made
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's, saving without a process group
+@pytest.mark.parametrize("kind", ["safetensors", "torch", "hf", "dcp", "rows", "chunks"])
+@pytest.mark.parametrize("limit", [1, 3000, 1 << 20])
+def test_a_streams_batches_are_the_unit_by_unit_grouping(
+    tmp_path: Any, kind: str, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches cut column by column (tensor_stream._planned) are the ones the unit-by-unit
+    grouping makes, for sources with shared storages (torch.save), several files, chunked tensors
+    (DCP) and row slices; any batch boundary moved or entry dropped fails it."""
+    import torch.distributed.checkpoint as dcp
+
+    from aiotensor.dcp import AiotensorWriter
+    from aiotensor.serving import tensor_stream
+
+    g = torch.Generator().manual_seed(7)
+    w = {f"t{i:03d}": torch.randn(1 + i % 40, generator=g) for i in range(300)} | {"big": torch.randn(3000, generator=g)}
+    rows: dict[str, tuple[int, int]] = {}
+    if kind in ("safetensors", "rows"):
+        path = str(tmp_path / "m.safetensors")
+        save_st(w, path)
+        rows = {"big": (10, 2000)} if kind == "rows" else {}
+    elif kind == "torch":
+        base = torch.randn(5000, generator=g)
+        path = str(tmp_path / "m.pt")  # views of one storage, and tensors of their own, interleaved
+        torch.save({**{f"v{i}": base[i * 7 : i * 7 + 5] for i in range(50)}, **dict(list(w.items())[:100])}, path)
+    elif kind == "hf":
+        path = str(tmp_path / "hf")
+        os.mkdir(path)
+        keys = sorted(w)
+        save_st({k: w[k] for k in keys[:150]}, os.path.join(path, "a.safetensors"))
+        save_st({k: w[k] for k in keys[150:]}, os.path.join(path, "b.safetensors"))
+    elif kind == "dcp":
+        path = str(tmp_path / "dcp")
+        dcp.save(w, storage_writer=AiotensorWriter(path))
+    else:  # tensors of several chunks, in two files (as ranks write them): made here from two files' spans
+        path = str(tmp_path / "hf")
+        os.mkdir(path)
+        save_st(dict(list(w.items())[:150]), os.path.join(path, "a.safetensors"))
+        save_st(dict(list(w.items())[150:]), os.path.join(path, "b.safetensors"))
+        src = sources.resolve(PosixEngine(), path)
+        e = src.entries
+        half = len(e) // 2
+        chunked = [
+            Entry(x.names, x.dtype, x.shape, (x.parts[0], y.parts[0])) for x, y in zip(e[:half:3], e[half::3], strict=False)
+        ]
+        src = dataclasses.replace(src, entries=(*chunked, *e[1:half:3]))
+        monkeypatch.setattr(sources, "resolve", lambda engine, p: src)
+    monkeypatch.setattr(knobs, "STREAM_BATCH_TENSORS", 64)
+    engine = PosixEngine()
+    count, got = tensor_stream._planned(engine, path, None, rows, limit)
+    chosen = sources.select(sources.resolve(engine, path), None)
+    if rows:
+        chosen = [(sources.with_rows(e, rows[n[0]]), n[:1]) if n[0] in rows else (e, n) for e, n in chosen]
+    want = _batches_unit_by_unit(chosen, limit)
+    assert count == len(chosen) and len(got) == len(want) > (limit < 1 << 20)
+    assert got == want
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_new_tensors_of_one_file_are_planned_as_the_entry_by_entry_path_plans_them(tmp_path: Any, verify: bool) -> None:
+    """prepare's column-by-column path (every entry one span of one file, new tensors) lists the
+    same reads as its entry-by-entry path (taken here by passing into=[None, ...]): the same specs,
+    crcs, kinds and carving, each tensor handed out the one read into."""
+    from aiotensor._io.assemble import prepare
+
+    g = torch.Generator().manual_seed(3)
+    w = {f"t{i}": torch.randn(1 + i % 9, 3, generator=g).to(torch.float16 if i % 4 else torch.float32) for i in range(200)}
+    path = str(tmp_path / "m.safetensors")
+    anyio.run(aiotensor.save_file, w | {"big": torch.randn(1 << 19, generator=g)}, path)  # with crcs
+    entries = sources.resolve(PosixEngine(), path).entries
+    cpu = torch.device("cpu")
+    fast, slow = prepare(entries, cpu, verify), prepare(entries, cpu, verify, into=[None] * len(entries))
+    assert fast.targets.keys() == slow.targets.keys() == {path} and not fast.copies
+    got, want = fast.targets[path], slow.targets[path]
+    assert [(t.spec, t.crc, t.kind, t.block is None) for t in got] == [(t.spec, t.crc, t.kind, t.block is None) for t in want]
+    assert all(t.tensor is o for t, o in zip(got, fast.out, strict=True))
+    assert all(  # a block's tensors are views of it: its reads land in them
+        t.tensor.untyped_storage().data_ptr() == t.block.memory.untyped_storage().data_ptr() for t in got if t.block is not None
+    )
+    assert [(o.dtype, o.shape) for o in fast.out] == [(o.dtype, o.shape) for o in slow.out]
+
+    def groups(ts: list[Any]) -> list[list[int]]:  # which targets share a block
+        by: dict[int, list[int]] = {}
+        for i, t in enumerate(ts):
+            by.setdefault(id(t.block), []).append(i)
+        return sorted(by.values())
+
+    assert groups(got) == groups(want) and len(groups(got)) > 1
+    assert all(t.crc is not None for t in got) == verify

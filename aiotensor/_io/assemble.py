@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, itemgetter
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +25,7 @@ from .read import close, open_read, read_tensors
 from .tensors import Block, Target, carve
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """Bytes of one file: ``spec`` says where (absolute offset, length) and what they hold read as
     one tensor; ``crc`` is their crc32c where the writer recorded one."""
 
@@ -31,19 +33,9 @@ class Span:
     spec: st.TensorSpec
     crc: int | None
     kind: str = "crc32c"  # or "crc32": a zip entry's (a torch.save storage)
-    _hash: int = field(init=False, repr=False, compare=False, default=0)
-
-    def __post_init__(self) -> None:
-        # hashed once: spans key the dicts and sets of every read plan, tens of thousands at a time,
-        # and a dataclass hashes its fields (and the spec's) on every lookup
-        object.__setattr__(self, "_hash", hash((self.path, self.spec, self.crc, self.kind)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """How a tensor (or a chunk of one) is made of a span: the span's bytes themselves, or ``view``
     of them (a torch.save tensor over its storage); ``at`` places a chunk in the whole tensor."""
 
@@ -56,8 +48,7 @@ class Part:
         return tuple(self.view.size) if self.view is not None else torch_shape(self.span.spec.dtype, self.span.spec.shape)
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One tensor of a source, under each of its names (a tied weight has several)."""
 
     names: tuple[str, ...]
@@ -115,7 +106,17 @@ def prepare(
     """Allocate what ``entries`` are read into (``into[i]``: entry ``i``'s destination, of its dtype
     and shape, or None: a new tensor on ``device``) and list the reads."""
     a = Assembly()
-    made = _carved(entries, device, into)
+    wholes = [e.whole for e in entries]
+    if into is None and wholes and None not in wholes and len(paths := set(map(_PATH, wholes))) == 1:
+        # nearly every batch of a stream or a file: new tensors, each one span of one file; made
+        # column by column (a span twice is read twice, each into its own tensor)
+        specs = list(map(_SPEC, wholes))
+        carved = carve(specs, device)
+        a.out = list(map(_FIRST, carved))
+        crcs = map(_CRC, wholes) if verify else repeat(None)
+        a.targets[paths.pop()] = list(st.rows(Target, specs, a.out, crcs, map(_KIND, wholes), map(_SECOND, carved)))
+        return a
+    made = _carved(wholes, device, into)
     buffers: dict[Span, torch.Tensor] = {}  # spans read into a buffer, read once whatever shares them
 
     def buffer(span: Span) -> torch.Tensor:
@@ -125,9 +126,8 @@ def prepare(
             a.add(span, buf, verify)
         return buf
 
-    for i, e in enumerate(entries):
+    for i, (e, whole) in enumerate(zip(entries, wholes, strict=True)):
         dest = into[i] if into is not None else None
-        whole = e.whole
         if whole is not None and dest is not None:
             a.add(whole, dest, verify)
             t = dest
@@ -152,16 +152,21 @@ def prepare(
     return a
 
 
+_PATH, _SPEC, _CRC, _KIND = attrgetter("path"), attrgetter("spec"), attrgetter("crc"), attrgetter("kind")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
 def _carved(
-    entries: Sequence[Entry], device: torch.device, into: Sequence[torch.Tensor | None] | None
+    wholes: Sequence[Span | None], device: torch.device, into: Sequence[torch.Tensor | None] | None
 ) -> dict[Span, tuple[torch.Tensor, Block | None]]:
-    """New tensors for the entries that are a span each, carved file by file
-    (:func:`~aiotensor._io.tensors.carve`). A torch.save storage stays an allocation of its own, as
-    ``torch.load`` makes it: its views' ``untyped_storage()`` is that storage alone."""
+    """New tensors for the entries that are a span each (``wholes[i]``: :attr:`Entry.whole`),
+    carved file by file (:func:`~aiotensor._io.tensors.carve`). A torch.save storage stays an
+    allocation of its own, as ``torch.load`` makes it: its views' ``untyped_storage()`` is that
+    storage alone."""
     by_file: dict[str, dict[Span, None]] = {}
-    for i, e in enumerate(entries):
-        if (into is None or into[i] is None) and e.whole is not None:
-            by_file.setdefault(e.whole.path, {})[e.whole] = None
+    for i, whole in enumerate(wholes):
+        if whole is not None and (into is None or into[i] is None):
+            by_file.setdefault(whole.path, {})[whole] = None
     made: dict[Span, tuple[torch.Tensor, Block | None]] = {}
     for spans in by_file.values():
         made |= zip(spans, carve([s.spec for s in spans], device), strict=True)

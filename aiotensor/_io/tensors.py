@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -313,8 +313,7 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
     return out
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     """Read ``spec``'s bytes into ``tensor`` (same dtype and shape); check ``crc`` if given (a
     crc32c, or zlib's crc32 with ``kind="crc32"``: a zip entry's). ``block``: the tensor was carved
     from it (:func:`carve`); the block's pieces are read instead of the tensor's."""

@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._runtime import gil
 from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import TensorSpec, columns, counts, is_count, parse_members, plain_nbytes, plain_sizes, shape_problem
+from .safetensors import TensorSpec, columns, counts, is_count, parse_members, plain_nbytes, plain_sizes, rows, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -30,8 +30,7 @@ _ZEROS = b"00000000"
 _TAIL_BYTES = len(',"checksum":"crc32c:00000000"}')
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One stored tensor: its shard file, where its bytes are, and their crc32c."""
 
     shard: str
@@ -231,8 +230,8 @@ def loads(data: bytes, path: object) -> Manifest:
             return False
         if not all(map(int.__le__, map(int.__add__, offset, nbytes), map(shards.__getitem__, shard))):
             return False
-        specs = map(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
-        entries.update(zip(keys, map(Entry, shard, specs, crc), strict=True))
+        specs = rows(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
+        entries.update(zip(keys, rows(Entry, shard, specs, crc), strict=True))
         return True
 
     aliases: dict[str, str] = {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from itertools import compress
+from operator import attrgetter, is_not
 from types import TracebackType
 from typing import Any
 
@@ -18,7 +20,7 @@ from .._io.assemble import Assembly, DtypeRule, Entry, finish, prepare, stored_b
 from .._io.read import close, open_read, read_tensors
 from .._io.tensors import check_device
 from .._runtime import cuda, threads
-from .._runtime.scheduler import Priority, Scheduler, batched
+from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import MismatchError
 from ..location import engine_for, local_path
@@ -41,26 +43,34 @@ def _planned(
         if unknown:
             raise MismatchError(f"{src.path}: rows= names {unknown[:5]}, which this stream does not read")
         chosen = [(sources.with_rows(e, rows[names[0]]), names[:1]) if names[0] in rows else (e, names) for e, names in chosen]
-    units: list[list[tuple[Entry, tuple[str, ...]]]] = []  # a storage's views go together
-    for e, names in chosen:
-        if units and e.parts[0].span is units[-1][0][0].parts[0].span:
-            units[-1].append((e, names))
-        else:
-            units.append([(e, names)])
-    batches = []
-    cuts = batched(units, _unit_bytes, batch_bytes, knobs.STREAM_BATCH_TENSORS,
-                   lambda a, b: a[0][0].parts[0].span.path != b[0][0].parts[0].span.path)  # fmt: skip
-    for group, nbytes in cuts:
-        pairs = [pair for unit in group for pair in unit]
-        files = list(dict.fromkeys(p.span.path for e, _ in pairs for p in e.parts))
-        batches.append(([e for e, _ in pairs], [names for _, names in pairs], nbytes, files))
+    entries = [e for e, _ in chosen]
+    spans = [e.parts[0].span for e in entries]
+    # units: runs of entries over one span (a storage's views go together), and the bytes of each
+    starts = [0, *compress(range(1, len(spans)), map(is_not, spans[1:], spans))] if spans else []
+    ends = [*starts[1:], len(spans)]
+    one = max(map(len, map(_PARTS, entries)), default=1) == 1
+    sizes = [
+        spans[a].spec.nbytes if one and b - a == 1 else stored_bytes(entries[a:b]) for a, b in zip(starts, ends, strict=True)
+    ]
+    batches: list[_Batch] = []
+
+    def cut(a: int, b: int, nbytes: int) -> None:
+        files = [spans[a].path] if one else list(dict.fromkeys(p.span.path for e in entries[a:b] for p in e.parts))
+        batches.append((entries[a:b], [names for _, names in chosen[a:b]], nbytes, files))
+
+    lo = size = units = 0  # the batch being made: its first entry, bytes and units
+    for a, n in zip(starts, sizes, strict=True):
+        if a > lo and (size + n > batch_bytes or units == knobs.STREAM_BATCH_TENSORS or spans[a].path != spans[lo].path):
+            cut(lo, a, size)
+            lo, size, units = a, 0, 0
+        size += n
+        units += 1
+    if spans:
+        cut(lo, len(spans), size)
     return len(chosen), batches
 
 
-def _unit_bytes(unit: list[tuple[Entry, tuple[str, ...]]]) -> int:
-    if len(unit) == 1 and len(unit[0][0].parts) == 1:  # nearly every unit: no set of spans to make
-        return unit[0][0].parts[0].span.spec.nbytes
-    return stored_bytes([e for e, _ in unit])
+_PARTS = attrgetter("parts")
 
 
 def _prepare(entries: list[Entry], device: torch.device, verify: bool, stream: Any) -> Assembly:

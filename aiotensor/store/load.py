@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -179,11 +181,13 @@ def _targets(
     if into is None:  # new tensors, carved shard by shard
         dest: dict[str, torch.Tensor] = {}
         targets: dict[str, list[Target]] = {}
-        for shard, entries in by_shard.items():
-            made = carve([e.spec for e in entries], device)
-            crcs = [e.crc32c if verify else None for e in entries]
-            targets[shard] = [Target(e.spec, t, c, block=b) for e, (t, b), c in zip(entries, made, crcs, strict=True)]
-            dest |= {e.spec.key: t for e, (t, _) in zip(entries, made, strict=True)}
+        for shard, entries in by_shard.items():  # column by column, in C loops (tens of thousands)
+            specs = list(map(_SPEC, entries))
+            made = carve(specs, device)
+            tensors = list(map(_FIRST, made))
+            crcs = map(_CRC, entries) if verify else repeat(None)
+            targets[shard] = list(st.rows(Target, specs, tensors, crcs, repeat("crc32c"), map(_SECOND, made)))
+            dest.update(zip(map(_KEY, specs), tensors, strict=True))
     else:
         dest = _destinations(m, into, devices)
         targets = {
@@ -191,6 +195,10 @@ def _targets(
             for shard, entries in by_shard.items()
         }
     return dest, targets, sum(e.spec.nbytes for e in m.entries.values())
+
+
+_SPEC, _CRC, _KEY = attrgetter("spec"), attrgetter("crc32c"), attrgetter("key")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 @gil.quiet_gc
