@@ -71,6 +71,8 @@ CARVE_GAP_BYTES = 64 * 1024
 # cost more than the copy (bench_serving.py: 20,000 tensors). Where each read is a request (an
 # object store), tensors up to CARVE_TENSOR_BYTES are.
 GATHER_TENSOR_BYTES = 64 * 1024
+# a memmove of at most this many bytes keeps the GIL (_runtime.buffers.move)
+MOVE_HELD_BYTES = 64 * 1024
 
 # --- saves (aiotensor.store) --------------------------------------------------------------------
 # The largest shard file of a checkpoint (a tensor is never split).

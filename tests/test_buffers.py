@@ -6,7 +6,10 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
+from aiotensor import knobs
+from aiotensor._runtime import buffers
 from aiotensor._runtime.buffers import PAGE, SlotPool, StagingPool
 from aiotensor._runtime.cuda import Pinning
 
@@ -164,3 +167,12 @@ def test_a_mapping_past_the_end_of_a_file_is_refused_naming_it(tmp_path: Any) ->
         assert len(mapped(fd, str(path), 8192, [], None)) == 0
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("nbytes", [1, knobs.MOVE_HELD_BYTES, knobs.MOVE_HELD_BYTES + 1, 3 << 20])
+def test_move_copies_exactly_nbytes_whether_it_keeps_the_gil_or_not(nbytes: int) -> None:
+    src = torch.randint(0, 256, (nbytes + 8,), dtype=torch.uint8)
+    dst = torch.zeros(nbytes + 8, dtype=torch.uint8)
+    buffers.move(dst.data_ptr() + 4, src.data_ptr() + 2, nbytes)
+    assert torch.equal(dst[4 : 4 + nbytes], src[2 : 2 + nbytes])
+    assert not dst[:4].any() and not dst[4 + nbytes :].any()

@@ -115,7 +115,7 @@ def _plan(
     size = 0
     for e in entries:
         dest: torch.Tensor | None = None
-        filled: set[int] = set()
+        filled: list[torch.Tensor] = []  # (a tensor has one name, or a few)
         for name in e.names:
             dst = known.get(name)
             if dst is None:
@@ -123,14 +123,18 @@ def _plan(
                     raise MismatchError(f"{source} has a tensor {name!r} the module does not")
                 unexpected.append(name)
                 continue
-            if tuple(dst.shape) != tuple(e.shape):
+            if dst.shape != e.shape:  # torch.Size is a tuple
                 raise MismatchError(f"tensor {name!r}: {source} has {list(e.shape)}, the module {list(dst.shape)}")
-            names = ties.get(name, (name,))
-            for n in names:
-                left.pop(n, None)
-            if id(dst) in filled:  # a name tied to one already filled
+            names = ties.get(name)
+            if names is None:
+                names = (name,)
+                left.pop(name, None)
+            else:
+                for n in names:
+                    left.pop(n, None)
+            if any(f is dst for f in filled):  # a name tied to one already filled
                 continue
-            filled.add(id(dst))
+            filled.append(dst)
             if dest is None:
                 dest = place(names, dst, e)
                 batch[0].append(e)
