@@ -132,7 +132,7 @@ def _plan(
             else:
                 for n in names:
                     left.pop(n, None)
-            if any(f is dst for f in filled):  # a name tied to one already filled
+            if filled and any(f is dst for f in filled):  # a name tied to one already filled
                 continue
             filled.append(dst)
             if dest is None:
