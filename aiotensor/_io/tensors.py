@@ -71,7 +71,7 @@ def plain(t: torch.Tensor) -> bool:
 
 def direct(t: torch.Tensor) -> bool:
     """Can bytes be read straight into (or written straight from) ``t``'s memory?"""
-    return t.device.type == "cpu" and plain(t)
+    return t.is_cpu and plain(t)  # (is_cpu: 0.05 us; t.device makes a torch.device, 0.3 us)
 
 
 def materialize(t: torch.Tensor) -> torch.Tensor:
