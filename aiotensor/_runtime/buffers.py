@@ -46,9 +46,19 @@ def move(dst: int, src: int, nbytes: int) -> None:
     (_held_memmove if nbytes <= knobs.MOVE_HELD_BYTES else ctypes.memmove)(dst, src, nbytes)
 
 
-_held_memmove = ctypes.PyDLL(None).memmove  # PyDLL: the call keeps the GIL
-_held_memmove.restype = ctypes.c_void_p
-_held_memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+def _memmove_keeping_gil() -> Any:
+    """libc's memmove called through PyDLL (the call keeps the GIL); ctypes' own where this
+    process has no C library to open by name (not on Linux or macOS)."""
+    try:
+        fn = ctypes.PyDLL(None).memmove
+    except (OSError, TypeError, AttributeError):
+        return ctypes.memmove
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_held_memmove = _memmove_keeping_gil()
 
 
 @functools.cache
