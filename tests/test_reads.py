@@ -23,6 +23,7 @@ import aiotensor
 from aiotensor import knobs, sources
 from aiotensor._io import read
 from aiotensor._io.assemble import Entry, stored_bytes
+from aiotensor._runtime.scheduler import batched
 from aiotensor.engines import PosixEngine
 from aiotensor.errors import ChecksumError, MismatchError
 from aiotensor.testing import evict
@@ -418,24 +419,21 @@ def test_residency_is_counted_without_a_mapping_and_agrees_with_mincore(tmp_path
 
 def _batches_unit_by_unit(chosen: list[Any], limit: int) -> list[tuple[list[Any], list[Any], int, list[str]]]:
     """The stream's batches as they were made before they were made column by column: units (runs
-    of entries over one span) grouped greedily, a new batch at each new file (the reference)."""
+    of entries over one span) grouped by the scheduler's ``batched``, a new batch at each new file
+    (the reference)."""
     units: list[list[Any]] = []
     for e, names in chosen:
         if units and e.parts[0].span is units[-1][0][0].parts[0].span:
             units[-1].append((e, names))
         else:
             units.append([(e, names)])
-    out, batch, size = [], [], 0
-    for unit in units:
-        n = stored_bytes([e for e, _ in unit])
-        path = unit[0][0].parts[0].span.path
-        if batch and (size + n > limit or len(batch) == knobs.STREAM_BATCH_TENSORS or path != batch[-1][0][0].parts[0].span.path):
-            out.append((batch, size))
-            batch, size = [], 0
-        batch.append(unit)
-        size += n
-    if batch:
-        out.append((batch, size))
+    out = batched(
+        units,
+        lambda u: stored_bytes([e for e, _ in u]),
+        limit,
+        knobs.STREAM_BATCH_TENSORS,
+        lambda a, b: a[0][0].parts[0].span.path != b[0][0].parts[0].span.path,
+    )
     made = []
     for group, nbytes in out:
         pairs = [pair for unit in group for pair in unit]
