@@ -357,6 +357,9 @@ HOSTILE_DCP = {
     "past the end": lambda t: _set_storage(length=(_data_file(t / "fs").stat().st_size + 1)),
     "compressed": lambda t: _set_storage(transform_descriptors=["zstd"]),
     "a 1 TiB tensor": lambda t: lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([1 << 38])),
+    "no chunks": lambda t: (
+        lambda m: (setattr(m.state_dict_metadata["w"], "size", torch.Size([0])), m.state_dict_metadata["w"].chunks.clear())
+    ),
 }
 
 

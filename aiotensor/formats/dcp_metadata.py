@@ -215,8 +215,8 @@ def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:
 def check(d: Description, size_of: Callable[[str], int], path: object) -> None:
     """Before anything is allocated from ``d``: every item lies in a plain file of the folder
     (``size_of(name)`` gives its size, and refuses a link or anything but a regular file) and,
-    where it has an offset, inside it; every chunk inside its tensor; no more tensor bytes declared
-    than the files hold; every place in the state a short path of names.
+    where it has an offset, inside it; every tensor has a chunk or more, each inside it; no more
+    tensor bytes declared than the files hold; every place in the state a short path of names.
 
     Raises:
         ManifestError: naming the metadata file and the item.
@@ -240,6 +240,8 @@ def check(d: Description, size_of: Callable[[str], int], path: object) -> None:
 
     declared = 0
     for fqn, t in d.tensors.items():
+        if not t.chunks:  # DCP writes a chunk even for a tensor of no elements
+            raise ManifestError(f"item {fqn!r}: a tensor with no chunks", path)
         for c in t.chunks:
             inside(fqn, c.stored)
             if (
