@@ -531,3 +531,28 @@ def test_new_tensors_of_one_file_are_planned_as_the_entry_by_entry_path_plans_th
 
     assert groups(got) == groups(want) and len(groups(got)) > 1
     assert all(t.crc is not None for t in got) == verify
+
+
+def test_a_whole_span_two_entries_share_is_read_once_into_one_tensor(tmp_path: Any) -> None:
+    """Two entries over one whole span (a DCP metadata file may point two items at one stored
+    tensor) get one tensor, read once, as the entry-by-entry path always gave them."""
+    from aiotensor._io.assemble import prepare
+
+    path = str(tmp_path / "m.safetensors")
+    save_st({f"t{i}": torch.full((3, 4), float(i)) for i in range(5)}, path)
+    entries = sources.resolve(PosixEngine(), path).entries
+    twin = Entry(("twin",), entries[2].dtype, entries[2].shape, entries[2].parts)
+    a = prepare([*entries, twin], torch.device("cpu"), True)
+    assert a.out[2] is a.out[-1] and len(a.targets[path]) == len(entries)
+
+
+def test_rows_needs_every_field() -> None:
+    from aiotensor.formats.safetensors import TensorSpec, rows
+
+    assert rows(TensorSpec, ["a", "b"], ["F32"] * 2, [(1,), (2,)], [8, 12], [4, 8]) == [
+        TensorSpec("a", "F32", (1,), 8, 4),
+        TensorSpec("b", "F32", (2,), 12, 8),
+    ]
+    assert len(rows(TensorSpec, map(str, range(3000)), *([["F32"] * 3000] * 4))) == 3000  # several C calls
+    with pytest.raises(TypeError, match="need 5 fields, got 2"):
+        rows(TensorSpec, ["a"], ["F32"])

@@ -107,9 +107,15 @@ def prepare(
     and shape, or None: a new tensor on ``device``) and list the reads."""
     a = Assembly()
     wholes = [e.whole for e in entries]
-    if into is None and wholes and None not in wholes and len(paths := set(map(_PATH, wholes))) == 1:
-        # nearly every batch of a stream or a file: new tensors, each one span of one file; made
-        # column by column (a span twice is read twice, each into its own tensor)
+    if (
+        into is None
+        and wholes
+        and None not in wholes
+        and len(paths := set(map(_PATH, wholes))) == 1
+        and len(set(wholes)) == len(wholes)
+    ):
+        # nearly every batch of a stream or a file: new tensors, each one span of one file (each
+        # span once: one that two entries share is read once below), made column by column
         specs = list(map(_SPEC, wholes))
         carved = carve(specs, device)
         a.out = list(map(_FIRST, carved))
@@ -117,6 +123,7 @@ def prepare(
         a.targets[paths.pop()] = list(st.rows(Target, specs, a.out, crcs, map(_KIND, wholes), map(_SECOND, carved)))
         return a
     made = _carved(wholes, device, into)
+    read: set[Span] = set()
     buffers: dict[Span, torch.Tensor] = {}  # spans read into a buffer, read once whatever shares them
 
     def buffer(span: Span) -> torch.Tensor:
@@ -133,7 +140,9 @@ def prepare(
             t = dest
         elif whole is not None:
             t, block = made[whole]
-            a.add(whole, t, verify, block)
+            if whole not in read:  # a span two entries share: one tensor, read once
+                read.add(whole)
+                a.add(whole, t, verify, block)
         elif len(e.parts) == 1 and e.parts[0].at is None:  # a view of a storage
             assert e.parts[0].view is not None
             view = ts.view_of(buffer(e.parts[0].span), e.parts[0].view)

@@ -438,6 +438,9 @@ def rows(cls: type[R], *fields: Iterable[Any]) -> list[R]:
     named tuple's ``__new__`` is a Python function (0.25 us a call, and the bulk paths make tens of
     thousands). A C loop never lets the GIL go, so they are made :data:`_ROWS_PER_CALL` at a time
     (one loop over 20,000 entries held it 10 ms, and the event loop's thread waited)."""
+    want = len(cls._fields)  # type: ignore[attr-defined]  # (a named tuple's)
+    if len(fields) != want:  # tuple.__new__ would make a record short of fields
+        raise TypeError(f"rows of {cls.__name__} need {want} fields, got {len(fields)}")
     make, each = partial(tuple.__new__, cls), zip(*fields)  # noqa: B905 (repeat() has no end)
     out: list[R] = []
     while True:

@@ -34,7 +34,8 @@ def _planned(
 ) -> tuple[int, list[_Batch]]:
     """What the stream reads (:func:`aiotensor.sources.resolve`, ``keys`` and ``rows`` applied), in
     the batches read together: runs of entries of one file of at most ``batch_bytes`` and
-    :data:`knobs.STREAM_BATCH_TENSORS` entries, tensors that share a storage never split apart (blocking)."""
+    :data:`knobs.STREAM_BATCH_TENSORS` units (a unit: an entry, or the run of entries over one
+    storage, which is never split apart) (blocking)."""
     src = sources.resolve(engine, source)
     chosen = sources.select(src, keys)
     if rows:
