@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import gc
 import json
+import math
 import os
 import stat
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from safetensors.torch import save_file as save_st
 
 import aiotensor
@@ -556,3 +559,51 @@ def test_rows_needs_every_field() -> None:
     assert len(rows(TensorSpec, map(str, range(3000)), *([["F32"] * 3000] * 4))) == 3000  # several C calls
     with pytest.raises(TypeError, match="need 5 fields, got 2"):
         rows(TensorSpec, ["a"], ["F32"])
+
+
+_VIEW_DTYPES = ["F32", "F16", "BF16", "I64", "U8", "BOOL", "F64", "C64", "F4"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    hs.lists(
+        hs.tuples(
+            hs.sampled_from(_VIEW_DTYPES),
+            hs.sampled_from(["0-dim", "1-D", "rows"]),
+            hs.integers(1, 4),  # dim 0
+            hs.sampled_from([(3,), (2, 2), (4,)]),  # a row's shape
+            hs.sampled_from([0, 0, 0, 1, 3]),  # items of gap before it
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_views_are_each_tensors_own_view_of_the_block(layout: list[Any]) -> None:
+    """views() (runs split along dim 0 from one view of their rows) gives, for any file order of
+    dtypes, shapes (0-dim, 1-D, runs of one row shape, packed F4) and gaps, exactly the view a
+    tensor would get alone: same storage, offset, shape, strides and dtype."""
+    from aiotensor._io.tensors import views
+    from aiotensor.formats import safetensors as st
+    from aiotensor.formats.dtypes import ITEMSIZE, PACKED, SAFETENSORS_TO_TORCH, torch_shape
+
+    base, pos, specs = 4096, 4096, []
+    for i, (dtype, kind, lead, row, gap) in enumerate(layout):
+        shape = {"0-dim": (), "1-D": (lead,), "rows": (lead, *row)}[kind]
+        if dtype in PACKED:
+            shape = (*shape[:-1], 2 * shape[-1]) if shape else (2,)
+        item = ITEMSIZE[dtype]
+        pos += -pos % item + gap * item
+        n = math.prod(shape) * item // PACKED.get(dtype, 1)
+        specs.append(st.TensorSpec(f"t{i}", dtype, shape, pos, n))
+        pos += n
+    memory = torch.zeros(pos - base, dtype=torch.uint8)
+    got = views(memory, base, specs)
+    assert len(got) == len(specs)
+    for s, t in zip(specs, got, strict=True):
+        want = (
+            memory[s.offset - base : s.offset - base + s.nbytes]
+            .view(SAFETENSORS_TO_TORCH[s.dtype])
+            .view(torch_shape(s.dtype, s.shape))
+        )
+        assert (t.dtype, t.shape, t.stride(), t.data_ptr()) == (want.dtype, want.shape, want.stride(), want.data_ptr()), s
+        assert t.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr()
