@@ -574,7 +574,6 @@ _VIEW_DTYPES = ["F32", "F16", "BF16", "I64", "U8", "BOOL", "F64", "C64", "F4"]
             hs.sampled_from([(3,), (2, 2), (4,)]),  # a row's shape
             hs.sampled_from([0, 0, 0, 1, 3]),  # items of gap before it
         ),
-        min_size=1,
         max_size=40,
     )
 )

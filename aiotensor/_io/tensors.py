@@ -295,6 +295,8 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
     while other threads ran Python, waited for the GIL 20,000 times: 1.3 s where one split took
     20 ms; a view per 2-D tensor cost 36 ms per 20,000.)"""
     n = len(specs)
+    if not n:
+        return []
     shapes = [torch_shape(s.dtype, s.shape) for s in specs]
     dtypes = list(map(SAFETENSORS_TO_TORCH.__getitem__, map(_DTYPE, specs)))
     inners = list(map(_ROW, shapes))  # a row's shape: () for 1-D and 0-dim tensors
@@ -304,7 +306,7 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
     gaps = list(map(sub, offsets[1:], ends))  # bytes between neighbours
     # runs (in C loops: tens of thousands of specs): neighbours of one dtype and row shape, whole rows apart
     cut = map(or_, map(ne, dtypes[1:], dtypes), map(or_, map(ne, inners[1:], inners), map(mod, gaps, rows[1:])))
-    starts = [0, *compress(range(1, n), cut)] if n else []
+    starts = [0, *compress(range(1, n), cut)]
     out: list[torch.Tensor] = []
     for j, k in zip(starts, [*starts[1:], n], strict=True):
         row = rows[j]
