@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import itertools
 import json
 import math
 import os
@@ -606,3 +607,68 @@ def test_views_are_each_tensors_own_view_of_the_block(layout: list[Any]) -> None
         )
         assert (t.dtype, t.shape, t.stride(), t.data_ptr()) == (want.dtype, want.shape, want.stride(), want.data_ptr()), s
         assert t.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    hs.lists(
+        hs.tuples(
+            hs.sampled_from(["F32", "F16", "U8", "F64", "BF16"]),
+            hs.one_of(hs.integers(0, 200), hs.integers(0, 3000)),  # elements
+            hs.sampled_from([0, 0, 0, 1, 7, 100, 4096, 4097, 9000]),  # bytes of gap before it
+        ),
+        max_size=30,
+    ),
+    hs.randoms(),
+)
+def test_carved_tensors_and_their_blocks_keep_the_rules(layout: list[Any], rnd: Any) -> None:
+    """carve() (a loop over columns) for any file order of sizes, dtypes and gaps, specs given in
+    any order: each tensor of its spec's dtype and shape; a block page-aligned, its tensors views
+    at their file offsets, neighbours at most a page apart, at most CARVE_BLOCK_BYTES in all, a big
+    tensor alone; a tensor out of a block only where it is empty or not at a multiple of its item size."""
+    from aiotensor._io.tensors import carve
+    from aiotensor._runtime.buffers import PAGE
+    from aiotensor.formats import safetensors as st
+    from aiotensor.formats.dtypes import ITEMSIZE, SAFETENSORS_TO_TORCH
+
+    most, block_most = 2048, 6000
+    specs, pos = [], 100
+    for i, (dtype, n, gap) in enumerate(layout):
+        pos += gap
+        specs.append(st.TensorSpec(f"t{i}", dtype, (n,), pos, n * ITEMSIZE[dtype]))
+        pos += n * ITEMSIZE[dtype]
+    order = list(range(len(specs)))
+    rnd.shuffle(order)
+    given_specs = [specs[i] for i in order]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(knobs, "CARVE_TENSOR_BYTES", most)
+        mp.setattr(knobs, "CARVE_BLOCK_BYTES", block_most)
+        made = carve(given_specs, torch.device("cpu"))
+    blocks: dict[int, list[st.TensorSpec]] = {}
+    block_of: dict[str, int] = {}
+    for s, (t, block) in zip(given_specs, made, strict=True):
+        assert (t.dtype, tuple(t.shape)) == (SAFETENSORS_TO_TORCH[s.dtype], s.shape)
+        aligned = s.offset % ITEMSIZE[s.dtype] == 0
+        if block is None:
+            assert s.nbytes == 0 or not aligned
+            continue
+        assert s.nbytes and aligned and block.offset % PAGE == 0 and block.memory.data_ptr() % PAGE == 0
+        assert block.offset <= s.offset and s.offset + s.nbytes <= block.end <= block.offset + block.memory.numel()
+        assert t.data_ptr() == block.memory.data_ptr() + s.offset - block.offset
+        blocks.setdefault(id(block), []).append(s)
+        block_of[s.key] = id(block)
+    for members in blocks.values():
+        members.sort(key=lambda s: s.offset)
+        assert len(members) == 1 or (
+            all(s.nbytes <= most for s in members) and members[-1].offset + members[-1].nbytes - members[0].offset <= block_most
+        )
+        assert all(0 <= b.offset - (a.offset + a.nbytes) <= PAGE for a, b in itertools.pairwise(members))
+    carved = sorted((s for s in specs if s.key in block_of), key=lambda s: s.offset)
+    for a, b in itertools.pairwise(carved):  # a new block only where the rules say (the packing is greedy)
+        if block_of[a.key] != block_of[b.key]:
+            first = min(blocks[block_of[a.key]], key=lambda s: s.offset)
+            assert (
+                max(a.nbytes, b.nbytes) > most
+                or not 0 <= b.offset - (a.offset + a.nbytes) <= PAGE
+                or b.offset + b.nbytes - first.offset > block_most
+            ), (a, b)

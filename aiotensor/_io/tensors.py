@@ -227,19 +227,23 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
             out[i] = (t, block)
         run.clear()
 
-    for i in sorted(range(len(specs)), key=lambda i: specs[i].offset):
-        s = specs[i]
-        dtype = SAFETENSORS_TO_TORCH[s.dtype]
-        if s.nbytes == 0 or s.offset % dtype.itemsize or s.nbytes % dtype.itemsize:
-            out[i] = (new_tensor(s, device), None)
+    # columns, made by C loops: this loop runs once per tensor (tens of thousands)
+    offsets, nbytes = list(map(_OFFSET, specs)), list(map(_NBYTES, specs))
+    items = list(map(_ITEMSIZE, map(SAFETENSORS_TO_TORCH.__getitem__, map(_DTYPE, specs))))
+    most, block_most = knobs.CARVE_TENSOR_BYTES, knobs.CARVE_BLOCK_BYTES
+    start = end = 0  # where the run's first tensor begins and its last ends
+    for i in sorted(range(len(specs)), key=offsets.__getitem__):
+        at, n = offsets[i], nbytes[i]
+        if n == 0 or at % items[i] or n % items[i]:
+            out[i] = (new_tensor(specs[i], device), None)
             continue
-        big = s.nbytes > knobs.CARVE_TENSOR_BYTES
-        if run:
-            last = specs[run[-1]]
-            gap = s.offset - (last.offset + last.nbytes)
-            if big or not 0 <= gap <= PAGE or s.offset + s.nbytes - specs[run[0]].offset > knobs.CARVE_BLOCK_BYTES:
-                flush()
+        big = n > most
+        if run and (big or not 0 <= at - end <= PAGE or at + n - start > block_most):
+            flush()
+        if not run:
+            start = at
         run.append(i)
+        end = at + n
         if big:
             flush()
     flush()
