@@ -7,11 +7,9 @@ copy is done) and run in worker threads.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import add, attrgetter, floordiv, itemgetter, mod, mul, ne, or_, sub
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -292,47 +290,55 @@ def mapped(fd: int, path: str, size: int, specs: Sequence[st.TensorSpec], crcs: 
 
 def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> list[torch.Tensor]:
     """Views of ``memory`` (uint8, its byte 0 the file's byte ``base``) for ``specs``: in file order,
-    not overlapping, not empty, each at a multiple of its item size from ``base``. Neighbours of one
-    dtype whose shapes agree but for dim 0 (a row's shape), with whole rows between them, are split
-    along dim 0 from one view of their rows by one op, each piece already of its shape; only a
-    0-dim tensor is viewed again. (A torch op releases the GIL and takes it back: an op per tensor,
-    while other threads ran Python, waited for the GIL 20,000 times: 1.3 s where one split took
-    20 ms; a view per 2-D tensor cost 36 ms per 20,000.)"""
-    n = len(specs)
-    if not n:
-        return []
-    shapes = [torch_shape(s.dtype, s.shape) for s in specs]
-    dtypes = list(map(SAFETENSORS_TO_TORCH.__getitem__, map(_DTYPE, specs)))
-    inners = list(map(_ROW, shapes))  # a row's shape: () for 1-D and 0-dim tensors
-    rows = list(map(mul, map(math.prod, inners), map(_ITEMSIZE, dtypes)))  # a row's bytes
-    offsets, nbytes = list(map(_OFFSET, specs)), list(map(_NBYTES, specs))
-    ends = list(map(add, offsets, nbytes))
-    gaps = list(map(sub, offsets[1:], ends))  # bytes between neighbours
-    # runs (in C loops: tens of thousands of specs): neighbours of one dtype and row shape, whole rows apart
-    cut = map(or_, map(ne, dtypes[1:], dtypes), map(or_, map(ne, inners[1:], inners), map(mod, gaps, rows[1:])))
-    starts = [0, *compress(range(1, n), cut)]
+    not overlapping, each at a multiple of its item size from ``base``. Neighbours of one dtype are
+    split from one typed view by one op; a tensor of other than one dimension is then viewed to its
+    shape, except that neighbours of two or more dimensions with one row shape (every dim but the
+    first) are one piece of that split, split again along dim 0 into pieces already of their shapes.
+    So there are never more ops than tensors' views would take, and far fewer where a row shape
+    repeats. (A torch op releases the GIL and takes it back: an op per tensor, while other threads
+    ran Python, waited for the GIL 20,000 times: 1.3 s where one split took 20 ms; a view per 2-D
+    tensor cost 36 ms per 20,000.)"""
     out: list[torch.Tensor] = []
-    for j, k in zip(starts, [*starts[1:], n], strict=True):
-        row = rows[j]
-        if any(gaps[j : k - 1]):  # whole rows between some: split off as pieces of their own
-            sizes, kept = [], []
-            for i in range(j, k):
-                if i > j and gaps[i - 1]:
-                    sizes.append(gaps[i - 1] // row)
-                kept.append(len(sizes))
-                sizes.append(nbytes[i] // row)
-        else:
-            sizes, kept = list(map(floordiv, nbytes[j:k], repeat(row))), []
-        typed = memory[offsets[j] - base : ends[k - 1] - base].view(dtypes[j]).view(-1, *inners[j])
+    shapes = [torch_shape(s.dtype, s.shape) for s in specs]
+    j = 0
+    while j < len(specs):
+        dtype = SAFETENSORS_TO_TORCH[specs[j].dtype]
+        k = j + 1
+        while k < len(specs) and SAFETENSORS_TO_TORCH[specs[k].dtype] == dtype:
+            k += 1
+        # the run's pieces, in items (gaps among them); groups of neighbours, each one piece: where
+        # its piece is and its first tensor; row: the row shape a tensor may join the last group by
+        sizes: list[int] = []
+        at: list[int] = []
+        first: list[int] = []
+        pos, row = specs[j].offset, None
+        for i in range(j, k):
+            s, shape = specs[i], shapes[i]
+            if s.offset > pos:  # a gap (whole items: both ends are at multiples of the item size)
+                sizes.append((s.offset - pos) // dtype.itemsize)
+                row = None
+            if row is not None and shape[1:] == row:
+                sizes[-1] += s.nbytes // dtype.itemsize
+            else:
+                at.append(len(sizes))
+                first.append(i)
+                sizes.append(s.nbytes // dtype.itemsize)
+                row = shape[1:] if len(shape) > 1 else None
+            pos = s.offset + s.nbytes
+        typed = memory[specs[j].offset - base : pos - base].view(dtype)
         # unsafe_: plain views (split_with_sizes' refuse in-place updates from values that need grad)
         pieces = typed.unsafe_split_with_sizes(sizes) if len(sizes) > 1 else (typed,)
-        got = [pieces[p] for p in kept] if kept else pieces
-        out += got if all(shapes[j:k]) else [t if sh else t.view(()) for t, sh in zip(got, shapes[j:k], strict=True)]
+        for p, i, end in zip(at, first, [*first[1:], k], strict=True):
+            shape = shapes[i]
+            if end - i > 1:  # one row shape: split along dim 0, each piece already of its shape
+                out += pieces[p].view(-1, *shape[1:]).unsafe_split_with_sizes([sh[0] for sh in shapes[i:end]])
+            else:
+                out.append(pieces[p] if len(shape) == 1 else pieces[p].view(shape))
+        j = k
     return out
 
 
 _DTYPE, _OFFSET, _NBYTES, _ITEMSIZE = attrgetter("dtype"), attrgetter("offset"), attrgetter("nbytes"), attrgetter("itemsize")
-_ROW = itemgetter(slice(1, None))
 
 
 class Target(NamedTuple):
