@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -22,7 +22,7 @@ from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import torch_shape
 from .read import close, open_read, read_tensors
-from .tensors import Block, Target, carve
+from .tensors import Block, Target, carve, carved_targets
 
 
 class Span(NamedTuple):
@@ -116,11 +116,8 @@ def prepare(
     ):
         # nearly every batch of a stream or a file: new tensors, each one span of one file (each
         # span once: one that two entries share is read once below), made column by column
-        specs = list(map(_SPEC, wholes))
-        carved = carve(specs, device)
-        a.out = list(map(_FIRST, carved))
         crcs = map(_CRC, wholes) if verify else repeat(None)
-        a.targets[paths.pop()] = list(st.rows(Target, specs, a.out, crcs, map(_KIND, wholes), map(_SECOND, carved)))
+        a.out, a.targets[paths.pop()] = carved_targets(list(map(_SPEC, wholes)), crcs, map(_KIND, wholes), device)
         return a
     made = _carved(wholes, device, into)
     read: set[Span] = set()
@@ -162,7 +159,6 @@ def prepare(
 
 
 _PATH, _SPEC, _CRC, _KIND = attrgetter("path"), attrgetter("spec"), attrgetter("crc"), attrgetter("kind")
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def _carved(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -248,6 +248,17 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
     return out
 
 
+def carved_targets(
+    specs: Sequence[st.TensorSpec], crcs: Iterable[int | None], kinds: Iterable[str], device: torch.device
+) -> tuple[list[torch.Tensor], list[Target]]:
+    """:func:`carve` ``specs`` (of one file), and the reads into what it made: the new tensors, in
+    the order of ``specs``, and a target for each, with its checksum to check (``crcs``, None:
+    none) of its ``kinds`` (made column by column: tens of thousands of tensors)."""
+    made = carve(specs, device)
+    tensors = list(map(_FIRST, made))
+    return tensors, st.rows(Target, specs, tensors, crcs, kinds, map(_SECOND, made))
+
+
 _EMPTY = torch.empty(0)
 
 
@@ -339,6 +350,7 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
 
 
 _DTYPE, _OFFSET, _NBYTES, _ITEMSIZE = attrgetter("dtype"), attrgetter("offset"), attrgetter("nbytes"), attrgetter("itemsize")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 class Target(NamedTuple):

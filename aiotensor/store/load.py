@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
-from .._io.tensors import Target, carve, check_device, check_into, mapped
+from .._io.tensors import Target, carved_targets, check_device, check_into, mapped
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
@@ -183,10 +183,8 @@ def _targets(
         targets: dict[str, list[Target]] = {}
         for shard, entries in by_shard.items():  # column by column, in C loops (tens of thousands)
             specs = list(map(_SPEC, entries))
-            made = carve(specs, device)
-            tensors = list(map(_FIRST, made))
             crcs = map(_CRC, entries) if verify else repeat(None)
-            targets[shard] = list(st.rows(Target, specs, tensors, crcs, repeat("crc32c"), map(_SECOND, made)))
+            tensors, targets[shard] = carved_targets(specs, crcs, repeat("crc32c"), device)
             dest.update(zip(map(_KEY, specs), tensors, strict=True))
     else:
         dest = _destinations(m, into, devices)
@@ -198,7 +196,6 @@ def _targets(
 
 
 _SPEC, _CRC, _KEY = attrgetter("spec"), attrgetter("crc32c"), attrgetter("key")
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 @gil.quiet_gc
