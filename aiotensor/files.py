@@ -11,15 +11,16 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import torch
 
 from ._io.read import close, layout_of, read_tensors, verify_mapped
 from ._io.tensors import (
-    Block,
     Target,
-    carve,
+    carved_targets,
     check_device,
     check_into,
     check_tensor,
@@ -356,19 +357,19 @@ def _targets(
     crcs = st.crc_table(layout, path) if verify else None
     if keys is not None and not keys <= {s.key for s in layout.tensors}:
         raise MismatchError(f"{path} holds no tensor {sorted(keys - {s.key for s in layout.tensors})[:5]}")
-    blocks: dict[str, Block | None] = {}
-    if into is None:
+    if into is None:  # new tensors, carved, in the file's order
         chosen = [s for s in layout.tensors if keys is None or s.key in keys]
-        made = carve(chosen, dev)
-        dest = {s.key: t for s, (t, _) in zip(chosen, made, strict=True)}
-        blocks = {s.key: b for s, (_, b) in zip(chosen, made, strict=True)}
+        names = list(map(_KEY, chosen))
+        tensors, targets = carved_targets(
+            chosen, repeat(None) if crcs is None else map(crcs.__getitem__, names), repeat("crc32c"), dev
+        )
+        dest = dict(zip(names, tensors, strict=True))
     else:
         specs = {s.key: s for s in layout.tensors}
         check_into(into, specs, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
         dest = dict(into)
-    targets = [
-        Target(s, dest[s.key], None if crcs is None else crcs[s.key], block=blocks.get(s.key))
-        for s in layout.tensors
-        if s.key in dest
-    ]
+        targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
     return dest, targets, sum(t.spec.nbytes for t in targets)
+
+
+_KEY = attrgetter("key")
