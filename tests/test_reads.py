@@ -30,6 +30,8 @@ from aiotensor._io.assemble import Entry, stored_bytes
 from aiotensor._runtime.scheduler import batched
 from aiotensor.engines import PosixEngine
 from aiotensor.errors import ChecksumError, MismatchError
+from aiotensor.formats import checksum
+from aiotensor.formats.safetensors import TensorSpec
 from aiotensor.testing import evict
 
 pytestmark = pytest.mark.anyio
@@ -672,3 +674,59 @@ def test_carved_tensors_and_their_blocks_keep_the_rules(layout: list[Any], rnd: 
                 or not 0 <= b.offset - (a.offset + a.nbytes) <= PAGE
                 or b.offset + b.nbytes - first.offset > block_most
             ), (a, b)
+
+
+@given(
+    hs.lists(hs.tuples(hs.integers(0, 40), hs.booleans()), min_size=1, max_size=12),
+    hs.lists(hs.integers(1, 60), max_size=8),
+    hs.randoms(use_true_random=False),
+    hs.sampled_from(["none", "read", "recorded"]),
+)
+@settings(max_examples=300, deadline=None)
+def test_crcs_compared_in_bulk_agree_with_the_loop_that_names_a_corrupt_tensor(
+    tensors: list[tuple[int, bool]], cuts: list[int], rnd: Any, damage: str
+) -> None:
+    # tensors (size, has a crc) at consecutive offsets in a random order, the file's bytes cut into
+    # units at random points, each unit's parts the pieces of the tensors with a crc it holds
+    order = list(range(len(tensors)))
+    rnd.shuffle(order)
+    offsets, at = {}, 0
+    for i in order:
+        offsets[i] = at
+        at += tensors[i][0]
+    data = bytes(rnd.getrandbits(8) for _ in range(at))
+    targets = [
+        read.Target(
+            TensorSpec(f"t{i}", "U8", (n,), offsets[i], n),
+            torch.empty(0),
+            checksum.crc32c(data[offsets[i] : offsets[i] + n]) if crc else None,
+        )
+        for i, (n, crc) in enumerate(tensors)
+    ]
+    bounds = sorted({0, at, *(min(c * 3, at) for c in cuts)})
+    units, got = [], []
+    for lo, hi in itertools.pairwise(bounds):
+        parts = tuple(
+            (i, max(t.spec.offset, lo) - lo, min(t.spec.offset + t.spec.nbytes, hi) - lo)
+            for i, t in sorted(enumerate(targets), key=lambda it: it[1].spec.offset)
+            if t.crc is not None and t.spec.nbytes and t.spec.offset < hi and t.spec.offset + t.spec.nbytes > lo
+        )
+        units.append(read._ReadUnit(lo, None, hi - lo, parts))
+        got.append(([checksum.crc32c(data[lo + a : lo + b]) for _, a, b in parts], 0))
+    damaged = [k for k, (crcs, _) in enumerate(got) if crcs]
+    if damage == "read" and damaged:
+        crcs = got[rnd.choice(damaged)][0]
+        crcs[rnd.randrange(len(crcs))] ^= 1 << rnd.randrange(32)
+    with_crc = [i for i, t in enumerate(targets) if t.crc is not None]
+    if damage == "recorded" and with_crc:
+        i = rnd.choice(with_crc)
+        targets[i] = targets[i]._replace(crc=targets[i].crc ^ 1)
+    try:
+        read._name_corrupt("f", targets, units, got)
+        passed = True
+    except ChecksumError:
+        passed = False
+    fast = read._crcs_equal(targets, units, got)
+    assert not fast or passed  # never a pass the loop would refuse
+    if not any(t.crc is not None and t.spec.nbytes == 0 for t in targets):
+        assert fast == passed  # and the common case needs no loop

@@ -5,9 +5,12 @@ contiguous CPU block), verifying their checksums."""
 from __future__ import annotations
 
 import errno
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
+from operator import attrgetter, itemgetter
 
 import anyio
 import numpy as np
@@ -199,7 +202,15 @@ def _close_direct(engine: Engine) -> Callable[[tuple[list[_ReadUnit], int, int |
 
 
 def _crcs(targets: Sequence[Target], u: _ReadUnit, data: memoryview) -> list[int]:
-    return [checksum.of(targets[i].kind, data[a:b]) for i, a, b in u.parts]
+    """The crc of each of ``u``'s parts in ``data`` (a block's piece has thousands: C loops)."""
+    if not u.parts:
+        return []
+    idx, begins, ends = zip(*u.parts, strict=True)
+    views = map(data.__getitem__, map(slice, begins, ends))
+    kinds = set(map(_KIND, map(targets.__getitem__, idx)))
+    if len(kinds) == 1:
+        return checksum.each(kinds.pop(), views)
+    return list(map(checksum.of, map(_KIND, map(targets.__getitem__, idx)), views))
 
 
 def _fill(
@@ -437,6 +448,12 @@ async def verify_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence
 
 def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit], got: Sequence[tuple[list[int], int]]) -> None:
     """Combine the crcs of the pieces read and compare each target's with its recorded one."""
+    if not _crcs_equal(targets, units, got):
+        _name_corrupt(path, targets, units, got)
+
+
+def _name_corrupt(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit], got: Sequence[tuple[list[int], int]]) -> None:
+    """:func:`_check_crcs` target by target: raises ChecksumError naming the first corrupt one."""
     pieces: dict[int, list[tuple[int, int]]] = {}
     for u, (crcs, _) in zip(units, got, strict=True):
         for (i, a, b), c in zip(u.parts, crcs, strict=True):
@@ -453,6 +470,31 @@ def _check_crcs(path: str, targets: Sequence[Target], units: Sequence[_ReadUnit]
                 path,
                 s.key,
             )
+
+
+def _crcs_equal(targets: Sequence[Target], units: Sequence[_ReadUnit], got: Sequence[tuple[list[int], int]]) -> bool:
+    """:func:`_check_crcs`' common case in C loops (its Python loop costs ~8 ms per 20,000
+    tensors): each target's crc, combined from its parts' in order, the one recorded (none read
+    where none is recorded). False where anything differs: the loop then finds and names it."""
+    parts = list(chain.from_iterable(map(_PARTS, units)))
+    idx = list(map(itemgetter(0), parts))
+    read = list(chain.from_iterable(map(itemgetter(0), got)))
+    if len(read) != len(idx):
+        return False
+    crcs: list[int | None] = [None] * len(targets)
+    deque(map(crcs.__setitem__, idx, read), maxlen=0)  # a target's last part's crc: one part, its own
+    if len(set(idx)) != len(idx):  # a few targets read in several parts (a block's pieces' edges)
+        split = {i for i, n in Counter(idx).items() if n > 1}
+        pieces: dict[int, list[tuple[int, int]]] = {}
+        for k in [k for k, i in enumerate(idx) if i in split]:
+            i, a, b = parts[k]
+            pieces.setdefault(i, []).append((read[k], b - a))
+        for i, p in pieces.items():
+            crcs[i] = crc_of_pieces(p, targets[i].kind)
+    return crcs == list(map(_CRC, targets))
+
+
+_KIND, _PARTS, _CRC = attrgetter("kind"), attrgetter("parts"), attrgetter("crc")
 
 
 async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:
