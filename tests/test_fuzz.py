@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from typing import Any
 
@@ -23,6 +24,7 @@ from hypothesis import strategies as hs
 
 from aiotensor import TensorStore
 from aiotensor.errors import FormatError, ManifestError
+from aiotensor.formats import checksum
 from aiotensor.formats import manifest as mf
 from aiotensor.formats.tree import unflatten
 
@@ -208,6 +210,30 @@ def test_a_manifest_pointing_two_tensors_at_the_same_bytes_is_refused(tmp_path: 
     files["manifest.json"] = mf.seal(doc)
     with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
         load_copy(files)
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: bool) -> None:
+    """Each shard's ``header_crc32c`` is the crc32c of its header (length prefix to padding). A
+    header that is not the one written (another crc, or none recorded) is rebuilt from the entries
+    and compared, then parsed: the same tensors under other metadata still load, a renamed one not."""
+    files = original_files()
+    doc = json.loads(files["manifest.json"])
+    shard = doc["shards"][0]["file"]
+    raw = files[shard]
+    assert doc["shards"][0]["header_crc32c"] == checksum.crc32c(raw[: 8 + struct.unpack("<Q", raw[:8])[0]])
+    if not recorded:
+        for s in doc["shards"]:
+            del s["header_crc32c"]
+        files["manifest.json"] = mf.seal(doc)
+    assert_state_equal(load_copy(files), the_state())
+    other = raw.replace(b'"format":"pt"', b'"format":"np"', 1)
+    assert other != raw
+    assert_state_equal(load_copy({**files, shard: other}), the_state())
+    renamed = raw.replace(b'"model.h"', b'"model.H"', 1)
+    assert renamed != raw
+    with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
+        load_copy({**files, shard: renamed})
 
 
 # --- torch.save zips and DCP checkpoints (issue 22: the readers of files aiotensor did not write) ---

@@ -141,7 +141,17 @@ async def test_a_file_system_without_hard_links_gets_the_bytes_written(tmp_path:
 
 
 @pytest.mark.parametrize(
-    "field, value", [("blake3", "xyz"), ("blake3", 5), ("reused_from", -1), ("reused_from", "step-1"), ("extra", 1)]
+    "field, value",
+    [
+        ("blake3", "xyz"),
+        ("blake3", 5),
+        ("reused_from", -1),
+        ("reused_from", "step-1"),
+        ("header_crc32c", 2**32),
+        ("header_crc32c", True),
+        ("header_crc32c", "0"),
+        ("extra", 1),
+    ],
 )
 async def test_hostile_incremental_fields_are_refused(tmp_path: Any, field: str, value: Any) -> None:
     from aiotensor.formats import manifest as mf

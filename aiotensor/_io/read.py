@@ -57,13 +57,26 @@ def _read_exact(engine: Engine, fd: int, buf: memoryview | torch.Tensor, off: in
 
 def layout_of(engine: Engine, fd: int, path: str) -> st.Layout:
     """Read and validate the safetensors header of an open file (blocking: in a worker thread)."""
+    size, _, header = _header(engine, fd, path)
+    return st.parse(bytes(header), size, path)
+
+
+def header_crc(engine: Engine, fd: int, path: str) -> tuple[int, int]:
+    """Where an open safetensors file's data begins and the crc32c of all before it (length
+    prefix, JSON, padding: what a store's manifest records), without parsing the JSON (blocking)."""
+    _, prefix, header = _header(engine, fd, path)
+    return len(prefix) + len(header), checksum.crc32c(header, checksum.crc32c(prefix))
+
+
+def _header(engine: Engine, fd: int, path: str) -> tuple[int, bytearray, bytearray]:
+    """An open file's size, its 8-byte length prefix and the header it announces (HeaderError if
+    it is no safetensors file)."""
     size = engine.size(fd)
     prefix = bytearray(min(size, 8))
     _read_exact(engine, fd, memoryview(prefix), 0, path, "the header size")
-    n = st.header_length(bytes(prefix), size, path)
-    header = bytearray(n)
+    header = bytearray(st.header_length(bytes(prefix), size, path))
     _read_exact(engine, fd, memoryview(header), 8, path, "the header")
-    return st.parse(bytes(header), size, path)
+    return size, prefix, header
 
 
 def begins_with(engine: Engine, fd: int, data: bytes, path: str) -> bool:

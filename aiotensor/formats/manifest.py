@@ -49,6 +49,9 @@ class Manifest:
     # file -> the earlier step whose shard it is the same file as (a hard link, or a server-side copy)
     digests: Mapping[str, str] = field(default_factory=dict)
     reused: Mapping[str, int] = field(default_factory=dict)
+    # file -> crc32c of its safetensors header (8-byte length, JSON, padding): a load that finds it
+    # equal needs neither to parse the header nor to rebuild it from the entries to compare
+    headers: Mapping[str, int] = field(default_factory=dict)
 
 
 @gil.quiet_gc
@@ -81,6 +84,8 @@ def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
         doc["blake3"] = m.digests[file]
     if file in m.reused:
         doc["reused_from"] = m.reused[file]
+    if file in m.headers:
+        doc["header_crc32c"] = m.headers[file]
     return doc
 
 
@@ -129,18 +134,20 @@ def safe_shard_name(name: object) -> bool:
     return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None and ".." not in name
 
 
-_SHARD_FIELDS = frozenset({"file", "size", "blake3", "reused_from"})
+_SHARD_FIELDS = frozenset({"file", "size", "blake3", "reused_from", "header_crc32c"})
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @gil.quiet_gc
-def _shards(raw: Any, bad: Callable[[str], ManifestError], digests: dict[str, str], reused: dict[str, int]) -> dict[str, int]:
+def _shards(
+    raw: Any, bad: Callable[[str], ManifestError], digests: dict[str, str], reused: dict[str, int], headers: dict[str, int]
+) -> dict[str, int]:
     if not isinstance(raw, list):
         raise bad("shards must be a list")
     shards: dict[str, int] = {}
     for s in raw:
         if not (isinstance(s, dict) and {"file", "size"} <= s.keys() <= _SHARD_FIELDS and is_count(s["size"])):
-            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}} (and blake3, reused_from)")
+            raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}} (and blake3, reused_from, header_crc32c)")
         if "blake3" in s:
             if not (isinstance(s["blake3"], str) and _DIGEST.fullmatch(s["blake3"])):
                 raise bad(f"shard {str(s['file'])[:80]!r}: blake3 must be 64 hex digits")
@@ -149,6 +156,10 @@ def _shards(raw: Any, bad: Callable[[str], ManifestError], digests: dict[str, st
             if not is_count(s["reused_from"]):
                 raise bad(f"shard {str(s['file'])[:80]!r}: reused_from must be a step number")
             reused[s["file"]] = s["reused_from"]
+        if "header_crc32c" in s:
+            if not (is_count(s["header_crc32c"]) and s["header_crc32c"] < 2**32):
+                raise bad(f"shard {str(s['file'])[:80]!r}: header_crc32c must be a crc32c")
+            headers[s["file"]] = s["header_crc32c"]
         if not safe_shard_name(s["file"]):
             raise bad(f"shard file {s['file']!r} is not a plain file name inside the checkpoint folder")
         if s["file"] in shards:
@@ -205,12 +216,13 @@ def loads(data: bytes, path: object) -> Manifest:
     entries: dict[str, Entry] = {}
     digests: dict[str, str] = {}
     reused: dict[str, int] = {}
+    headers: dict[str, int] = {}
 
     def member(key: str, value: Any) -> None:
         if key in ("tensors", "aliases"):
             raise bad(f"{key} must be an object")
         if key == "shards":
-            shards.update(_shards(value, bad, digests, reused))
+            shards.update(_shards(value, bad, digests, reused, headers))
         doc[key] = value
 
     def tensor(key: str, t: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
@@ -271,4 +283,4 @@ def loads(data: bytes, path: object) -> Manifest:
     if set(keys) != set(entries) | set(aliases) or len(keys) != len(entries) + len(aliases):
         raise bad("the state tree and the tensor table do not list the same tensors")
     assert isinstance(step, int)
-    return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused)
+    return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused, headers)

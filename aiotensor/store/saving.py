@@ -34,6 +34,7 @@ from .._io.write import write_file
 from .._runtime.buffers import HostBuffer, StagingPool, round_up
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting, run_concurrently
 from ..commit import Publication
+from ..formats import checksum
 from ..formats import manifest as mf
 from .handle import SaveHandle
 from .steps import Steps
@@ -195,6 +196,7 @@ def _manifest(
         plan.aliases,
         digests,
         reused,
+        {sh.file: checksum.crc32c(sh.header) for sh in plan.shards},
     )
     return m, mf.dumps(m)
 
