@@ -150,6 +150,7 @@ async def test_a_file_system_without_hard_links_gets_the_bytes_written(tmp_path:
         ("header_crc32c", 2**32),
         ("header_crc32c", True),
         ("header_crc32c", "0"),
+        ("file", ["a"]),
         ("extra", 1),
     ],
 )

@@ -148,6 +148,8 @@ def _shards(
     for s in raw:
         if not (isinstance(s, dict) and {"file", "size"} <= s.keys() <= _SHARD_FIELDS and is_count(s["size"])):
             raise bad(f"shard entry {str(s)[:100]!r} must be {{file, size}} (and blake3, reused_from, header_crc32c)")
+        if not safe_shard_name(s["file"]):
+            raise bad(f"shard file {str(s['file'])[:80]!r} is not a plain file name inside the checkpoint folder")
         if "blake3" in s:
             if not (isinstance(s["blake3"], str) and _DIGEST.fullmatch(s["blake3"])):
                 raise bad(f"shard {str(s['file'])[:80]!r}: blake3 must be 64 hex digits")
@@ -160,8 +162,6 @@ def _shards(
             if not (is_count(s["header_crc32c"]) and s["header_crc32c"] < 2**32):
                 raise bad(f"shard {str(s['file'])[:80]!r}: header_crc32c must be a crc32c")
             headers[s["file"]] = s["header_crc32c"]
-        if not safe_shard_name(s["file"]):
-            raise bad(f"shard file {s['file']!r} is not a plain file name inside the checkpoint folder")
         if s["file"] in shards:
             raise bad(f"shard file {s['file']!r} listed twice")
         shards[s["file"]] = s["size"]
