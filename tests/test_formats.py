@@ -342,6 +342,13 @@ def test_crc_combine_matches_crc_of_concatenation(a: bytes, b: bytes) -> None:
     assert _checksum.combine(_checksum.crc32c(a), _checksum.crc32c(b), len(b)) == _checksum.crc32c(a + b)
 
 
+@pytest.mark.parametrize("kind", ["crc32c", "crc32"])
+def test_crcs_of_many_buffers_are_each_buffers_own(kind: str) -> None:
+    bufs = [bytes(range(i % 251)) * (1 + i % 3) for i in range(2 * 1024 + 5)]  # past two C loops' worth
+    assert _checksum.each(kind, iter(bufs)) == [_checksum.of(kind, b) for b in bufs]
+    assert _checksum.each(kind, []) == []
+
+
 def test_crc_combine_large_lengths() -> None:
     a, b = os.urandom(100), os.urandom(3 << 20)
     assert _checksum.combine(_checksum.crc32c(a), _checksum.crc32c(b), len(b)) == _checksum.crc32c(a + b)

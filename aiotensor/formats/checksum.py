@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 from functools import lru_cache
+from itertools import islice
 
 import crc32c as _crc32c
 
@@ -28,8 +29,18 @@ def of(kind: str, data: bytes | bytearray | memoryview) -> int:
 
 
 def each(kind: str, views: Iterable[bytes | bytearray | memoryview]) -> list[int]:
-    """The ``kind`` crc of each buffer (a C loop: thousands of small tensors)."""
-    return list(map(_crc32c.crc32c if kind == "crc32c" else zlib.crc32, views))
+    """The ``kind`` crc of each buffer, by C loops of :data:`_PER_CALL` buffers (thousands of small
+    tensors: a C loop never lets the GIL go, and a block's piece may hold 30,000 tensors of 256
+    bytes, 10 ms of crcs)."""
+    crcs, out = map(_crc32c.crc32c if kind == "crc32c" else zlib.crc32, views), []
+    while True:
+        had = len(out)
+        out += islice(crcs, _PER_CALL)
+        if len(out) - had < _PER_CALL:
+            return out
+
+
+_PER_CALL = 1024
 
 
 def _times(mat: tuple[int, ...], vec: int) -> int:
