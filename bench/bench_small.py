@@ -7,7 +7,8 @@ against the machine's drift.
     python bench/bench_small.py [--layout flat|matrix] [--tensors 20000] [--reps 7] [--runs 2] [--other TREE]
 
 Loaders: ``load_file``, ``stream`` (every tensor kept), ``load_into`` a module holding those
-tensors (one submodule per tensor: ``bench_serving.Holder``), and a store's ``load()``. Layouts:
+tensors (one submodule per tensor: ``bench_serving.Holder``), and a store's ``load()`` (of a store
+each tree saves itself). Every file is read into the page cache before each repetition. Layouts:
 ``flat``, bench_serving's (1-D float32 tensors of ~5 KB: 0.1 GB), and ``matrix`` (2-D float32
 tensors of 32 B to 512 B: almost no bytes, so every microsecond is per-tensor work).
 """
@@ -21,15 +22,32 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r"""
-import asyncio, gc, os, statistics, sys, time
+import asyncio, gc, hashlib, os, statistics, sys, time
 tree, folder, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, tree); sys.path.insert(0, os.path.join(tree, "bench"))
 import torch
 from safetensors.torch import load_file as st_load
 from bench_serving import Holder
 import aiotensor
-path, store = os.path.join(folder, "small.safetensors"), os.path.join(folder, "store")
+path = os.path.join(folder, "small.safetensors")
+# a store per tree, saved by that tree (two commits may write different manifests)
+store = os.path.join(folder, "store-" + hashlib.sha1(os.path.realpath(tree).encode()).hexdigest()[:8])
 holder = Holder(st_load(path))
+
+async def save():
+    async with aiotensor.TensorStore(store) as s:
+        await s.save(1, st_load(path))
+
+if not os.path.exists(store):
+    asyncio.run(save())
+
+def warm():  # every file in the page cache: a store writes its shards with O_DIRECT (not cached),
+    # and our loads read what the cache lacks with O_DIRECT (leaving it uncached)
+    for root, _, files in os.walk(folder):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
 
 async def stream():
     out = {}
@@ -51,6 +69,7 @@ tools = {"safetensors pread": lambda: asyncio.to_thread(st_load, path, backend="
 async def main():
     res = {}
     for _ in range(reps):
+        warm()
         for k, fn in tools.items():
             gc.collect()
             t = time.perf_counter()
@@ -66,11 +85,8 @@ asyncio.run(main())
 
 
 def setup(folder: str, n: int, layout: str) -> None:
-    import anyio
     import torch
     from safetensors.torch import save_file
-
-    import aiotensor
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "small.safetensors")
@@ -82,12 +98,6 @@ def setup(folder: str, n: int, layout: str) -> None:
     else:
         state = {f"blocks.{i}.w": torch.randn(1 + i % 16, 8, generator=g) for i in range(n)}
     save_file(state, path)
-
-    async def save() -> None:
-        async with aiotensor.TensorStore(os.path.join(folder, "store")) as s:
-            await s.save(1, state)
-
-    anyio.run(save)
 
 
 def main() -> None:
