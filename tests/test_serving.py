@@ -347,3 +347,66 @@ async def test_the_scheduler_reports_metrics(tmp_path: Any) -> None:
     await collect(stream(tmp_path / "m.safetensors", scheduler=sched))
     m = sched.metrics()
     assert m["bytes_read"] >= sum(t.nbytes for t in weights().values()) and m["bytes_in_flight"] == 0 and m["queue_depth"] == 0
+
+
+def _modules_to_walk() -> dict[str, torch.nn.Module]:
+    shared = torch.nn.Linear(3, 3)
+    twice = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)  # one submodule under two names
+    no_bias = torch.nn.Linear(2, 2, bias=False)  # a None parameter
+    bn = torch.nn.BatchNorm1d(4)
+    bn.register_buffer("scratch", torch.zeros(2), persistent=False)
+    bn.register_buffer("absent", None)
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    nested = torch.nn.ModuleDict({"a": torch.nn.ModuleList([bn, no_bias]), "b": twice, "c": tied})
+    transformer = torch.nn.Transformer(16, 2, 1, 1, 32, batch_first=True)
+    return {"nested": nested, "transformer": transformer, "empty": torch.nn.Module()}
+
+
+@pytest.mark.parametrize("name", ["nested", "transformer", "empty"])
+def test_a_modules_tensors_are_its_state_dicts_in_order(name: str) -> None:
+    from aiotensor.serving.module import _plain_state
+
+    module = _modules_to_walk()[name]
+    want = module.state_dict(keep_vars=True)
+    got = _plain_state(module)
+    assert got is not None and list(got) == list(want) and all(got[k] is want[k] for k in want)
+
+
+class _Extra(torch.nn.Linear):
+    def get_extra_state(self) -> Any:
+        return torch.ones(1)
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+class _Saves(torch.nn.Linear):
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "renamed"] = self.weight
+
+
+@pytest.mark.parametrize("how", ["post hook", "pre hook", "extra state", "own _save_to_state_dict", "instance state_dict"])
+async def test_a_module_that_saves_its_state_its_own_way_is_asked_for_its_state_dict(tmp_path: Any, how: str) -> None:
+    from aiotensor.serving.module import _plain_state
+
+    inner: torch.nn.Linear = {"extra state": _Extra, "own _save_to_state_dict": _Saves}.get(how, torch.nn.Linear)(2, 2)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), inner)
+    if how == "post hook":
+
+        def renamed(m: Any, state: Any, prefix: str, meta: Any) -> None:
+            state[prefix + "renamed"] = state.pop(prefix + "weight")
+
+        inner._register_state_dict_hook(renamed)
+    elif how == "pre hook":
+        inner.register_state_dict_pre_hook(lambda *a: None)
+    elif how == "instance state_dict":
+        inner.state_dict = lambda *a, **k: {}  # type: ignore[method-assign]
+    assert _plain_state(module) is None
+    # what state_dict() names (a hook's or an override's names), each tensor + 1, loads by those names
+    names = [k for k, v in module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
+    want = {k: module.state_dict()[k].detach() + 1 for k in names}
+    await save_file(want, tmp_path / "w.safetensors")
+    got = await load_into(module, tmp_path / "w.safetensors", strict=False)
+    assert not got.unexpected_keys and all(k.endswith("_extra_state") for k in got.missing_keys)
+    assert_state_equal({k: module.state_dict()[k].detach() for k in names}, want)

@@ -32,7 +32,8 @@ def each(kind: str, views: Iterable[bytes | bytearray | memoryview]) -> list[int
     """The ``kind`` crc of each buffer, by C loops of :data:`_PER_CALL` buffers (thousands of small
     tensors: a C loop never lets the GIL go, and a block's piece may hold 30,000 tensors of 256
     bytes, 10 ms of crcs)."""
-    crcs, out = map(_crc32c.crc32c if kind == "crc32c" else zlib.crc32, views), []
+    crcs = map(_crc32c.crc32c if kind == "crc32c" else zlib.crc32, views)
+    out: list[int] = []
     while True:
         had = len(out)
         out += islice(crcs, _PER_CALL)
