@@ -287,7 +287,11 @@ class Swap:
         inference in worker threads, load a second module and switch the reference instead, as
         ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it.
         A tied parameter switches under all its names at once (it is one tensor)."""
-        current = self.module.state_dict(keep_vars=True)  # now: .to() or new parameters since replace tensors
+        # now: .to() or new parameters since replace tensors (no state_dict() where a walk gives the
+        # same: half the time, on the loop's thread, for a module of many submodules)
+        current = _plain_state(self.module)
+        if current is None:
+            current = self.module.state_dict(keep_vars=True)
         with torch.no_grad():
             for name, new in self.tensors.items():
                 current[name].data = new
