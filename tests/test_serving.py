@@ -410,3 +410,13 @@ async def test_a_module_that_saves_its_state_its_own_way_is_asked_for_its_state_
     got = await load_into(module, tmp_path / "w.safetensors", strict=False)
     assert not got.unexpected_keys and all(k.endswith("_extra_state") for k in got.missing_keys)
     assert_state_equal({k: module.state_dict()[k].detach() for k in names}, want)
+
+
+async def test_a_stream_hands_a_tied_tensor_out_under_each_name_in_order(tmp_path: Any) -> None:
+    w = torch.randn(4)
+    state = {"a": w, "b": w, **{f"t{i}": torch.full((3,), float(i)) for i in range(300)}, "z": torch.ones(2)}
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, state)
+    got = [(n, t) async for n, t in stream(tmp_path, window_bytes=1024)]  # many batches
+    assert [n for n, _ in got] == list(state)
+    assert got[0][1] is got[1][1] and all(torch.equal(t, state[n]) for n, t in got)

@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from itertools import compress
-from operator import attrgetter, is_not
+from operator import attrgetter, is_not, itemgetter
 from types import TracebackType
 from typing import Any
 
@@ -72,6 +72,20 @@ def _planned(
 
 
 _PARTS = attrgetter("parts")
+
+
+def _pairs(names: list[tuple[str, ...]], got: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs a batch hands out, in reverse order (taken by ``pop()``): a
+    tensor under each of its names (a tied weight), one after the other."""
+    if max(map(len, names), default=1) == 1:
+        pairs = list(zip(map(_FIRST, names), got, strict=True))  # C loops: thousands of tensors
+    else:
+        pairs = [(n, t) for ns, t in zip(names, got, strict=True) for n in ns]
+    pairs.reverse()
+    return pairs
+
+
+_FIRST = itemgetter(0)
 
 
 def _prepare(entries: list[Entry], device: torch.device, verify: bool, stream: Any) -> Assembly:
@@ -154,10 +168,12 @@ class TensorStream:
         self.bytes_read = 0
         self._batch_bytes = min(window_bytes, knobs.STREAM_BATCH_BYTES)
         self._batches: list[_Batch] | None = None
-        self._ready: dict[int, tuple[tuple[str, ...], Any]] = {}  # read ahead, by index: (names, tensor or error)
-        self._cost: dict[int, int] = {}  # bytes the window gets back once the consumer took an index
-        self._next = 0  # the index the consumer gets next
-        self._count = 0
+        # read ahead, by batch: its (name, tensor) pairs in reverse order (a tied tensor once per
+        # name), or the error the consumer gets there
+        self._ready: dict[int, list[tuple[str, torch.Tensor]] | BaseException] = {}
+        self._next = 0  # the batch the consumer takes next
+        self._run: list[tuple[str, torch.Tensor]] = []  # what is left of the batch taken, reversed
+        self._run_bytes = 0  # the window's bytes that batch gives back once it is all taken
         self._failed = False
         self._ahead = 0  # bytes in _ready and in flight
         self._changed = anyio.Event()  # set, and replaced, when something changed that a waiter wants
@@ -177,44 +193,48 @@ class TensorStream:
         return self
 
     async def __anext__(self) -> tuple[str, torch.Tensor]:
+        # the rest of a batch that landed: no more than this per tensor (20,000 tensors: ~1 us each)
+        if self._run and not self._closed and time.perf_counter() - self._yielded <= knobs.YIELD_S:
+            return self._take()
         if not self._closed and time.perf_counter() - self._yielded > knobs.YIELD_S:
             await self._wait(ready=True)
         if self._closed:
             raise StopAsyncIteration
+        if self._run:
+            return self._take()
         if self._batches is None:
             sched = self.scheduler
             try:
                 with sched.operation():
-                    count, batches = await sched.call(
+                    _, batches = await sched.call(
                         _planned, sched.engine, self.source, self._keys, self._rows, self._batch_bytes, priority=Priority.LOAD
                     )
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.aclose()
                 raise
-            self._count, self._batches = count, batches
-            end = 0
-            for entries, _, nbytes, _ in batches:
-                end += len(entries)
-                self._cost[end - 1] = nbytes
+            self._batches = batches
             self._start_reader()
         while self._next not in self._ready:
-            if self._next >= self._count or (self._reader_done is not None and self._reader_done.is_set()):
+            if self._next >= len(self._batches) or (self._reader_done is not None and self._reader_done.is_set()):
                 await self.aclose()
                 raise StopAsyncIteration
             await self._wait()
-        names, got = self._ready[self._next]
+        got = self._ready.pop(self._next)
         if isinstance(got, BaseException):
             await self.aclose()
             raise got
-        if len(names) > 1:  # a tied weight: the same tensor under its other names next
-            self._ready[self._next] = (names[1:], got)
-        else:
-            del self._ready[self._next]
-            self._ahead -= self._cost.pop(self._next, 0)
-            self._next += 1
+        self._run, self._run_bytes = got, self._batches[self._next][2]
+        self._next += 1
+        return self._take()
+
+    def _take(self) -> tuple[str, torch.Tensor]:
+        """The next pair of the batch taken; its last gives the batch's bytes back to the window."""
+        pair = self._run.pop()
+        if not self._run:
+            self._ahead -= self._run_bytes
             self._notify()
-        return names[0], got
+        return pair
 
     async def _wait(self, ready: bool = False) -> None:
         """Wait for the reader to land something (``ready``: only let other tasks run); if
@@ -248,8 +268,7 @@ class TensorStream:
             with anyio.CancelScope() as scope:
                 self._reader = scope
                 async with anyio.create_task_group() as tg:
-                    start = 0  # the index of the batch's first entry
-                    for entries, names, nbytes, files in self._batches:
+                    for batch, (entries, names, nbytes, files) in enumerate(self._batches):
                         while self._ahead and self._ahead + nbytes > self.window_bytes:
                             await self._next_change()
                         if self._closed or self._failed:
@@ -263,10 +282,9 @@ class TensorStream:
                         except Exception as e:  # the consumer gets it where that file's tensors begin
                             slots.release()
                             self._failed = True
-                            self._ready[start] = (names[0], e)
+                            self._ready[batch] = e
                             break
-                        tg.start_soon(self._read_batch, start, entries, names, nbytes, fds, slots)
-                        start += len(entries)
+                        tg.start_soon(self._read_batch, batch, entries, names, nbytes, fds, slots)
         finally:
             with anyio.CancelScope(shield=True):
                 for fd in fds.values():
@@ -276,14 +294,15 @@ class TensorStream:
 
     async def _read_batch(
         self,
-        start: int,
+        batch: int,
         entries: list[Entry],
         names: list[tuple[str, ...]],
         nbytes: int,
         fds: dict[str, int],
         slots: anyio.Semaphore,
     ) -> None:
-        """Read ``entries`` (indices ``start``...) into new tensors; an error lands at ``start``."""
+        """Read ``entries`` (the ``batch``-th batch) into new tensors; its pairs, or its error, land
+        in ``_ready[batch]``."""
         sched = self.scheduler
         try:
             with sched.operation():
@@ -298,9 +317,9 @@ class TensorStream:
                     got = a.out
         except Exception as e:
             self._failed = True
-            self._ready[start] = (names[0], e)
+            self._ready[batch] = e
         else:
-            self._ready.update(enumerate(zip(names, got, strict=True), start))
+            self._ready[batch] = _pairs(names, got)
         finally:
             slots.release()
         self._notify()
@@ -320,8 +339,8 @@ class TensorStream:
             if self._reader_done is not None:
                 await self._reader_done.wait()
             self._ahead = 0
-            held = (self._ready, self._batches or [], self._cost)
-            self._ready, self._batches, self._cost = {}, [], {}
+            held = (self._ready, self._batches or [], self._run)
+            self._ready, self._batches, self._run = {}, [], []
             await self.scheduler.discard(*held)
             if self._own:
                 self._own = False
