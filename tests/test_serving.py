@@ -360,10 +360,12 @@ def _modules_to_walk() -> dict[str, torch.nn.Module]:
     tied[1].weight = tied[0].weight
     nested = torch.nn.ModuleDict({"a": torch.nn.ModuleList([bn, no_bias]), "b": twice, "c": tied})
     transformer = torch.nn.Transformer(16, 2, 1, 1, 32, batch_first=True)
-    return {"nested": nested, "transformer": transformer, "empty": torch.nn.Module()}
+    odd = torch.nn.Module()
+    setattr(odd, "", torch.nn.Linear(1, 1))  # a child named "" (setattr does not check): ".weight"
+    return {"nested": nested, "transformer": transformer, "empty": torch.nn.Module(), "odd name": odd}
 
 
-@pytest.mark.parametrize("name", ["nested", "transformer", "empty"])
+@pytest.mark.parametrize("name", ["nested", "transformer", "empty", "odd name"])
 def test_a_modules_tensors_are_its_state_dicts_in_order(name: str) -> None:
     from aiotensor.serving.module import _plain_state
 
@@ -386,7 +388,10 @@ class _Saves(torch.nn.Linear):
         destination[prefix + "renamed"] = self.weight
 
 
-@pytest.mark.parametrize("how", ["post hook", "pre hook", "extra state", "own _save_to_state_dict", "instance state_dict"])
+@pytest.mark.parametrize(
+    "how",
+    ["post hook", "pre hook", "extra state", "own _save_to_state_dict", "instance state_dict", "instance _save_to_state_dict"],
+)
 async def test_a_module_that_saves_its_state_its_own_way_is_asked_for_its_state_dict(tmp_path: Any, how: str) -> None:
     from aiotensor.serving.module import _plain_state
 
@@ -402,6 +407,8 @@ async def test_a_module_that_saves_its_state_its_own_way_is_asked_for_its_state_
         inner.register_state_dict_pre_hook(lambda *a: None)
     elif how == "instance state_dict":
         inner.state_dict = lambda *a, **k: {}  # type: ignore[method-assign]
+    elif how == "instance _save_to_state_dict":
+        inner._save_to_state_dict = lambda d, prefix, keep: d.__setitem__(prefix + "renamed", inner.weight)  # type: ignore[method-assign]
     assert _plain_state(module) is None
     # what state_dict() names (a hook's or an override's names), each tensor + 1, loads by those names
     names = [k for k, v in module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
