@@ -492,9 +492,11 @@ def _crcs_equal(targets: Sequence[Target], units: Sequence[_ReadUnit], got: Sequ
     parts = list(chain.from_iterable(map(_PARTS, units)))
     idx = list(map(itemgetter(0), parts))
     read = list(chain.from_iterable(map(itemgetter(0), got)))
-    if len(read) != len(idx):
+    if len(got) != len(units) or len(read) != len(idx):
         return False
-    crcs: list[int | None] = [None] * len(targets)
+    recorded = list(map(_CRC, targets))
+    # a target with a crc and no part read (no bytes) has the crc of nothing, 0, as in the loop
+    crcs: list[int | None] = [0] * len(targets) if None not in recorded else [None if c is None else 0 for c in recorded]
     deque(map(crcs.__setitem__, idx, read), maxlen=0)  # a target's last part's crc: one part, its own
     if len(set(idx)) != len(idx):  # a few targets read in several parts (a block's pieces' edges)
         split = {i for i, n in Counter(idx).items() if n > 1}
@@ -504,7 +506,7 @@ def _crcs_equal(targets: Sequence[Target], units: Sequence[_ReadUnit], got: Sequ
             pieces.setdefault(i, []).append((read[k], b - a))
         for i, p in pieces.items():
             crcs[i] = crc_of_pieces(p, targets[i].kind)
-    return crcs == list(map(_CRC, targets))
+    return crcs == recorded
 
 
 _KIND, _PARTS, _CRC = attrgetter("kind"), attrgetter("parts"), attrgetter("crc")
