@@ -27,6 +27,7 @@ from aiotensor.errors import FormatError, ManifestError
 from aiotensor.formats import checksum
 from aiotensor.formats import manifest as mf
 from aiotensor.formats.tree import unflatten
+from aiotensor.store import load as store_load
 
 from .conftest import assert_state_equal
 
@@ -213,7 +214,7 @@ def test_a_manifest_pointing_two_tensors_at_the_same_bytes_is_refused(tmp_path: 
 
 
 @pytest.mark.parametrize("recorded", [True, False])
-def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: bool) -> None:
+def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: bool, monkeypatch: Any) -> None:
     """Each shard's ``header_crc32c`` is the crc32c of its header (length prefix to padding). A
     header that is not the one written (another crc, or none recorded) is rebuilt from the entries
     and compared, then parsed: the same tensors under other metadata still load, a renamed one not."""
@@ -222,9 +223,14 @@ def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: b
     shard = doc["shards"][0]["file"]
     raw = files[shard]
     assert doc["shards"][0]["header_crc32c"] == checksum.crc32c(raw[: 8 + struct.unpack("<Q", raw[:8])[0]])
-    if not recorded:
+    if recorded:  # its header is taken as written, not rebuilt from the entries
+        with monkeypatch.context() as m:
+            m.setattr(store_load, "shard_header", lambda specs: pytest.fail("the header was rebuilt"))
+            assert_state_equal(load_copy(files), the_state())
+    else:  # a version 1 manifest
         for s in doc["shards"]:
             del s["header_crc32c"]
+        doc["version"] = 1
         files["manifest.json"] = mf.seal(doc)
     assert_state_equal(load_copy(files), the_state())
     other = raw.replace(b'"format":"pt"', b'"format":"np"', 1)
@@ -234,6 +240,18 @@ def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: b
     assert renamed != raw
     with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
         load_copy({**files, shard: renamed})
+
+
+@pytest.mark.parametrize("version", [0, 3, True, "2"])
+def test_a_manifest_of_another_version_is_refused(version: Any) -> None:
+    files = original_files()
+    doc = json.loads(files["manifest.json"])
+    doc["version"] = version
+    with pytest.raises(ManifestError, match=r"is not supported \(this aiotensor reads 1 and 2\)"):
+        mf.loads(mf.seal(doc), "m.json")
+    if type(version) is int:  # a listing reads the version from the first bytes
+        with pytest.raises(ManifestError, match="is not supported"):
+            mf.sealed_step(mf.seal(doc), "m.json")
 
 
 # --- torch.save zips and DCP checkpoints (issue 22: the readers of files aiotensor did not write) ---

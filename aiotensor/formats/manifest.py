@@ -22,7 +22,9 @@ from .safetensors import TensorSpec, columns, counts, is_count, parse_members, p
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: shards record their header's crc32c (header_crc32c), which 1 does not know
+VERSIONS = (1, 2)  # what this aiotensor reads
+_READS = "1 and 2"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
 _CHECKSUM_TAIL = re.compile(rb',"checksum":"crc32c:([0-9a-f]{8})"\}\Z')
@@ -124,8 +126,8 @@ def sealed_step(data: bytes, path: object) -> int:
     m = _HEAD.match(data)
     if m is None:
         raise ManifestError("not an aiotensor manifest (it does not begin as one)", path)
-    if int(m.group(1)) != VERSION:
-        raise ManifestError(f"manifest version {int(m.group(1))} is not supported (this aiotensor reads {VERSION})", path)
+    if int(m.group(1)) not in VERSIONS:
+        raise ManifestError(f"manifest version {int(m.group(1))} is not supported (this aiotensor reads {_READS})", path)
     return int(m.group(2))
 
 
@@ -269,8 +271,9 @@ def loads(data: bytes, path: object) -> Manifest:
     doc.pop("checksum", None)
     if doc.get("format") != FORMAT:
         raise bad(f"not an aiotensor manifest (format is {doc.get('format')!r}, expected {FORMAT!r})")
-    if doc.get("version") != VERSION:
-        raise bad(f"manifest version {doc.get('version')!r} is not supported (this aiotensor reads {VERSION})")
+    version = doc.get("version")
+    if not (type(version) is int and version in VERSIONS):
+        raise bad(f"manifest version {version!r} is not supported (this aiotensor reads {_READS})")
     step = doc.get("step")
     if not is_count(step):
         raise bad(f"step must be a non-negative integer, got {step!r}")

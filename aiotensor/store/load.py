@@ -78,8 +78,8 @@ async def _load(
     m: mf.Manifest
     m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)
     mpath = os.path.join(folder, _root.MANIFEST)
-    # every shard's header must agree with the manifest before anything is allocated: a hostile
-    # manifest cannot make us allocate what the files do not hold
+    # every shard must hold what the manifest lists for it before anything is allocated: a hostile
+    # manifest cannot make us allocate what the files do not hold (_check_header)
     views: dict[str, list[Target]] = {}
     for shard, size in m.shards.items():
         path = os.path.join(folder, shard)
@@ -225,12 +225,19 @@ def _map_shard(
 
 
 def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], crc: int | None, mpath: str) -> None:
-    """Check that the shard holds exactly what its manifest entries say (else ManifestError);
-    ``crc``: the crc32c of its header that the manifest records, if it does."""
-    # A shard the store wrote begins with exactly the header its manifest entries make: equal byte
-    # for byte, that proves what parsing it would (a third of a 20,000-tensor load's time). Where
-    # the manifest records that header's crc32c, the header read is compared with it: rebuilding
-    # the header from the entries costs 20 ms per 20,000 tensors, its crc 0.1 ms
+    """Check that the shard holds what its manifest entries say (else ManifestError): its size,
+    the entries' bytes one after the other from its header's end to its end, and that header the
+    one written with them. ``crc``: the crc32c of the header that the manifest records, if it
+    does (version 2).
+
+    A header with that crc is the one the store wrote beside these entries: the manifest's seal
+    ties the two, so a damaged or swapped shard, or a damaged manifest, is caught. The seal is a
+    checksum, not a signature: a manifest edited and sealed again that renames or reinterprets
+    tensors (same bytes, other names, dtypes or shapes) but keeps the crc is believed, as its
+    tree's values are. Without a crc, or with another one, the header the entries make is rebuilt
+    and compared byte for byte (20 ms per 20,000 tensors, the crc 0.1 ms), and where that
+    differs the header is parsed and its tensors compared with the entries (a shard rewritten by
+    another safetensors writer)."""
     specs = sorted(map(_SPEC, entries), key=_OFFSET)
     # the tensors follow the header with no gap, in this order, up to the end of the file
     if size == sched.engine.size(fd):
