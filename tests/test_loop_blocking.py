@@ -187,12 +187,15 @@ def test_objects_made_in_a_pause_go_to_the_oldest_generation_unwalked(monkeypatc
         few = [[i] for i in range(100)]
     young = {id(o) for o in gc.get_objects(0)}
     assert all(id(o) in young for o in few)
-    gc.freeze()  # the application's own frozen objects are never given back to the collector
+    mine = [[0]]  # the application's own frozen objects are never given back to the collector
+    gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
         with _gil.paused_gc():
             more = [[i] for i in range(3 * _gil.PROMOTE_OVER)]
-        assert gc.get_freeze_count() == frozen
+        # (not the freeze count: frozen objects another thread frees meanwhile leave it, 46 of
+        # 404,600 once in CI)
+        tracked = {id(o) for g in range(3) for o in gc.get_objects(g)}
+        assert id(mine) not in tracked and id(mine[0]) not in tracked and gc.get_freeze_count() > 0
         assert id(more[0]) not in {id(o) for o in gc.get_objects(2)}, "left to the young collections"
         assert not _gil._can_promote, "and the frozen objects are not counted again"
     finally:
