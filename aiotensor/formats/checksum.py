@@ -11,9 +11,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 from functools import lru_cache
-from itertools import islice
 
 import crc32c as _crc32c
+
+from .._runtime import gil
 
 _POLY = {"crc32c": 0x82F63B78, "crc32": 0xEDB88320}  # Castagnoli, and zlib's (IEEE), reflected
 
@@ -29,19 +30,9 @@ def of(kind: str, data: bytes | bytearray | memoryview) -> int:
 
 
 def each(kind: str, views: Iterable[bytes | bytearray | memoryview]) -> list[int]:
-    """The ``kind`` crc of each buffer, by C loops of :data:`_PER_CALL` buffers (thousands of small
-    tensors: a C loop never lets the GIL go, and a block's piece may hold 30,000 tensors of 256
-    bytes, 10 ms of crcs)."""
-    crcs = map(_crc32c.crc32c if kind == "crc32c" else zlib.crc32, views)
-    out: list[int] = []
-    while True:
-        had = len(out)
-        out += islice(crcs, _PER_CALL)
-        if len(out) - had < _PER_CALL:
-            return out
-
-
-_PER_CALL = 1024
+    """The ``kind`` crc of each buffer, a slice of them per C loop (:func:`aiotensor._runtime.gil.listed`:
+    a block's piece may hold 30,000 tensors of 256 bytes, 10 ms of crcs with the GIL held)."""
+    return gil.listed(map(_crc32c.crc32c if kind == "crc32c" else zlib.crc32, views))
 
 
 def _times(mat: tuple[int, ...], vec: int) -> int:

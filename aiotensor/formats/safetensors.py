@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import accumulate, chain, islice, repeat
+from itertools import accumulate, chain, repeat
 from operator import add, attrgetter, floordiv, itemgetter, mul, sub
 from typing import Any, NamedTuple, TypeVar
 
@@ -436,21 +436,11 @@ def rows(cls: type[R], *fields: Iterable[Any]) -> list[R]:
     """Instances of the named tuple ``cls``, one per row of ``fields`` (one iterable per field, every
     field given; ``repeat(value)`` for a constant, the shortest ends the rows), made by C loops: a
     named tuple's ``__new__`` is a Python function (0.25 us a call, and the bulk paths make tens of
-    thousands). A C loop never lets the GIL go, so they are made :data:`_ROWS_PER_CALL` at a time
-    (one loop over 20,000 entries held it 10 ms, and the event loop's thread waited)."""
+    thousands), a slice at a time (:func:`aiotensor._runtime.gil.listed`: a C loop keeps the GIL)."""
     want = len(cls._fields)  # type: ignore[attr-defined]  # (a named tuple's)
     if len(fields) != want:  # tuple.__new__ would make a record short of fields
         raise TypeError(f"rows of {cls.__name__} need {want} fields, got {len(fields)}")
-    make, each = partial(tuple.__new__, cls), zip(*fields)  # noqa: B905 (repeat() has no end)
-    out: list[R] = []
-    while True:
-        had = len(out)
-        out += map(make, islice(each, _ROWS_PER_CALL))
-        if len(out) - had < _ROWS_PER_CALL:
-            return out
-
-
-_ROWS_PER_CALL = 1024
+    return gil.listed(map(partial(tuple.__new__, cls), zip(*fields)))  # noqa: B905 (repeat() has no end)
 
 
 def counts(*values: Sequence[Any]) -> bool:
