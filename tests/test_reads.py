@@ -27,6 +27,7 @@ import aiotensor
 from aiotensor import knobs, sources
 from aiotensor._io import read
 from aiotensor._io.assemble import Entry, stored_bytes
+from aiotensor._io.tensors import crc_of_pieces
 from aiotensor._runtime.scheduler import batched
 from aiotensor.engines import PosixEngine
 from aiotensor.errors import ChecksumError, MismatchError
@@ -683,12 +684,13 @@ def test_carved_tensors_and_their_blocks_keep_the_rules(layout: list[Any], rnd: 
     hs.sampled_from(["none", "read", "recorded"]),
 )
 @settings(max_examples=300, deadline=None)
-def test_crcs_compared_in_bulk_agree_with_the_loop_that_names_a_corrupt_tensor(
+def test_crcs_compared_in_bulk_agree_with_a_loop_target_by_target(
     tensors: list[tuple[int, str | None]], cuts: list[int], rnd: Any, damage: str
 ) -> None:
     # tensors (size, the kind of crc it has, if any) at consecutive offsets in a random order, the
     # file's bytes cut into units at random points, each unit's parts the pieces of the tensors
-    # with a crc it holds, their crcs as a read takes them (read._crcs)
+    # with a crc it holds, their crcs as a read takes them (read._crcs); the bulk compare agrees with
+    # the loop it replaced
     order = list(range(len(tensors)))
     rnd.shuffle(order)
     offsets, at = {}, 0
@@ -723,11 +725,24 @@ def test_crcs_compared_in_bulk_agree_with_the_loop_that_names_a_corrupt_tensor(
     if damage == "recorded" and with_crc:
         i = rnd.choice(with_crc)
         targets[i] = targets[i]._replace(crc=targets[i].crc ^ 1)
+    corrupt = _first_corrupt_by_the_loop(targets, units, got)
     try:
-        read._name_corrupt("f", targets, units, got)
-        passed = True
-    except ChecksumError:
-        passed = False
-    fast = read._crcs_equal(targets, units, got)
-    assert fast == passed  # never a pass the loop would refuse, and no loop where all is well
-    assert passed or damage != "none"  # the crcs a read takes are the tensors' own
+        read._check_crcs("f", targets, units, got)
+        named = None
+    except ChecksumError as e:
+        named = e.key
+    assert named == corrupt  # never a pass the loop would refuse, and the tensor it would name
+    assert corrupt is None or damage != "none"  # the crcs a read takes are the tensors' own
+
+
+def _first_corrupt_by_the_loop(targets: list[Any], units: list[Any], got: list[Any]) -> str | None:
+    """The reference: target by target, its parts' crcs combined in order, compared with the one
+    recorded (the loop read._check_crcs had before it compared in bulk)."""
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for u, (crcs, _) in zip(units, got, strict=True):
+        for (i, a, b), c in zip(u.parts, crcs, strict=True):
+            pieces.setdefault(i, []).append((c, b - a))
+    for i, t in enumerate(targets):
+        if t.crc is not None and crc_of_pieces(pieces.get(i, []), t.kind) != t.crc:
+            return str(t.spec.key)
+    return None
