@@ -38,9 +38,7 @@ Fill = Callable[[tuple[str, ...], torch.Tensor, torch.Tensor], object]
 def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
     """The module's state tensors by name, and for each name tied to others (one tensor object
     under several names) the names of its group."""
-    known = _plain_state(module)  # parameters and buffers: tensors all
-    if known is None:
-        known = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    known = _tensors_by_name(module)
     ids = list(map(id, known.values()))
     if len(set(ids)) == len(ids):  # no tensor under two names (C loops: tens of thousands)
         return known, {}
@@ -48,6 +46,14 @@ def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], d
     for name, t in known.items():
         by_id.setdefault(id(t), []).append(name)
     return known, {n: tuple(g) for g in by_id.values() if len(g) > 1 for n in g}
+
+
+def _tensors_by_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of ``module.state_dict(keep_vars=True)``, by the walk where it gives them."""
+    known = _plain_state(module)  # parameters and buffers: tensors all
+    if known is None:
+        known = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    return known
 
 
 def _plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -296,11 +302,9 @@ class Swap:
         inference in worker threads, load a second module and switch the reference instead, as
         ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it.
         A tied parameter switches under all its names at once (it is one tensor)."""
-        # now: .to() or new parameters since replace tensors (no state_dict() where a walk gives the
-        # same: half the time, on the loop's thread, for a module of many submodules)
-        current = _plain_state(self.module)
-        if current is None:
-            current = self.module.state_dict(keep_vars=True)
+        # now: .to() or new parameters since replace tensors (by the walk where it gives the same:
+        # half state_dict()'s time, on the loop's thread, for a module of many submodules)
+        current = _tensors_by_name(self.module)
         with torch.no_grad():
             for name, new in self.tensors.items():
                 current[name].data = new
