@@ -211,8 +211,10 @@ def _each(fn: Fill, fills: list[tuple[tuple[str, ...], torch.Tensor, int]], got:
 
 
 def _itself(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
-    """Read straight into the module's tensor where it has the stored dtype (not on the meta device)."""
-    return dst.detach() if not dst.is_meta and dst.dtype == e.dtype else None
+    """Read straight into the module's tensor where it has the stored dtype (not on the meta device):
+    the tensor itself, not a ``detach()`` of it (the reads write its memory, and each copy into it
+    is made under ``no_grad``): 20,000 detached tensors cost 1 us each to make and as much to free."""
+    return dst if not dst.is_meta and dst.dtype == e.dtype else None
 
 
 def _in_place(module: torch.nn.Module) -> Fill:
