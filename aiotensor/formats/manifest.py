@@ -18,7 +18,18 @@ from .._runtime import gil
 from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import TensorSpec, columns, counts, is_count, parse_members, plain_nbytes, plain_sizes, rows, shape_problem
+from .safetensors import (
+    TensorSpec,
+    columns,
+    counts,
+    is_count,
+    parse_members,
+    plain_nbytes,
+    plain_sizes,
+    rows,
+    shape_problem,
+    unique_keys,
+)
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -257,13 +268,14 @@ def loads(data: bytes, path: object) -> Manifest:
 
     leaves: set[str] = set()
 
-    def node(obj: dict[str, Any]) -> Any:  # the tree's objects, as they are parsed
-        if len(obj) == 1 and "tensor" in obj:
-            key = obj["tensor"]
-            if not (isinstance(key, str) and (key in entries or key in aliases)) or key in leaves:
+    def node(pairs: list[tuple[str, Any]]) -> Any:  # the tree's objects, as they are parsed
+        if len(pairs) == 1 and pairs[0][0] == "tensor":
+            key = pairs[0][1]
+            if not (type(key) is str and (key in entries or key in aliases)) or key in leaves:
                 raise bad(f"the state tree and the tensor table do not list the same tensors ({str(key)[:80]!r})")
             leaves.add(key)
-        return obj
+            return {"tensor": key}
+        return unique_keys(pairs)
 
     nested = {"tensors": tensor, "aliases": alias}
     parse_members(data, path, "manifest", ManifestError, member, nested, {"tree": node}, {"tensors": many})

@@ -134,7 +134,8 @@ def _not_safetensors(prefix: bytes, n: int, file_size: int) -> str:
     return f"is not a safetensors file: its first 8 bytes claim a {n} byte header, {why}"
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The object of JSON ``pairs`` (an ``object_pairs_hook``), refusing a key twice."""
     out = dict(pairs)  # a C loop; the slow one only to name a duplicate
     if len(out) != len(pairs):
         seen: set[str] = set()
@@ -159,7 +160,7 @@ def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderEr
     """
     doc = _text(text, path, what, error)
     try:
-        obj = json.loads(doc, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        obj = json.loads(doc, object_pairs_hook=unique_keys, parse_constant=_reject_constant)
     except _Duplicate as e:
         raise error(f"{what} has the key {e.args[0]!r} twice", path) from None
     except (ValueError, RecursionError) as e:
@@ -177,7 +178,7 @@ _WS = re.compile(r"[ \t\n\r]*")
 _SPACE = frozenset(" \t\n\r")
 # the C scanner itself (``raw_decode`` is a Python wrapper of it): one call per member
 _DECODE: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
-    object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
+    object_pairs_hook=unique_keys, parse_constant=_reject_constant
 ).scan_once  # type: ignore[attr-defined]
 Member = Callable[[str, Any], None]
 
@@ -189,7 +190,7 @@ def parse_members(
     error: type[FormatError],
     member: Member,
     nested: Mapping[str, Member] | None = None,
-    hooks: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
+    hooks: Mapping[str, Callable[[list[tuple[str, Any]]], Any]] | None = None,
     bulk: Mapping[str | None, Bulk] | None = None,
 ) -> None:
     """Parse UTF-8 JSON that must be an object with unique keys, one member at a time:
@@ -197,12 +198,15 @@ def parse_members(
     member of its value (an object), which is never held whole. What a member makes of its value
     is all that stays: a member that is not what it must be stops the parse at once, so parsing
     memory stays within a small multiple of the text's size (with the density rule of
-    :func:`loads_json_object`). ``hooks[key]`` sees each object of that member's value as it is
-    parsed (a dict, its keys unique), and may refuse it there; what it returns stands for the
-    object. ``bulk[key]`` (``bulk[None]``: the document's own members) may take a whole fragment
-    of members at once (:data:`Bulk`). Any failure is ``error``."""
+    :func:`loads_json_object`). ``hooks[key]`` is the ``object_pairs_hook`` of that member's value:
+    it sees each object's ``(key, value)`` pairs as it is parsed, may refuse it there, and returns
+    what stands for it (:func:`unique_keys` makes the dict, refusing a key twice; one Python call
+    per object: a tree of 20,000 tensors has as many). ``bulk[key]`` (``bulk[None]``: the
+    document's own members) may take a whole fragment of members at once (:data:`Bulk`). Any failure is ``error``."""
     doc = _text(text, path, what, error)
-    decoders = {k: _decoder(hook) for k, hook in (hooks or {}).items()}
+    decoders = {
+        k: json.JSONDecoder(object_pairs_hook=h, parse_constant=_reject_constant).scan_once for k, h in (hooks or {}).items()
+    }
     many = bulk or {}
     try:
         walk = lambda k, j: _member(doc, k, j, member, nested or {}, decoders, many)  # noqa: E731
@@ -215,17 +219,6 @@ def parse_members(
         raise error(f"{what} has the key {e.args[0]!r} twice", path) from None
     except (ValueError, RecursionError, IndexError) as e:
         raise error(f"{what} is not valid JSON ({str(e)[:200]})", path) from None
-
-
-def _decoder(hook: Callable[[dict[str, Any]], Any]) -> Callable[[str, int], tuple[Any, int]]:
-    def pairs(items: list[tuple[str, Any]]) -> Any:
-        obj = dict(items)  # _no_duplicates, a call less per object (a tree of 20,000 tensors has as many)
-        return hook(obj if len(obj) == len(items) else _no_duplicates(items))
-
-    scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
-        object_pairs_hook=pairs, parse_constant=_reject_constant
-    ).scan_once  # type: ignore[attr-defined]
-    return scan
 
 
 def _member(
