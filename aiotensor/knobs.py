@@ -67,8 +67,9 @@ CARVE_BLOCK_BYTES = 16 * MiB
 # are fetched by one read (a torch.save zip's storages have their entries' headers between them)
 CARVE_GAP_BYTES = 64 * 1024
 # Tensors of at most this many bytes that exist already (load_into, a swap, load(into=)) are read
-# with their neighbours in the file into a bounce slot and copied out: a syscall per 5 KB tensor
-# cost more than the copy (bench_serving.py: 20,000 tensors). Where each read is a request (an
+# with their neighbours in the file: straight into each by one preadv where the page cache holds
+# them, else into a bounce slot and copied out: a syscall per 5 KB tensor cost more than the copy
+# (bench_serving.py: 20,000 tensors). Where each read is a request (an
 # object store), tensors up to CARVE_TENSOR_BYTES are.
 GATHER_TENSOR_BYTES = 64 * 1024
 # a memmove of at most this many bytes keeps the GIL (_runtime.buffers.move)

@@ -27,7 +27,7 @@ import aiotensor
 from aiotensor import knobs, sources
 from aiotensor._io import read
 from aiotensor._io.assemble import Entry, stored_bytes
-from aiotensor._io.tensors import crc_of_pieces
+from aiotensor._io.tensors import Target, crc_of_pieces
 from aiotensor._runtime.scheduler import batched
 from aiotensor.engines import PosixEngine
 from aiotensor.errors import ChecksumError, MismatchError
@@ -250,13 +250,22 @@ async def test_load_into_reads_straight_into_the_module_once(tmp_path: Any, monk
     equal(swap.tensors, src.state_dict())
 
 
+def reads(monkeypatch: Any) -> list[int]:
+    """The buffers each read of the posix engine fills (one for a pread, a preadv's count)."""
+    calls: list[int] = []
+    pread, preadv = PosixEngine.pread, PosixEngine.preadv
+    monkeypatch.setattr(PosixEngine, "pread", lambda self, fd, buf, off: (calls.append(1), pread(self, fd, buf, off))[1])
+    monkeypatch.setattr(
+        PosixEngine, "preadv", lambda self, fd, bufs, off: (calls.append(len(bufs)), preadv(self, fd, bufs, off))[1]
+    )
+    return calls
+
+
 @pytest.mark.parametrize("cache", ["cold", "warm"])
 async def test_small_tensors_of_a_module_are_read_together_and_copied_out(tmp_path: Any, monkeypatch: Any, cache: str) -> None:
     """load_into of 600 small parameters reads them in a few pieces (a read each cost more than the
     copy out of the bounce slot), into the module's own memory, exactly; a flipped bit is caught."""
-    calls: list[int] = []
-    pread = PosixEngine.pread
-    monkeypatch.setattr(PosixEngine, "pread", lambda self, fd, buf, off: (calls.append(len(buf)), pread(self, fd, buf, off))[1])
+    calls = reads(monkeypatch)
     torch.manual_seed(0)
     src = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(100 + i % 9)) for i in range(600)])
     src.append(torch.nn.Parameter(torch.randn(3 * knobs.GATHER_TENSOR_BYTES // 4)))  # too big to gather: read in place
@@ -277,6 +286,59 @@ async def test_small_tensors_of_a_module_are_read_together_and_copied_out(tmp_pa
     evict(path) if cache == "cold" else warm(path)
     with pytest.raises(ChecksumError, match="'300'"):
         await aiotensor.load_into(dst, path)
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+async def test_gathered_tensors_the_cache_holds_are_read_straight_into_the_module(
+    tmp_path: Any, monkeypatch: Any, cache: str
+) -> None:
+    """Warm, the small tensors of a gathered read land in the module's own memory by ``preadv``, at
+    most 1,024 a call (the tensors the module lacks between them read past): no bounce slot, no
+    copy out of it. Cold, they come through the slot with O_DIRECT. The same bytes either way; a
+    flipped bit is caught, naming its tensor."""
+    if cache == "cold" and not direct_reads(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    calls = reads(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    src = {f"t.{i}": torch.randn(2000 + i % 3, generator=g) for i in range(2500)}  # 20 MB: more than read-ahead takes
+    path = tmp_path / "many.safetensors"
+    await aiotensor.save_file(src, path)
+    module = torch.nn.Module()
+    module.t = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(v)) for v in src.values()])
+    for i in range(0, 2500, 7):  # tensors of the file the module lacks: gaps between the others
+        del module.t._parameters[str(i)]
+    where = {k: v.data_ptr() for k, v in module.state_dict().items()}
+    evict(path) if cache == "cold" else warm(path)
+    calls.clear()
+    got = await aiotensor.load_into(module, path, strict=False)
+    assert sorted(got.unexpected_keys) == sorted(f"t.{i}" for i in range(0, 2500, 7)) and not got.missing_keys
+    assert {k: v.data_ptr() for k, v in module.state_dict().items()} == where
+    equal(module.state_dict(), {k: v for k, v in src.items() if k in where})
+    scattered = [n for n in calls if n > 1]
+    if cache == "warm":
+        assert len(scattered) >= 3 and max(scattered) <= 1024 and sum(scattered) >= len(where), calls
+    else:  # (read-ahead of the header may bring some of the file in: that is scattered)
+        assert sum(scattered) < len(where) / 2, calls
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    data[8 + n + json.loads(data[8 : 8 + n])["t.1234"]["data_offsets"][0] + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    evict(path) if cache == "cold" else warm(path)
+    with pytest.raises(ChecksumError, match="'t.1234'"):
+        await aiotensor.load_into(module, path, strict=False)
+    # members that overlap in the file (no reader makes them: a guard) are not scattered
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        a, b = torch.zeros(8), torch.zeros(8)
+        targets = [
+            Target(TensorSpec("a", "F32", (8,), 4096, 32), a, None),
+            Target(TensorSpec("b", "F32", (8,), 4112, 32), b, None),
+        ]
+        unit = read._ReadUnit(4096, None, 48, (), members=((0, 0), (1, 16)))
+        assert read._scattered(PosixEngine(), fd, None, targets, memoryview(bytearray(4096)), unit) is None
+        assert not a.any() and not b.any()
+    finally:
+        os.close(fd)
 
 
 async def test_a_shape_mismatch_is_found_before_anything_is_read_into_the_module(tmp_path: Any) -> None:

@@ -14,6 +14,7 @@ import abc
 import errno
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -46,6 +47,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; return the count (0 at end of file)."""
+
+    # reads many buffers in one call (:meth:`preadv`)
+    scatters = False
+
+    def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
+        """Read into each of ``bufs`` in turn, from ``offset``, in one call (at most 1,024 of them);
+        return the count (short only at the file's end). Only where :attr:`scatters`."""
+        raise NotImplementedError
 
     def open_direct(self, fd: int) -> int | None:
         """A second descriptor of the open file ``fd`` that reads past the page cache (O_DIRECT:

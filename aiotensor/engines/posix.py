@@ -11,6 +11,8 @@ import os
 import shutil
 import stat
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from .._runtime.buffers import MAP_FAILED, libc
 from ..errors import UnsafePathError
@@ -59,6 +61,11 @@ class PosixEngine(Engine):
 
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.preadv(fd, [buf], offset)
+
+    scatters = True
+
+    def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
 
     def open_direct(self, fd: int) -> int | None:
         if not self.direct:

@@ -202,10 +202,12 @@ def parse_members(
     it sees each object's ``(key, value)`` pairs as it is parsed, may refuse it there, and returns
     what stands for it (:func:`unique_keys` makes the dict, refusing a key twice; one Python call
     per object: a tree of 20,000 tensors has as many). ``bulk[key]`` (``bulk[None]``: the
-    document's own members) may take a whole fragment of members at once (:data:`Bulk`). Any failure is ``error``."""
+    document's own members) may take a whole fragment of members at once (:data:`Bulk`). Any
+    failure is ``error``."""
     doc = _text(text, path, what, error)
     decoders = {
-        k: json.JSONDecoder(object_pairs_hook=h, parse_constant=_reject_constant).scan_once for k, h in (hooks or {}).items()
+        k: json.JSONDecoder(object_pairs_hook=h, parse_constant=_reject_constant).scan_once  # type: ignore[attr-defined]
+        for k, h in (hooks or {}).items()
     }
     many = bulk or {}
     try:
