@@ -808,3 +808,58 @@ def _first_corrupt_by_the_loop(targets: list[Any], units: list[Any], got: list[A
         if t.crc is not None and crc_of_pieces(pieces.get(i, []), t.kind) != t.crc:
             return str(t.spec.key)
     return None
+
+
+def _block_units_loop(block: Any, members: list[tuple[int, Any]], piece: int, odirect: bool) -> list[Any]:
+    """read._block_units as it was written before its parts were found by bisection: the reference."""
+    from aiotensor._io.tensors import byte_view, spans
+
+    members.sort(key=lambda m: m[1].spec.offset)
+    odirect = odirect and block.end - block.offset >= knobs.DIRECT_MIN_BYTES
+    mem = byte_view(block.memory)
+    base = block.offset if odirect else members[0][1].spec.offset
+    out, k = [], 0
+    for a, b in spans(block.end - base, piece):
+        lo, hi = base + a, base + b
+        parts = []
+        while k < len(members) and members[k][1].spec.offset + members[k][1].spec.nbytes <= lo:
+            k += 1
+        j = k
+        while j < len(members) and members[j][1].spec.offset < hi:
+            i, t = members[j]
+            if t.crc is not None:
+                parts.append((i, max(t.spec.offset, lo) - lo, min(t.spec.offset + t.spec.nbytes, hi) - lo))
+            j += 1
+        out.append(read._ReadUnit(lo, mem[lo - block.offset :], b - a, tuple(parts), aligned=odirect))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hs.lists(hs.tuples(hs.integers(1, 9000), hs.sampled_from([0, 0, 1, 5000]), hs.booleans()), min_size=1, max_size=25),
+    hs.sampled_from([1, 7, 4096, 5000, 1 << 20]),
+    hs.booleans(),
+    hs.randoms(),
+)
+def test_a_blocks_pieces_hold_the_parts_the_loop_gave(layout: list[Any], piece: int, odirect: bool, rnd: Any) -> None:
+    """_block_units (bisection and C loops) gives, for any sizes, gaps, pieces, checked or unchecked
+    tensors and member order, the units the member-by-member loop gave: offsets, sizes, memory and
+    each piece's parts (tensors cut at its edges)."""
+    from aiotensor._io.tensors import Block
+    from aiotensor._runtime.buffers import address
+
+    pos, members = 8192 + rnd.randrange(3), []
+    for n, gap, checked in layout:
+        pos += gap
+        members.append(
+            (len(members), Target(TensorSpec(f"t{len(members)}", "U8", (n,), pos, n), torch.empty(0), 1 if checked else None))
+        )
+        pos += n
+    start = members[0][1].spec.offset // 4096 * 4096
+    block = Block(start, pos, torch.zeros(pos - start, dtype=torch.uint8))
+    rnd.shuffle(members)
+    got = read._block_units(block, list(members), piece, odirect)
+    want = _block_units_loop(block, list(members), piece, odirect)
+    assert [(u.offset, u.nbytes, u.parts, u.aligned, address(u.dest), len(u.dest)) for u in got] == [
+        (u.offset, u.nbytes, u.parts, u.aligned, address(u.dest), len(u.dest)) for u in want
+    ]
