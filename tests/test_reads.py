@@ -863,3 +863,37 @@ def test_a_blocks_pieces_hold_the_parts_the_loop_gave(layout: list[Any], piece: 
     assert [(u.offset, u.nbytes, u.parts, u.aligned, address(u.dest), len(u.dest)) for u in got] == [
         (u.offset, u.nbytes, u.parts, u.aligned, address(u.dest), len(u.dest)) for u in want
     ]
+
+
+def test_a_run_of_thousands_of_tensors_is_split_a_slice_at_a_time() -> None:
+    """views() of 2,500 neighbours of one dtype (1-D, and 2-D of one row shape) splits at most
+    1,024 per op, and each tensor gets the view it would alone."""
+    from aiotensor._io import tensors
+
+    calls: list[int] = []
+    split = torch.Tensor.unsafe_split_with_sizes
+
+    def counted(self: torch.Tensor, sizes: list[int], *a: Any) -> Any:
+        calls.append(len(sizes))
+        return split(self, sizes, *a)
+
+    specs = [
+        TensorSpec(
+            f"t{i}",
+            "F32",
+            (3,) if i < 1300 else (2, 3),
+            4096 + 12 * i if i < 1300 else 4096 + 12 * 1300 + 24 * (i - 1300),
+            12 if i < 1300 else 24,
+        )
+        for i in range(2500)
+    ]
+    memory = torch.zeros(specs[-1].offset + 24 - 4096, dtype=torch.uint8)
+    torch.Tensor.unsafe_split_with_sizes = counted  # type: ignore[method-assign]
+    try:
+        got = tensors.views(memory, 4096, specs)
+    finally:
+        torch.Tensor.unsafe_split_with_sizes = split  # type: ignore[method-assign]
+    assert calls and max(calls) <= 1024 and len(got) == 2500
+    for s, t in zip(specs, got, strict=True):
+        want = memory[s.offset - 4096 : s.offset - 4096 + s.nbytes].view(torch.float32).view(s.shape)
+        assert (t.shape, t.stride(), t.data_ptr()) == (want.shape, want.stride(), want.data_ptr()), s

@@ -449,7 +449,7 @@ def _block_units(block: Block, members: list[tuple[int, Target]], piece: int, od
         lo, hi = base + a, base + b
         first, last = bisect.bisect_right(ends, lo), bisect.bisect_left(starts, hi)  # the tensors in [lo, hi)
         at = repeat(lo)
-        parts = list(zip(idx[first:last], map(sub, starts[first:last], at), map(sub, ends[first:last], at)))
+        parts = list(zip(idx[first:last], map(sub, starts[first:last], at), map(sub, ends[first:last], at), strict=True))
         if parts:  # the first and last may lie partly outside
             parts[0] = (parts[0][0], max(parts[0][1], 0), parts[0][2])
             parts[-1] = (parts[-1][0], parts[-1][1], min(parts[-1][2], hi - lo))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
+from itertools import islice
+from operator import attrgetter, itemgetter, le
 from typing import Any, NamedTuple
 
 import torch
@@ -230,7 +231,9 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
     items = list(map(_ITEMSIZE, map(SAFETENSORS_TO_TORCH.__getitem__, map(_DTYPE, specs))))
     most, block_most = knobs.CARVE_TENSOR_BYTES, knobs.CARVE_BLOCK_BYTES
     start = end = 0  # where the run's first tensor begins and its last ends
-    for i in sorted(range(len(specs)), key=offsets.__getitem__):
+    # in file order already, nearly always (a sort of 20,000 is one C call, 2 ms with the GIL held)
+    ordered = all(map(le, offsets, islice(offsets, 1, None)))
+    for i in range(len(specs)) if ordered else sorted(range(len(specs)), key=offsets.__getitem__):
         at, n = offsets[i], nbytes[i]
         if n == 0 or at % items[i] or n % items[i]:
             out[i] = (new_tensor(specs[i], device), None)
@@ -308,14 +311,16 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
     So there are never more ops than tensors' views would take, and far fewer where a row shape
     repeats. (A torch op releases the GIL and takes it back: an op per tensor, while other threads
     ran Python, waited for the GIL 20,000 times: 1.3 s where one split took 20 ms; a view per 2-D
-    tensor cost 36 ms per 20,000.)"""
+    tensor cost 36 ms per 20,000.) A run is at most :data:`_SPLIT_MOST` tensors: an op makes its
+    views' Python objects with the GIL held (one split into 20,000 held it 4 ms, the event loop's
+    thread waiting)."""
     out: list[torch.Tensor] = []
     shapes = [torch_shape(s.dtype, s.shape) for s in specs]
     j = 0
     while j < len(specs):
         dtype = SAFETENSORS_TO_TORCH[specs[j].dtype]
         k = j + 1
-        while k < len(specs) and SAFETENSORS_TO_TORCH[specs[k].dtype] == dtype:
+        while k < len(specs) and SAFETENSORS_TO_TORCH[specs[k].dtype] == dtype and k - j < _SPLIT_MOST:
             k += 1
         # the run's pieces, in items (gaps among them); groups of neighbours, each one piece: where
         # its piece is and its first tensor; row: the row shape a tensor may join the last group by
@@ -349,6 +354,7 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
     return out
 
 
+_SPLIT_MOST = 1024
 _DTYPE, _OFFSET, _NBYTES, _ITEMSIZE = attrgetter("dtype"), attrgetter("offset"), attrgetter("nbytes"), attrgetter("itemsize")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 

@@ -238,10 +238,11 @@ class Scheduler:
             yield
 
     async def discard(self, *containers: list[Any] | dict[Any, Any]) -> None:
-        """Empty ``containers`` in a worker thread: where they held the last references to tens of
-        thousands of objects (tensor views, units, specs), freeing those is Python work too, and it
-        happens wherever the last reference goes. (To free one big object, pass ``[obj]`` and drop
-        your own reference first.) Cancellation: as for :meth:`run_sync`."""
+        """Empty ``containers`` in a worker thread, a slice at a time: where they held the last
+        references to tens of thousands of objects (tensor views, units, specs), freeing those is
+        Python work too, and it happens wherever the last reference goes. (To free one big object,
+        pass ``[obj]`` and drop your own reference first; a big container inside another is freed
+        in one call unless it is passed too, before.) Cancellation: as for :meth:`run_sync`."""
         await self.run_sync(_clear, containers)
 
     async def map(
@@ -345,8 +346,19 @@ def batched(
 
 
 def _clear(containers: tuple[list[Any] | dict[Any, Any], ...]) -> None:
+    """Empty ``containers``, :data:`_FREE_PER_CALL` members a call: emptying a list of 20,000
+    targets in one call freed them all with the GIL held (2-3 ms, the event loop's thread waiting)."""
     for c in containers:
-        c.clear()
+        while c:
+            if isinstance(c, dict):
+                gone = [c.popitem() for _ in range(min(len(c), _FREE_PER_CALL))]
+            else:
+                gone = c[-_FREE_PER_CALL:]
+                del c[-_FREE_PER_CALL:]
+            del gone
+
+
+_FREE_PER_CALL = 1024
 
 
 def _concat(results: list[list[T]]) -> list[T]:

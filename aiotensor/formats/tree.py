@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._runtime import gil
 from ..errors import ManifestError, StateError
 
 Path = tuple[Any, ...]
@@ -142,7 +143,7 @@ class _Unflatten:
         if tag == "dict" and isinstance(val, dict):
             keys = _tensor_keys(val.values()) if depth <= _MAX_DEPTH else None
             if keys is not None:  # only tensors below (a state_dict): C loops, not a walk per tensor
-                return dict(zip(val, map(self.tensor, keys), strict=True))
+                return dict(gil.listed(zip(val, map(self.tensor, keys), strict=True)))
             return {k: self.walk(v, depth + 1) for k, v in val.items()}
         if tag == "items" and isinstance(val, list):
             out = {}

@@ -105,9 +105,10 @@ async def _load(
     state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, priority=Priority.LOAD)
     # the manifest's entries, the targets: tens of thousands of objects for a state of many
     # tensors, freed in a thread
-    manifest = [m]
+    entries, manifest = m.entries, [m]
+    assert isinstance(entries, dict)  # (manifest.loads makes one)
     del m
-    await sched.discard(by_shard, targets, dest, manifest)
+    await sched.discard(*by_shard.values(), *targets.values(), entries, by_shard, targets, dest, manifest)
     return state
 
 
@@ -263,9 +264,10 @@ async def _mapped(sched: Scheduler, folder: str, m: mf.Manifest, views: dict[str
             await verify_mapped(sched, os.path.join(folder, shard), targets, Priority.LOAD)
     dest: dict[str, torch.Tensor] = {}
     state = await sched.call(_finish, m, dest, mpath, None, views, priority=Priority.LOAD)
-    manifest = [m]
+    entries, manifest = m.entries, [m]
+    assert isinstance(entries, dict)  # (manifest.loads makes one)
     del m
-    await sched.discard(views, dest, manifest)
+    await sched.discard(*views.values(), entries, views, dest, manifest)
     return state
 
 
