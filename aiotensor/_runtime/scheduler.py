@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -242,8 +243,11 @@ class Scheduler:
         references to tens of thousands of objects (tensor views, units, specs), freeing those is
         Python work too, and it happens wherever the last reference goes. (To free one big object,
         pass ``[obj]`` and drop your own reference first; a big container inside another is freed
-        in one call unless it is passed too, before.) Cancellation: as for :meth:`run_sync`."""
-        await self.run_sync(_clear, containers)
+        in one call unless it is passed too, before.) Inside an :meth:`operation` window, whether or
+        not the caller's has ended (a stream's close): with Python's 5 ms switch interval the loop's
+        thread waited up to that long for the freeing worker. Cancellation: as for :meth:`run_sync`."""
+        with self.operation():
+            await self.run_sync(_clear, containers)
 
     async def map(
         self,
@@ -346,19 +350,26 @@ def batched(
 
 
 def _clear(containers: tuple[list[Any] | dict[Any, Any], ...]) -> None:
-    """Empty ``containers``, :data:`_FREE_PER_CALL` members a call: emptying a list of 20,000
-    targets in one call freed them all with the GIL held (2-3 ms, the event loop's thread waiting)."""
+    """Empty ``containers`` a slice at a time, freeing each slice in one call with the GIL held: the
+    slice doubles while one is freed in under :data:`_FREE_FAST_S` and halves when one takes four
+    times that, since what a member holds is unknown (a target, or a stream's batch of 512 entries
+    and their specs). Emptying a list of 20,000 targets in one call held the GIL 2-3 ms, the event
+    loop's thread waiting; a stream's 40 batches, 7 ms."""
     for c in containers:
+        n = 1
         while c:
+            t = time.perf_counter()
             if isinstance(c, dict):
-                gone = [c.popitem() for _ in range(min(len(c), _FREE_PER_CALL))]
+                gone = [c.popitem() for _ in range(min(len(c), n))]
             else:
-                gone = c[-_FREE_PER_CALL:]
-                del c[-_FREE_PER_CALL:]
+                gone = c[-n:]
+                del c[-n:]
             del gone
+            took = time.perf_counter() - t
+            n = 2 * n if took < _FREE_FAST_S else max(1, n // 2) if took > 4 * _FREE_FAST_S else n
 
 
-_FREE_PER_CALL = 1024
+_FREE_FAST_S = 0.00025
 
 
 def _concat(results: list[list[T]]) -> list[T]:
