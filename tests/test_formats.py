@@ -253,6 +253,25 @@ def test_manifest_round_trip() -> None:
     assert json.loads(mf.dumps(m))["checksum"].startswith("crc32c:")  # still plain JSON
 
 
+def test_a_state_with_keys_named_tensor_round_trips() -> None:
+    """A mapping whose one key is "tensor" is written as {"dict": {"tensor": ...}}, which looks like a
+    leaf: loads refused every such checkpoint ("do not list the same tensors") though save wrote it."""
+    w = torch.ones(1)
+    for state in (
+        {"tensor": w},
+        {"a": {"tensor": w}, "b": [{"tensor": 5}], "c": {"tensor": "hello"}, "d": {"tensor": {"tensor": None}}},
+        {"tensor": "w", "x": w},  # a string that names a stored tensor, beside it
+    ):
+        tree, tensors = flatten(state)
+        entries = {
+            k: {"shard": "s", "dtype": "F32", "shape": [1], "offset": 8 + 4 * i, "nbytes": 4, "crc32c": 0}
+            for i, (k, _) in enumerate(tensors)
+        }
+        raw = _manifest(shards=[{"file": "s", "size": 8 + 4 * len(tensors)}], tensors=entries, tree=tree)
+        m = mf.loads(raw, "m.json")
+        assert m.tree == tree and list(m.entries) == [k for k, _ in tensors], state
+
+
 def test_manifest_checksum_catches_every_flipped_bit() -> None:
     """Found by the fuzzer: a flipped bit in a tree key ("w" -> "v") loaded silently before the
     manifest had its own checksum."""
@@ -326,6 +345,10 @@ _ENTRY = {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "off
         ),
         ({"aliases": {"v": "nope"}}, "aliases"),
         ({"tree": {"dict": {}}}, "same tensors"),
+        ({"tree": {"dict": {"w": {"tensor": "w"}, "v": {"tensor": "w"}}}}, "same tensors"),  # twice
+        ({"tree": {"dict": {"w": {"tensor": "w"}, "v": {"tensor": "x"}}}}, "same tensors"),  # not stored
+        ({"tree": {"list": [{"tensor": "w"}, {"tensor": "w"}]}}, "same tensors"),
+        ({"aliases": {"v": "w"}}, "same tensors"),  # an alias the tree does not name
         ({"tree": {"weird": 1}}, "state tree"),
     ],
 )

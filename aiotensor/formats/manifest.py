@@ -28,7 +28,6 @@ from .safetensors import (
     plain_sizes,
     rows,
     shape_problem,
-    unique_keys,
 )
 from .tree import unflatten
 
@@ -266,19 +265,8 @@ def loads(data: bytes, path: object) -> Manifest:
             raise bad(f"aliases must map keys to stored tensor keys: {key!r} names {str(target)[:80]!r}")
         aliases[key] = target
 
-    leaves: set[str] = set()
-
-    def node(pairs: list[tuple[str, Any]]) -> Any:  # the tree's objects, as they are parsed
-        if len(pairs) == 1 and pairs[0][0] == "tensor":
-            key = pairs[0][1]
-            if not (type(key) is str and (key in entries or key in aliases)) or key in leaves:
-                raise bad(f"the state tree and the tensor table do not list the same tensors ({str(key)[:80]!r})")
-            leaves.add(key)
-            return {"tensor": key}
-        return unique_keys(pairs)
-
     nested = {"tensors": tensor, "aliases": alias}
-    parse_members(data, path, "manifest", ManifestError, member, nested, {"tree": node}, {"tensors": many})
+    parse_members(data, path, "manifest", ManifestError, member, nested, {"tensors": many})
     doc["aliases"] = aliases
     doc.pop("checksum", None)
     if doc.get("format") != FORMAT:
@@ -293,9 +281,14 @@ def loads(data: bytes, path: object) -> Manifest:
         raise bad("shards must be a list")
     if "tree" not in doc:
         raise bad("tree is missing")
+    # the tree's leaves, by a walk that knows what is a leaf ({"tensor": key} is also a mapping
+    # whose one key is "tensor"): each stored tensor and alias once, and no other
     keys: list[str] = []
     unflatten(doc["tree"], keys.append, path)
-    if set(keys) != set(entries) | set(aliases) or len(keys) != len(entries) + len(aliases):
+    named = set(keys)
+    if len(named) != len(keys) or len(keys) != len(entries) + len(aliases):
+        raise bad("the state tree and the tensor table do not list the same tensors")
+    if not (named.issuperset(entries) and named.issuperset(aliases)):
         raise bad("the state tree and the tensor table do not list the same tensors")
     assert isinstance(step, int)
     return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused, headers)

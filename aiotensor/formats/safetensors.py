@@ -190,7 +190,6 @@ def parse_members(
     error: type[FormatError],
     member: Member,
     nested: Mapping[str, Member] | None = None,
-    hooks: Mapping[str, Callable[[list[tuple[str, Any]]], Any]] | None = None,
     bulk: Mapping[str | None, Bulk] | None = None,
 ) -> None:
     """Parse UTF-8 JSON that must be an object with unique keys, one member at a time:
@@ -198,21 +197,13 @@ def parse_members(
     member of its value (an object), which is never held whole. What a member makes of its value
     is all that stays: a member that is not what it must be stops the parse at once, so parsing
     memory stays within a small multiple of the text's size (with the density rule of
-    :func:`loads_json_object`). ``hooks[key]`` is the ``object_pairs_hook`` of that member's value:
-    it sees each object's ``(key, value)`` pairs as it is parsed, may refuse it there, and returns
-    what stands for it (:func:`unique_keys` makes the dict, refusing a key twice; one Python call
-    per object: a tree of 20,000 tensors has as many). ``bulk[key]`` (``bulk[None]``: the
-    document's own members) may take a whole fragment of members at once (:data:`Bulk`). Any
-    failure is ``error``."""
+    :func:`loads_json_object`). ``bulk[key]`` (``bulk[None]``: the document's own members) may take
+    a whole fragment of members at once (:data:`Bulk`). Any failure is ``error``."""
     doc = _text(text, path, what, error)
-    decoders = {
-        k: json.JSONDecoder(object_pairs_hook=h, parse_constant=_reject_constant).scan_once  # type: ignore[attr-defined]
-        for k, h in (hooks or {}).items()
-    }
     many = bulk or {}
     try:
-        walk = lambda k, j: _member(doc, k, j, member, nested or {}, decoders, many)  # noqa: E731
-        end = _members(doc, 0, walk, None if nested or hooks else member, many.get(None))
+        walk = lambda k, j: _member(doc, k, j, member, nested or {}, many)  # noqa: E731
+        end = _members(doc, 0, walk, None if nested else member, many.get(None))
         if doc[_skip(doc, end) :]:
             raise ValueError(f"extra data after the object at {end}")
     except FormatError:
@@ -229,13 +220,12 @@ def _member(
     j: int,
     member: Member,
     nested: Mapping[str, Member],
-    decoders: Mapping[str, Any],
     bulk: Mapping[str | None, Bulk],
 ) -> int:
     inner = nested.get(key)
     if inner is not None and doc[j : j + 1] == "{":
         return _members(doc, j, lambda k, i: _apply(doc, k, i, inner, _DECODE), inner, bulk.get(key))
-    return _apply(doc, key, j, member, decoders.get(key, _DECODE))
+    return _apply(doc, key, j, member, _DECODE)
 
 
 def _apply(doc: str, key: str, j: int, fn: Member, scan: Callable[[str, int], tuple[Any, int]]) -> int:
