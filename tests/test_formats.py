@@ -345,10 +345,10 @@ _ENTRY = {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "off
         ),
         ({"aliases": {"v": "nope"}}, "aliases"),
         ({"tree": {"dict": {}}}, "same tensors"),
-        ({"tree": {"dict": {"w": {"tensor": "w"}, "v": {"tensor": "w"}}}}, "same tensors"),  # twice
-        ({"tree": {"dict": {"w": {"tensor": "w"}, "v": {"tensor": "x"}}}}, "same tensors"),  # not stored
-        ({"tree": {"list": [{"tensor": "w"}, {"tensor": "w"}]}}, "same tensors"),
-        ({"aliases": {"v": "w"}}, "same tensors"),  # an alias the tree does not name
+        ({"tree": {"dict": {"w": {"tensor": "w"}, "v": {"tensor": "w"}}}}, "same tensors .'w'"),  # twice
+        ({"tree": {"dict": {"w": {"tensor": "w"}, "v": {"tensor": "x"}}}}, "same tensors .'x'"),  # not stored
+        ({"tree": {"list": [{"tensor": "w"}, {"tensor": "w"}]}}, "same tensors .'w'"),
+        ({"aliases": {"v": "w"}}, "same tensors .'v'"),  # an alias the tree does not name
         ({"tree": {"weird": 1}}, "state tree"),
     ],
 )

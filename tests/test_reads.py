@@ -30,7 +30,7 @@ from aiotensor._io.assemble import Entry, stored_bytes
 from aiotensor._io.tensors import Target, crc_of_pieces
 from aiotensor._runtime.scheduler import batched
 from aiotensor.engines import PosixEngine
-from aiotensor.errors import ChecksumError, MismatchError
+from aiotensor.errors import ChecksumError, FormatError, MismatchError
 from aiotensor.formats import checksum
 from aiotensor.formats.safetensors import TensorSpec
 from aiotensor.testing import evict
@@ -897,3 +897,83 @@ def test_a_run_of_thousands_of_tensors_is_split_a_slice_at_a_time() -> None:
     for s, t in zip(specs, got, strict=True):
         want = memory[s.offset - 4096 : s.offset - 4096 + s.nbytes].view(torch.float32).view(s.shape)
         assert (t.shape, t.stride(), t.data_ptr()) == (want.shape, want.stride(), want.data_ptr()), s
+
+
+async def test_gathered_reads_into_shared_memory_or_cut_short_take_the_slots_path(tmp_path: Any, monkeypatch: Any) -> None:
+    """Where the cache holds a gathered read, it still goes through the bounce slot when two of its
+    tensors land in one memory (an untied file into a module that ties them: each entry is
+    checked as it was read, the last one wins), when an engine reads its own way (a subclass's
+    pread sees every byte), and when the file shrinks under it (a FormatError naming the tensor,
+    not stale bytes); an I/O error names the file and the tensor."""
+    g = torch.Generator().manual_seed(9)
+    src = {"emb": torch.randn(64, 8, generator=g), "head": torch.randn(64, 8, generator=g), "pad": torch.randn(3, generator=g)}
+    path = tmp_path / "untied.safetensors"
+    await aiotensor.save_file(src, path)
+    warm(path)
+    tied = torch.nn.Module()
+    tied.emb = torch.nn.Parameter(torch.zeros(64, 8))
+    tied.head = tied.emb
+    tied.pad = torch.nn.Parameter(torch.zeros(3))
+    await aiotensor.load_into(tied, path)
+    assert torch.equal(tied.emb, src["head"]) and torch.equal(tied.pad, src["pad"])
+
+    class Counting(PosixEngine):
+        seen = 0
+
+        def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+            n = super().pread(fd, buf, offset)
+            Counting.seen += n
+            return n
+
+    assert PosixEngine().scatters and not Counting().scatters
+    into = {k: torch.zeros_like(v) for k, v in src.items()}
+    sched = aiotensor.Scheduler(engine=Counting())
+    try:
+        await aiotensor.load_file(path, into=into, scheduler=sched)
+    finally:
+        sched.close()
+    assert Counting.seen >= sum(v.nbytes for v in src.values()) and all(torch.equal(into[k], src[k]) for k in src)
+
+    def failing(self: Any, fd: int, bufs: Any, off: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    data = 8 + int.from_bytes(path.read_bytes()[:8], "little")  # the header reads; the tensors' fail
+    pread = PosixEngine.pread
+    monkeypatch.setattr(PosixEngine, "preadv", failing)
+    monkeypatch.setattr(
+        PosixEngine,
+        "pread",
+        lambda self, fd, buf, off: failing(self, fd, [buf], off) if off >= data else pread(self, fd, buf, off),
+    )
+    with pytest.raises(OSError, match="reading tensor 'emb' from .*untied.safetensors"):
+        await aiotensor.load_file(path, into=into)
+    monkeypatch.undo()
+    size = os.path.getsize(path)
+    preadv = PosixEngine.preadv
+
+    def shrinking(self: Any, fd: int, bufs: Any, off: int) -> int:
+        os.truncate(path, size - 100)  # the file shrinks under the read
+        return preadv(self, fd, bufs, off)
+
+    monkeypatch.setattr(PosixEngine, "preadv", shrinking)
+    with pytest.raises(FormatError, match="inside tensor 'pad'"):
+        await aiotensor.load_file(path, into={k: torch.zeros_like(v) for k, v in src.items()}, verify=False)
+
+
+async def test_a_module_loaded_in_place_keeps_its_parameters_autograd_state(tmp_path: Any) -> None:
+    """load_into writes the parameters' memory itself (no detached copy of each): they stay leaves
+    without a grad_fn, keep requires_grad as it was, and a backward pass works after, for small
+    (gathered) and big (read in place) parameters alike."""
+    torch.manual_seed(1)
+    src = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 3))
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(src.state_dict(), path)
+    dst = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 3))
+    dst[1].bias.requires_grad_(False)
+    warm(path)
+    await aiotensor.load_into(dst, path)
+    equal(dst.state_dict(), src.state_dict())
+    for name, p in dst.named_parameters():
+        assert p.is_leaf and p.grad_fn is None and p.requires_grad == (name != "1.bias"), name
+    dst(torch.randn(2, 300)).sum().backward()
+    assert dst[0].weight.grad is not None and dst[1].bias.grad is None

@@ -12,8 +12,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, repeat
-from operator import attrgetter, itemgetter, sub
+from itertools import chain, islice, repeat
+from operator import attrgetter, gt, itemgetter, sub
 from typing import Any
 
 import anyio
@@ -230,14 +230,16 @@ def _scattered(
     a memmove per member, with the GIL held (:func:`~aiotensor._runtime.buffers.move`), took 34 ms
     of it per 20,000 tensors of 5 KB. The crcs of ``u``'s parts; None, having read nothing or only
     what will be read again, where the engine has no ``preadv``, the cache lacks some of it (read
-    with O_DIRECT through the slot), members overlap, or a read comes up short (the slot's path
-    then says why)."""
-    if not eng.scatters or (
-        dfd is not None and u.nbytes >= knobs.DIRECT_MIN_BYTES and eng.cached(fd, u.offset, u.nbytes) < u.nbytes
-    ):
+    with O_DIRECT through the slot), members overlap in the file or in memory (two entries into
+    one tied parameter: each is checked as read, through the slot), or a read fails or comes up
+    short (the slot's path then says why, naming the file and the tensor)."""
+    if not eng.scatters:
+        return None
+    if dfd is not None and u.nbytes >= knobs.DIRECT_MIN_BYTES and eng.cached(fd, u.offset, u.nbytes) < u.nbytes:
         return None
     bufs: list[Any] = []
     mine: dict[int, Any] = {}
+    places: list[tuple[int, int]] = []
     pos = 0
     for j, a in u.members:
         if a < pos:
@@ -249,19 +251,27 @@ def _scattered(
         t = targets[j]
         n = t.spec.nbytes
         array = _BYTES.get(n) or _BYTES.setdefault(n, ctypes.c_char * n)
-        bufs.append(buf := array.from_address(t.tensor.data_ptr()))
+        places.append((t.tensor.data_ptr(), n))
+        bufs.append(buf := array.from_address(places[-1][0]))
         mine[j] = buf
         pos = a + n
+    places.sort()
+    if any(map(gt, map(sum, places), map(_FIRST_OF, islice(places, 1, None)))):
+        return None
     at = u.offset
     for i in range(0, len(bufs), _IOV_MAX):
         some = bufs[i : i + _IOV_MAX]
-        got = eng.preadv(fd, some, at)
+        try:
+            got = eng.preadv(fd, some, at)
+        except OSError:
+            return None
         if got != sum(map(len, some)):
             return None
         at += got
     return _crcs(targets, u, None, mine)
 
 
+_FIRST_OF = itemgetter(0)
 _BYTES: dict[int, Any] = {}  # ctypes array types by length (c_char * n makes or finds one: 0.3 us)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # Linux: 1024
 

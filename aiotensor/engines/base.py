@@ -48,8 +48,10 @@ class Engine(abc.ABC):
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; return the count (0 at end of file)."""
 
-    # reads many buffers in one call (:meth:`preadv`)
-    scatters = False
+    @property
+    def scatters(self) -> bool:
+        """Does :meth:`preadv` read many buffers in one call?"""
+        return False
 
     def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
         """Read into each of ``bufs`` in turn, from ``offset``, in one call (at most 1,024 of them);

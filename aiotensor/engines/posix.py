@@ -62,7 +62,10 @@ class PosixEngine(Engine):
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.preadv(fd, [buf], offset)
 
-    scatters = True
+    @property
+    def scatters(self) -> bool:
+        """Only where :meth:`pread` is this class's own: a subclass that reads its own way gets every read."""
+        return type(self).pread is PosixEngine.pread
 
     def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:
         return os.preadv(fd, bufs, offset)

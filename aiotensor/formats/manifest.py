@@ -286,9 +286,22 @@ def loads(data: bytes, path: object) -> Manifest:
     keys: list[str] = []
     unflatten(doc["tree"], keys.append, path)
     named = set(keys)
-    if len(named) != len(keys) or len(keys) != len(entries) + len(aliases):
-        raise bad("the state tree and the tensor table do not list the same tensors")
-    if not (named.issuperset(entries) and named.issuperset(aliases)):
-        raise bad("the state tree and the tensor table do not list the same tensors")
+    if (
+        len(named) != len(keys)
+        or len(keys) != len(entries) + len(aliases)
+        or not named.issuperset(entries)
+        or not named.issuperset(aliases)
+    ):
+        raise bad(f"the state tree and the tensor table do not list the same tensors ({_odd_one(keys, entries, aliases)!r})")
     assert isinstance(step, int)
     return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused, headers)
+
+
+def _odd_one(keys: list[str], entries: Mapping[str, Entry], aliases: Mapping[str, str]) -> str:
+    """A key the tree and the tables do not agree on (for the message): named twice, not stored, or not named."""
+    seen: set[str] = set()
+    for k in keys:
+        if k in seen or (k not in entries and k not in aliases):
+            return k[:80]
+        seen.add(k)
+    return next((k for k in (*entries, *aliases) if k not in seen), "")[:80]
