@@ -256,7 +256,7 @@ def _scattered(
         mine[j] = buf
         pos = a + n
     places.sort()
-    if any(map(gt, map(sum, places), map(_FIRST_OF, islice(places, 1, None)))):
+    if any(map(gt, map(sum, places), map(_FIRST, islice(places, 1, None)))):
         return None
     at = u.offset
     for i in range(0, len(bufs), _IOV_MAX):
@@ -271,7 +271,6 @@ def _scattered(
     return _crcs(targets, u, None, mine)
 
 
-_FIRST_OF = itemgetter(0)
 _BYTES: dict[int, Any] = {}  # ctypes array types by length (c_char * n makes or finds one: 0.3 us)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # Linux: 1024
 
@@ -549,11 +548,11 @@ def _combined(
     """Each target's crc, combined from its parts' in order (None where none is recorded; 0, the
     crc of nothing, for a target with a crc and no part read), by C loops where a target is read in
     one part (a Python loop cost ~8 ms per 20,000 tensors)."""
-    if list(map(len, map(_PARTS, units))) != list(map(len, map(itemgetter(0), got))):
+    if list(map(len, map(_PARTS, units))) != list(map(len, map(_FIRST, got))):
         raise ValueError("a unit's crcs are not one per part")
     parts = list(chain.from_iterable(map(_PARTS, units)))
-    idx = list(map(itemgetter(0), parts))
-    read = list(chain.from_iterable(map(itemgetter(0), got)))
+    idx = list(map(_FIRST, parts))
+    read = list(chain.from_iterable(map(_FIRST, got)))
     crcs: list[int | None] = [0] * len(targets) if None not in recorded else [None if c is None else 0 for c in recorded]
     deque(map(crcs.__setitem__, idx, read), maxlen=0)  # a target's last part's crc: one part, its own
     if len(set(idx)) != len(idx):  # a few targets read in several parts (a block's pieces' edges)
@@ -567,7 +566,7 @@ def _combined(
     return crcs
 
 
-_KIND, _PARTS, _CRC = attrgetter("kind"), attrgetter("parts"), attrgetter("crc")
+_KIND, _PARTS, _CRC, _FIRST = attrgetter("kind"), attrgetter("parts"), attrgetter("crc"), itemgetter(0)
 
 
 async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:

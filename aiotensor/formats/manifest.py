@@ -18,17 +18,7 @@ from .._runtime import gil
 from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import (
-    TensorSpec,
-    columns,
-    counts,
-    is_count,
-    parse_members,
-    plain_nbytes,
-    plain_sizes,
-    rows,
-    shape_problem,
-)
+from .safetensors import TensorSpec, columns, counts, is_count, parse_members, plain_nbytes, plain_sizes, rows, shape_problem
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"

@@ -134,8 +134,7 @@ def _not_safetensors(prefix: bytes, n: int, file_size: int) -> str:
     return f"is not a safetensors file: its first 8 bytes claim a {n} byte header, {why}"
 
 
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The object of JSON ``pairs`` (an ``object_pairs_hook``), refusing a key twice."""
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)  # a C loop; the slow one only to name a duplicate
     if len(out) != len(pairs):
         seen: set[str] = set()
@@ -160,7 +159,7 @@ def loads_json_object(text: bytes, path: object, what: str, error: type[HeaderEr
     """
     doc = _text(text, path, what, error)
     try:
-        obj = json.loads(doc, object_pairs_hook=unique_keys, parse_constant=_reject_constant)
+        obj = json.loads(doc, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except _Duplicate as e:
         raise error(f"{what} has the key {e.args[0]!r} twice", path) from None
     except (ValueError, RecursionError) as e:
@@ -178,7 +177,7 @@ _WS = re.compile(r"[ \t\n\r]*")
 _SPACE = frozenset(" \t\n\r")
 # the C scanner itself (``raw_decode`` is a Python wrapper of it): one call per member
 _DECODE: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
-    object_pairs_hook=unique_keys, parse_constant=_reject_constant
+    object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
 ).scan_once  # type: ignore[attr-defined]
 Member = Callable[[str, Any], None]
 

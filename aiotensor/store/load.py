@@ -103,13 +103,19 @@ async def _load(
     with reporting(nbytes, progress):
         await _read_passes(sched, folder, targets, passes)
     state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, priority=Priority.LOAD)
-    # the manifest's entries, the targets: tens of thousands of objects for a state of many
-    # tensors, freed in a thread
-    entries, manifest = m.entries, [m]
-    assert isinstance(entries, dict)  # (manifest.loads makes one)
+    manifest = [m]
     del m
-    await sched.discard(*by_shard.values(), *targets.values(), entries, by_shard, targets, dest, manifest)
+    await _discard(sched, manifest, *by_shard.values(), *targets.values(), by_shard, targets, dest)
     return state
+
+
+async def _discard(sched: Scheduler, manifest: list[mf.Manifest], *containers: list[Any] | dict[Any, Any]) -> None:
+    """Free a load's ``containers`` and its manifest (``[m]``, the caller's reference dropped) in a
+    thread: tens of thousands of objects for a state of many tensors, the manifest's tensor table
+    a slice at a time (:meth:`Scheduler.discard`)."""
+    entries = manifest[0].entries
+    assert isinstance(entries, dict)  # (manifest.loads makes one)
+    await sched.discard(*containers, entries, manifest)
 
 
 async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...]) -> None:
@@ -264,10 +270,9 @@ async def _mapped(sched: Scheduler, folder: str, m: mf.Manifest, views: dict[str
             await verify_mapped(sched, os.path.join(folder, shard), targets, Priority.LOAD)
     dest: dict[str, torch.Tensor] = {}
     state = await sched.call(_finish, m, dest, mpath, None, views, priority=Priority.LOAD)
-    entries, manifest = m.entries, [m]
-    assert isinstance(entries, dict)  # (manifest.loads makes one)
+    manifest = [m]
     del m
-    await sched.discard(*views.values(), entries, views, dest, manifest)
+    await _discard(sched, manifest, *views.values(), views, dest)
     return state
 
 
