@@ -977,3 +977,23 @@ async def test_a_module_loaded_in_place_keeps_its_parameters_autograd_state(tmp_
         assert p.is_leaf and p.grad_fn is None and p.requires_grad == (name != "1.bias"), name
     dst(torch.randn(2, 300)).sum().backward()
     assert dst[0].weight.grad is not None and dst[1].bias.grad is None
+
+
+async def test_scattered_reads_make_a_bounded_number_of_buffer_types(tmp_path: Any, monkeypatch: Any) -> None:
+    """A scattered read makes a ctypes type per tensor size, which ctypes keeps for the process's
+    life (~3 KB each): past read._MOST_SIZES sizes, a read with a new one goes through the slot,
+    with the same bytes."""
+    g = torch.Generator().manual_seed(4)
+    src = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(10)}  # ten sizes
+    path = tmp_path / "sizes.safetensors"
+    await aiotensor.save_file(src, path)
+    warm(path)
+    calls = reads(monkeypatch)
+    for most, scattered in ((1000, True), (3, False)):
+        monkeypatch.setattr(read, "_BYTES", {})
+        monkeypatch.setattr(read, "_MOST_SIZES", most)
+        into = {k: torch.zeros_like(v) for k, v in src.items()}
+        calls.clear()
+        await aiotensor.load_file(path, into=into)
+        assert all(torch.equal(into[k], src[k]) for k in src)
+        assert any(n > 1 for n in calls) == scattered and len(read._BYTES) <= most, (most, calls)

@@ -230,9 +230,10 @@ def _scattered(
     a memmove per member, with the GIL held (:func:`~aiotensor._runtime.buffers.move`), took 34 ms
     of it per 20,000 tensors of 5 KB. The crcs of ``u``'s parts; None, having read nothing or only
     what will be read again, where the engine has no ``preadv``, the cache lacks some of it (read
-    with O_DIRECT through the slot), members overlap in the file or in memory (two entries into
-    one tied parameter: each is checked as read, through the slot), or a read fails or comes up
-    short (the slot's path then says why, naming the file and the tensor)."""
+    with O_DIRECT through the slot), a tensor's size is new past :data:`_MOST_SIZES` of them,
+    members overlap in the file or in memory (two entries into one tied parameter: each is checked
+    as read, through the slot), or a read fails or comes up short (the slot's path then says why,
+    naming the file and the tensor)."""
     if not eng.scatters:
         return None
     if dfd is not None and u.nbytes >= knobs.DIRECT_MIN_BYTES and eng.cached(fd, u.offset, u.nbytes) < u.nbytes:
@@ -250,7 +251,11 @@ def _scattered(
             bufs.append(slot[: a - pos])
         t = targets[j]
         n = t.spec.nbytes
-        array = _BYTES.get(n) or _BYTES.setdefault(n, ctypes.c_char * n)
+        array = _BYTES.get(n)
+        if array is None:
+            if len(_BYTES) >= _MOST_SIZES:
+                return None
+            array = _BYTES[n] = ctypes.c_char * n
         places.append((t.tensor.data_ptr(), n))
         bufs.append(buf := array.from_address(places[-1][0]))
         mine[j] = buf
@@ -271,7 +276,11 @@ def _scattered(
     return _crcs(targets, u, None, mine)
 
 
-_BYTES: dict[int, Any] = {}  # ctypes array types by length (c_char * n makes or finds one: 0.3 us)
+# ctypes array types by length (c_char * n makes or finds one: 0.3 us). ctypes keeps every type it
+# makes for the process's life, ~3 KB each (20,000 sizes: 61 MB): past this many sizes, a tensor of
+# a new one is read through the slot
+_BYTES: dict[int, Any] = {}
+_MOST_SIZES = 4096
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # Linux: 1024
 
 
