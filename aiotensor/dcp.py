@@ -44,6 +44,7 @@ from torch.futures import Future
 from . import commit, errors, sources
 from . import root as _root
 from ._io.assemble import read
+from ._io.tensors import assign
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .engines import Engine
 from .engines.posix import PosixEngine
@@ -455,7 +456,7 @@ def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
     if target.size() != t.size():
         fqn = req.storage_index.fqn
         raise errors.MismatchError(f"{fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}")
-    target.copy_(t)
+    assign(target, t)
     planner.commit_tensor(req, target)
 
 

@@ -427,3 +427,43 @@ async def test_a_stream_hands_a_tied_tensor_out_under_each_name_in_order(tmp_pat
     got = [(n, t) async for n, t in stream(tmp_path, window_bytes=1024)]  # many batches
     assert [n for n, _ in got] == list(state)
     assert got[0][1] is got[1][1] and all(torch.equal(t, state[n]) for n, t in got)
+
+
+def _inference_model() -> torch.nn.Module:
+    """A server's module, made under inference_mode (every tensor an inference tensor), one weight
+    non-contiguous (a transpose): torch refuses in-place writes to such tensors outside that mode."""
+    with torch.inference_mode():
+        m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4, bias=False))
+        m[0].weight = torch.nn.Parameter(torch.zeros(8, 4).t(), requires_grad=False)
+    return m
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch.save", "bf16 safetensors"])
+async def test_a_module_made_under_inference_mode_loads_and_swaps(tmp_path: Any, fmt: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    want = {
+        "0.weight": torch.randn(4, 8, generator=g),
+        "0.bias": torch.randn(4, generator=g),
+        "1.weight": torch.randn(4, 4, generator=g),
+    }
+    path = tmp_path / "m.bin"
+    if fmt == "torch.save":
+        torch.save(want, path)
+    else:
+        stored = {k: v.bfloat16() for k, v in want.items()} if fmt.startswith("bf16") else want
+        st_save(stored, str(path))
+        want = {k: v.float() for k, v in stored.items()}
+    x = torch.randn(2, 8, generator=g)
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(torch.nn.functional.linear(x, want["0.weight"], want["0.bias"]), want["1.weight"])
+
+    into = _inference_model()
+    await load_into(into, path)
+    assert_state_equal({k: v.detach() for k, v in into.state_dict().items()}, want)
+
+    served = _inference_model()
+    swap = await prepare_swap(served, path)
+    swap.apply()
+    assert all(p.is_inference() for p in served.parameters())  # an inference module stays one: it still runs
+    with torch.inference_mode():
+        assert torch.allclose(served(x), expected) and torch.allclose(into(x), expected)  # (layouts differ: not bit for bit)

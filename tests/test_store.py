@@ -470,3 +470,16 @@ async def test_the_store_reports_its_io_path(tmp_path: Any) -> None:
         assert store.io_mode == "posix"
     async with TensorStore(tmp_path, engine=FaultyEngine()) as store:
         assert store.io_mode == "faulty"
+
+
+async def test_load_into_inference_tensors(tmp_path: Any) -> None:
+    # a state made under inference_mode (non-contiguous, and untied where the checkpoint is tied):
+    # torch refuses in-place writes to inference tensors outside that mode
+    w = torch.randn(4, 4)
+    saved = {"w": w, "tied": w, "b": torch.randn(3)}
+    with torch.inference_mode():
+        into = {"w": torch.zeros(4, 4).t(), "tied": torch.zeros(4, 4), "b": torch.zeros(3)}
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, saved)
+        await store.load(into=into)
+    assert_state_equal(into, saved)

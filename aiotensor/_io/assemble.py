@@ -22,7 +22,7 @@ from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import torch_shape
 from .read import close, open_read, read_tensors
-from .tensors import Block, Target, carve, carved_targets
+from .tensors import Block, Target, assign, carve, carved_targets
 
 
 class Span(NamedTuple):
@@ -183,7 +183,7 @@ def finish(a: Assembly, names: Sequence[str] = (), dtype: DtypeRule = None) -> l
     view is converted by converting its storage once, so it stays a view)."""
     with torch.no_grad():
         for dst, view in a.copies:
-            dst.copy_(view)
+            assign(dst, view)
     a.copies.clear()
     if dtype is None:
         return a.out

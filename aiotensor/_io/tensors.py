@@ -7,6 +7,7 @@ copy is done) and run in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -113,15 +114,29 @@ def crc_of_pieces(crcs: Sequence[tuple[int, int]], kind: str = "crc32c") -> int:
     return total
 
 
+def writing(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """What an in-place write to ``t`` runs under: ``torch.inference_mode()`` where ``t`` is an
+    inference tensor (made under that mode, as a server's module often is: torch refuses in-place
+    writes to one outside it, from any thread), nothing otherwise."""
+    return torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
+
+
+def assign(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, an inference tensor ``dst`` too (:func:`writing`)."""
+    with writing(dst):
+        dst.copy_(src)
+
+
 def copy_tensor(sched: Scheduler, dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` in a worker thread; between a bounce slot and CUDA memory on the copy
-    stream, returning once the copy is done (the slot is then free again)."""
+    """``dst.copy_(src)`` (:func:`assign`) in a worker thread; between a bounce slot and CUDA memory
+    on the copy stream, returning once the copy is done (the slot is then free again)."""
     if dst.device.type == "cuda" or src.device.type == "cuda":
         assert sched.cuda is not None
         sched.slots.pin(sched.cuda.pinning)
-        cuda.copy(sched.cuda, dst, src)
+        with writing(dst):
+            cuda.copy(sched.cuda, dst, src)
     else:
-        dst.copy_(src)
+        assign(dst, src)
 
 
 def new_tensor(spec: st.TensorSpec, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import check_device
+from .._io.tensors import assign, check_device, writing
 from .._runtime import cuda
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
@@ -225,9 +225,9 @@ def _in_place(module: torch.nn.Module) -> Fill:
 
     def put(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
         if not dst.is_meta:
-            dst.detach().copy_(t)
+            assign(dst.detach(), t)
         elif (new := made.get(id(dst))) is not None:  # a second name of a tie group, also in the file
-            new.detach().copy_(t)
+            assign(new.detach(), t)
         else:
             value = t.to(dst.dtype)
             if isinstance(dst, torch.nn.Parameter):
@@ -339,11 +339,14 @@ async def prepare_swap(
     def beside(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
         if dst.dtype != e.dtype:
             return None
-        t = new[names[0]] = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        with writing(dst):  # an inference tensor's replacement is one too: apply() mixing them breaks the module
+            t = new[names[0]] = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
         return t
 
     def keep(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
-        new[names[0]] = t if (t.dtype, t.device) == (dst.dtype, dst.device) else t.to(dst.device, dst.dtype)
+        with writing(dst):
+            same = (t.dtype, t.device, t.is_inference()) == (dst.dtype, dst.device, dst.is_inference())
+            new[names[0]] = t if same else t.to(dst.device, dst.dtype, copy=True)
 
     got = await _matched(
         module,

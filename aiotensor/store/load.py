@@ -14,7 +14,7 @@ from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
-from .._io.tensors import Target, carved_targets, check_device, check_into, mapped
+from .._io.tensors import Target, assign, carved_targets, check_device, check_into, mapped
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
@@ -217,7 +217,7 @@ def _finish(
         if alias not in dest:
             dest[alias] = dest[target]
         elif not _same_view(dest[alias], dest[target]):
-            dest[alias].detach().copy_(dest[target])
+            assign(dest[alias].detach(), dest[target])
     state = unflatten(m.tree, dest.__getitem__, mpath)
     return state if into is None else update(into, state)
 
