@@ -67,10 +67,11 @@ def storage(key: str, numel: int, cls: str = "FloatStorage") -> bytes:
     return tuple_(str_("storage"), global_("torch", cls), str_(key), str_("cpu"), int_(numel)) + pickle.BINPERSID
 
 
-def tensor(storage_pkl: bytes, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
-    """``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())``."""
+def tensor(storage_pkl: bytes, offset: int, size: tuple[int, ...], stride: tuple[int, ...], metadata: bytes = b"") -> bytes:
+    """``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict()[, metadata])``."""
     hooks = global_("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
-    args = tuple_(storage_pkl, int_(offset), tuple_(*map(int_, size)), tuple_(*map(int_, stride)), pickle.NEWFALSE, hooks)
+    parts = (storage_pkl, int_(offset), tuple_(*map(int_, size)), tuple_(*map(int_, stride)), pickle.NEWFALSE, hooks)
+    args = tuple_(*parts, *([metadata] if metadata else []))
     return global_("torch._utils", "_rebuild_tensor_v2") + args + pickle.REDUCE
 
 

@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import random
 import struct
 import subprocess
@@ -184,6 +185,25 @@ except BaseException as e:
     assert got["growth_mb"] < 150, f"a stream of a {os.path.getsize(path)} byte file grew RSS by {got['growth_mb']:.0f} MB"
     want = describe_expanded(path)
     assert got["tensors"] == {k: {"shape": v["shape"], "sample": v["sample"]} for k, v in want.items()}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("conj", h.int_(1)), ("evil", pickle.NEWTRUE), ("neg", h.str_("yes")), ("neg", pickle.NEWTRUE)],
+    ids=["conj=1", "an unknown key", "neg='yes'", "neg=True"],
+)
+async def test_tensor_metadata_other_than_the_conj_and_neg_bits_is_unsafe(tmp_path: Any, key: str, value: bytes) -> None:
+    """torch.save records a tensor's conj and neg bits after its view; anything else there (which
+    a reader that skips it would read as plain values) is refused, naming it."""
+    bits = pickle.EMPTY_DICT + h.str_(key) + value + pickle.SETITEM
+    pkl = h.data_pkl(h.dict_({"w": h.tensor(h.storage("0", 1), 0, (1,), (1,), bits)}))
+    h.torch_zip(tmp_path / "m.pt", pkl, {"0": struct.pack("<f", 1.5)})
+    if (key, value) == ("neg", pickle.NEWTRUE):  # the real bit: read as torch.load reads it
+        assert torch.load(tmp_path / "m.pt", weights_only=True)["w"].resolve_neg().item() == -1.5
+        assert (await load_torch(tmp_path / "m.pt"))["w"].resolve_neg().item() == -1.5
+        return
+    with pytest.raises(UnsafeFileError, match="metadata"):
+        await load_torch(tmp_path / "m.pt")
 
 
 async def test_an_absurd_declared_size_is_unsafe_not_an_allocator_error(tmp_path: Any) -> None:

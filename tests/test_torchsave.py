@@ -13,7 +13,7 @@ import anyio
 import pytest
 import torch
 
-from aiotensor import load_torch, stream
+from aiotensor import load_into, load_torch, stream
 from aiotensor.errors import UnsafeFileError
 
 from .conftest import assert_state_equal
@@ -102,3 +102,26 @@ async def test_tensors_whose_dotted_names_collide_stay_distinct(tmp_path: Any) -
     assert {k: float(t[0]) for k, t in st_load(tmp_path / "c.safetensors").items()} == {
         n: float(t[0]) for n, t in streamed.items()
     }
+
+
+async def test_conj_and_neg_views_read_as_torch_load_reads_them(tmp_path: Any) -> None:
+    # torch.save keeps x.conj() as x's storage plus a conj bit (and a negative view as a neg bit):
+    # ignoring the bits reads the wrong values, silently
+    x = torch.randn(2, 3, dtype=torch.complex64)
+    r = torch.randn(5)
+    state = {"x": x, "x_conj": x.conj(), "neg": torch._neg_view(r), "r": r}
+    torch.save(state, tmp_path / "m.pt")
+    want = {k: v.resolve_conj().resolve_neg() for k, v in torch.load(tmp_path / "m.pt", weights_only=True).items()}
+    assert not torch.equal(want["x_conj"], x) and not torch.equal(want["neg"], r)
+
+    got = await load_torch(tmp_path / "m.pt")
+    assert got["x_conj"].is_conj() and got["x_conj"].untyped_storage().data_ptr() == got["x"].untyped_storage().data_ptr()
+    assert_state_equal({k: v.resolve_conj().resolve_neg() for k, v in got.items()}, want)  # as torch.load: views, one storage
+    async with stream(tmp_path / "m.pt") as s:
+        streamed = {k: v.resolve_conj().resolve_neg() async for k, v in s}
+    assert_state_equal(streamed, want)
+    module = torch.nn.Module()
+    for k, v in want.items():
+        module.register_buffer(k, torch.zeros_like(v))
+    await load_into(module, tmp_path / "m.pt")
+    assert_state_equal(dict(module.state_dict()), want)

@@ -18,7 +18,7 @@ import struct
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,7 +65,9 @@ class Storage:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor of the file: a strided view of ``storage``, in elements of ``dtype``."""
+    """A tensor of the file: a strided view of ``storage``, in elements of ``dtype``; ``conj`` and
+    ``neg``: torch's lazy conjugate and negative bits (``x.conj()`` saved as it is: its storage
+    holds ``x``'s values, and the tensor reads their conjugate)."""
 
     storage: Storage
     dtype: torch.dtype
@@ -73,6 +75,8 @@ class TensorRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     requires_grad: bool
+    conj: bool = False
+    neg: bool = False
 
     def __setstate__(self, state: Any) -> None:
         _no_build(self)
@@ -158,7 +162,7 @@ class _Rebuild:
     ) -> TensorRef:
         if storage.dtype is None:
             raise UnsafeFileError("an untyped storage used without a dtype")
-        return _tensor(storage, storage.dtype, offset, size, stride, requires_grad)
+        return _tensor(storage, storage.dtype, offset, size, stride, requires_grad, metadata)
 
     @staticmethod
     def _rebuild_tensor_v3(
@@ -173,20 +177,22 @@ class _Rebuild:
     ) -> TensorRef:
         if not isinstance(dtype, torch.dtype):
             raise UnsafeFileError("a tensor whose dtype is not a torch.dtype")
-        return _tensor(storage, dtype, offset, size, stride, requires_grad)
+        return _tensor(storage, dtype, offset, size, stride, requires_grad, metadata)
 
     @staticmethod
     def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> TensorRef:
         if not isinstance(data, TensorRef):
             raise UnsafeFileError("a parameter that is not a tensor")
-        return TensorRef(data.storage, data.dtype, data.storage_offset, data.size, data.stride, bool(requires_grad))
+        return replace(data, requires_grad=bool(requires_grad))
 
 
 def _ints(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
 
 
-def _tensor(storage: Storage, dtype: torch.dtype, offset: Any, size: Any, stride: Any, requires_grad: Any) -> TensorRef:
+def _tensor(
+    storage: Storage, dtype: torch.dtype, offset: Any, size: Any, stride: Any, requires_grad: Any, metadata: Any = None
+) -> TensorRef:
     if not (isinstance(offset, int) and offset >= 0 and _ints(tuple(size)) and _ints(tuple(stride)) and len(size) == len(stride)):
         raise UnsafeFileError("a tensor with a malformed offset, size or stride")
     if dtype not in TORCH_TO_SAFETENSORS:
@@ -198,7 +204,13 @@ def _tensor(storage: Storage, dtype: torch.dtype, offset: Any, size: Any, stride
         last = offset + sum((d - 1) * s for d, s in zip(size, stride, strict=True))
         if (last + 1) * dtype.itemsize > storage.nbytes:
             raise UnsafeFileError(f"a tensor reaches past the end of storage {storage.key!r}")
-    return TensorRef(storage, dtype, offset, size, stride, bool(requires_grad))
+    bits = metadata or {}  # what torch.save records of a tensor beyond its view: the two bits, each only where set
+    if not (isinstance(bits, dict) and _BITS.issuperset(bits) and all(type(v) is bool for v in bits.values())):
+        raise UnsafeFileError(f"a tensor with metadata {str(metadata)[:80]}: not the conj and neg bits torch writes")
+    return TensorRef(storage, dtype, offset, size, stride, bool(requires_grad), bits.get("conj", False), bits.get("neg", False))
+
+
+_BITS = frozenset({"conj", "neg"})
 
 
 def is_torch_zip(prefix: bytes) -> bool:
@@ -384,10 +396,14 @@ def read_tensor_at(engine: Engine, fd: int, start: int, length: int, path: str, 
 
 def view_of(storage: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     """``ref``'s tensor over ``storage`` (its storage's bytes, as a uint8 tensor): a view, as
-    ``torch.load`` makes it, never a copy (an expanded view stays as small as its storage)."""
-    return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(
+    ``torch.load`` makes it, never a copy (an expanded view stays as small as its storage), with
+    its conj and neg bits (a copy of it resolves them)."""
+    t = torch.empty(0, dtype=ref.dtype, device=storage.device).set_(
         storage.untyped_storage(), ref.storage_offset, ref.size, ref.stride
     )
+    if ref.conj and t.is_complex():
+        t = t.conj()
+    return torch._neg_view(t) if ref.neg else t
 
 
 MAX_DEPTH = 64  # containers nested in a state (formats.tree's cap for what aiotensor saves)
