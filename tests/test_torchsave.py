@@ -125,3 +125,19 @@ async def test_conj_and_neg_views_read_as_torch_load_reads_them(tmp_path: Any) -
         module.register_buffer(k, torch.zeros_like(v))
     await load_into(module, tmp_path / "m.pt")
     assert_state_equal(dict(module.state_dict()), want)
+
+
+async def test_parameters_come_back_as_parameters_as_torch_load_gives_them(tmp_path: Any) -> None:
+    lin = torch.nn.Linear(3, 2)
+    state = {
+        "w": lin.weight,
+        "tied": lin.weight,
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+        "t": torch.ones(1),
+    }
+    torch.save(state, tmp_path / "m.pt")
+    want = torch.load(tmp_path / "m.pt", weights_only=True)
+    got = await load_torch(tmp_path / "m.pt")
+    assert {k: (type(v), v.requires_grad) for k, v in got.items()} == {k: (type(v), v.requires_grad) for k, v in want.items()}
+    assert type(got["w"]) is torch.nn.Parameter and got["w"] is got["tied"]  # one object, as the pickle shares it
+    assert_state_equal({k: v.detach() for k, v in got.items()}, {k: v.detach() for k, v in want.items()})

@@ -77,6 +77,7 @@ class TensorRef:
     requires_grad: bool
     conj: bool = False
     neg: bool = False
+    parameter: bool = False  # an nn.Parameter (torch.load gives it back as one)
 
     def __setstate__(self, state: Any) -> None:
         _no_build(self)
@@ -183,7 +184,7 @@ class _Rebuild:
     def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> TensorRef:
         if not isinstance(data, TensorRef):
             raise UnsafeFileError("a parameter that is not a tensor")
-        return replace(data, requires_grad=bool(requires_grad))
+        return replace(data, requires_grad=bool(requires_grad), parameter=True)
 
 
 def _ints(x: Any) -> bool:
@@ -462,9 +463,10 @@ class _Names:
 
 
 def rebuild(tree: Any, fn: Any) -> Any:
-    """``tree`` with every :class:`TensorRef` replaced by ``fn(ref)``: containers rebuilt once each
-    (shared structure stays shared, as ``torch.load`` gives it), ``OrderedDict`` with its
-    ``_metadata``, other leaves kept. Call :func:`tensor_refs` first: it bounds the walk."""
+    """``tree`` with every :class:`TensorRef` replaced by ``fn(ref)`` (an ``nn.Parameter`` of it
+    where the ref is one): containers and tensors made once each (shared structure stays shared,
+    as ``torch.load`` gives it), ``OrderedDict`` with its ``_metadata``, other leaves kept. Call
+    :func:`tensor_refs` first: it bounds the walk."""
     return _Rebuilt(fn).walk(tree)
 
 
@@ -474,12 +476,14 @@ class _Rebuilt:
         self.memo: dict[int, Any] = {}
 
     def walk(self, obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            return self.fn(obj)
-        if not isinstance(obj, (dict, list, tuple)):
+        if not isinstance(obj, (dict, list, tuple, TensorRef)):
             return obj
         done = self.memo.get(id(obj))
         if done is not None:
+            return done
+        if isinstance(obj, TensorRef):
+            t = self.fn(obj)
+            done = self.memo[id(obj)] = torch.nn.Parameter(t, requires_grad=obj.requires_grad) if obj.parameter else t
             return done
         if isinstance(obj, dict):
             out: Any = type(obj)() if type(obj) in (dict, OrderedDict) else {}
