@@ -59,7 +59,8 @@ IMAGE_MIN_BYTES = 4 * MiB
 
 # New CPU tensors read from one file (load_file, stream, a store's load()) are carved from
 # page-aligned allocations, read in few big calls: tensors of at most CARVE_TENSOR_BYTES that are
-# neighbours in the file share one of at most CARVE_BLOCK_BYTES (views of it); a bigger tensor has
+# neighbours in the file share one of at most CARVE_BLOCK_BYTES (each tensor a storage of its own
+# over its bytes there: _io.tensors.views); a bigger tensor has
 # one of its own (bench_serving.py: 20,000 tensors).
 CARVE_TENSOR_BYTES = 1 * MiB
 CARVE_BLOCK_BYTES = 16 * MiB

@@ -223,10 +223,10 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
 def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[torch.Tensor, Block | None]]:
     """New tensors to read ``specs`` (of one file) into, in their order, each with the block it is
     carved from. On the CPU, neighbours in the file of at most :data:`knobs.CARVE_TENSOR_BYTES`
-    share a page-aligned allocation of at most :data:`knobs.CARVE_BLOCK_BYTES` (views of it, as the
-    tensors of ``safetensors.load_file`` share their file's mapping); a bigger tensor has one of
-    its own. Elsewhere, and for a tensor whose offset is not a multiple of its item size, a plain
-    new tensor."""
+    are read into a page-aligned allocation of at most :data:`knobs.CARVE_BLOCK_BYTES`, each a
+    tensor with a storage of its own over its bytes there (:func:`views`); a bigger tensor has an
+    allocation of its own. Elsewhere, and for a tensor whose offset is not a multiple of its item
+    size, a plain new tensor."""
     out: list[tuple[torch.Tensor, Block | None]] = [(_EMPTY, None)] * len(specs)
     if device.type != "cpu":
         return [(new_tensor(s, device), None) for s in specs]
@@ -318,58 +318,24 @@ def mapped(fd: int, path: str, size: int, specs: Sequence[st.TensorSpec], crcs: 
 
 
 def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> list[torch.Tensor]:
-    """Views of ``memory`` (uint8, its byte 0 the file's byte ``base``) for ``specs``: in file order,
-    not overlapping, each at a multiple of its item size from ``base``. Neighbours of one dtype are
-    split from one typed view by one op; a tensor of other than one dimension is then viewed to its
-    shape, except that neighbours of two or more dimensions with one row shape (every dim but the
-    first) are one piece of that split, split again along dim 0 into pieces already of their shapes.
-    So there are never more ops than tensors' views would take, and far fewer where a row shape
-    repeats. (A torch op releases the GIL and takes it back: an op per tensor, while other threads
-    ran Python, waited for the GIL 20,000 times: 1.3 s where one split took 20 ms; a view per 2-D
-    tensor cost 36 ms per 20,000.) A run is at most :data:`_SPLIT_MOST` tensors: an op makes its
-    views' Python objects with the GIL held (one split into 20,000 held it 4 ms, the event loop's
-    thread waiting)."""
-    out: list[torch.Tensor] = []
-    shapes = [torch_shape(s.dtype, s.shape) for s in specs]
-    j = 0
-    while j < len(specs):
-        dtype = SAFETENSORS_TO_TORCH[specs[j].dtype]
-        k = j + 1
-        while k < len(specs) and SAFETENSORS_TO_TORCH[specs[k].dtype] == dtype and k - j < _SPLIT_MOST:
-            k += 1
-        # the run's pieces, in items (gaps among them); groups of neighbours, each one piece: where
-        # its piece is and its first tensor; row: the row shape a tensor may join the last group by
-        sizes: list[int] = []
-        at: list[int] = []
-        first: list[int] = []
-        pos, row = specs[j].offset, None
-        for i in range(j, k):
-            s, shape = specs[i], shapes[i]
-            if s.offset > pos:  # a gap (whole items: both ends are at multiples of the item size)
-                sizes.append((s.offset - pos) // dtype.itemsize)
-                row = None
-            if row is not None and shape[1:] == row:
-                sizes[-1] += s.nbytes // dtype.itemsize
-            else:
-                at.append(len(sizes))
-                first.append(i)
-                sizes.append(s.nbytes // dtype.itemsize)
-                row = shape[1:] if len(shape) > 1 else None
-            pos = s.offset + s.nbytes
-        typed = memory[specs[j].offset - base : pos - base].view(dtype)
-        # unsafe_: plain views (split_with_sizes' refuse in-place updates from values that need grad)
-        pieces = typed.unsafe_split_with_sizes(sizes) if len(sizes) > 1 else (typed,)
-        for p, i, end in zip(at, first, [*first[1:], k], strict=True):
-            shape = shapes[i]
-            if end - i > 1:  # one row shape: split along dim 0, each piece already of its shape
-                out += pieces[p].view(-1, *shape[1:]).unsafe_split_with_sizes([sh[0] for sh in shapes[i:end]])
-            else:
-                out.append(pieces[p] if len(shape) == 1 else pieces[p].view(shape))
-        j = k
+    """Tensors over ``memory`` (uint8 on the CPU, its byte 0 the file's byte ``base``) for ``specs``
+    (none empty, each at a multiple of its item size from ``base``), each with a storage of its own
+    over its bytes (``torch.frombuffer``), as the tensors of ``torch.load`` and of safetensors have
+    one each. As views of one storage, ``torch.save``, ``pickle`` or ``deepcopy`` of one tensor
+    carried the whole allocation, ``resize_`` wrote over its neighbours,
+    ``safetensors.torch.save_model`` refused them and ``torch.set_rng_state`` (which ignores a
+    storage offset) crashed the process. Such a storage cannot be resized, and keeps ``memory``
+    alive. (About 1 us a tensor: 16 ms per 20,000, where splits of one view took 8.)"""
+    buf = memory.numpy()
+    out = []
+    for s in specs:
+        dtype = SAFETENSORS_TO_TORCH[s.dtype]
+        t = torch.frombuffer(buf, dtype=dtype, count=s.nbytes // dtype.itemsize, offset=s.offset - base)
+        shape = torch_shape(s.dtype, s.shape)
+        out.append(t if len(shape) == 1 else t.view(shape))
     return out
 
 
-_SPLIT_MOST = 1024
 _DTYPE, _OFFSET, _NBYTES, _ITEMSIZE = attrgetter("dtype"), attrgetter("offset"), attrgetter("nbytes"), attrgetter("itemsize")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
