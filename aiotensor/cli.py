@@ -352,7 +352,7 @@ async def convert(
         else:
             got = {name: t async for name, t in _counted(_tensors(src), progress)}
             if to == "safetensors":
-                await save_file(got, dst, {"format": "pt"}, scheduler=sched)  # the metadata transformers 4 asks for
+                await save_file(got, dst, scheduler=sched)
             else:
                 state = info.state(got.__getitem__) if info.state is not None else got
                 if to == "torch":
@@ -419,7 +419,7 @@ async def _counted(
 
 async def _write_part(sched: Scheduler, folder: str, i: int, part: dict[str, torch.Tensor]) -> list[str]:
     """One shard of a folder output, durably, under a temporary name inside the folder being published."""
-    await write_safetensors(sched, os.path.join(folder, f"part-{i:05d}"), part, {"format": "pt"})
+    await write_safetensors(sched, os.path.join(folder, f"part-{i:05d}"), part)
     return list(part)
 
 

@@ -87,7 +87,9 @@ async def save_file(
     already queued on their streams, by cuFile with the kvikio engine, else through pinned bounce
     slots. Tensors sharing memory are written once each. The data section starts at a 4096-byte
     boundary. ``metadata`` (str -> str) goes into the file's ``__metadata__``, beside aiotensor's
-    per-tensor crc32c (``aiotensor.crc32c``); :func:`read_header` gives it back.
+    per-tensor crc32c (``aiotensor.crc32c``) and ``"format": "pt"`` (unless ``metadata`` has a
+    format): transformers' ``from_pretrained`` refuses a file whose metadata lacks it, as
+    ``save_pretrained`` writes it. :func:`read_header` gives it back.
 
     ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
     ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
@@ -128,7 +130,8 @@ async def write_safetensors(
     await wait_for_streams(sched, [t for _, _, t in entries])
     sources = await sched.call(_sources, sched, entries, priority=Priority.SAVE)
     crcs = await crcs_of(sched, sources)
-    ranges = await sched.call(_ranges, entries, sources, crcs, dict(metadata or {}), priority=Priority.SAVE)
+    meta = {"format": "pt", **(metadata or {})}
+    ranges = await sched.call(_ranges, entries, sources, crcs, meta, priority=Priority.SAVE)
     await write_file(sched, path, ranges)
     nbytes = sum(len(src) for src in sources)
     await sched.discard(entries, sources, crcs, ranges)  # tens of thousands of objects: freed in a thread

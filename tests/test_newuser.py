@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file as st_save
 
@@ -148,6 +149,13 @@ async def test_single_files_carry_checksums_and_keep_metadata(tmp_path: Any) -> 
     assert info.metadata == {"format": "pt", "note": "hello"} and info.checksummed
     assert info.tensors["a"].shape == (1000,) and info.tensors["b"].dtype == torch.int64
     assert st_load(str(path))["a"].equal(t["a"])  # still a standard file
+    # without metadata, the file still says what transformers' from_pretrained asks of a file
+    # that has metadata (ours always has: the checksums): "format": "pt"; a format given wins
+    await save_file(t, tmp_path / "plain.safetensors")
+    await save_file(t, tmp_path / "np.safetensors", metadata={"format": "np"})
+    with safe_open(str(tmp_path / "plain.safetensors"), "pt") as f:
+        assert f.metadata()["format"] == "pt"
+    assert (await read_header(tmp_path / "np.safetensors")).metadata == {"format": "np"}
     data = bytearray(path.read_bytes())
     data[-200] ^= 0x01  # one flipped bit in "a"
     path.write_bytes(bytes(data))
