@@ -467,3 +467,85 @@ async def test_a_module_made_under_inference_mode_loads_and_swaps(tmp_path: Any,
     assert all(p.is_inference() for p in served.parameters())  # an inference module stays one: it still runs
     with torch.inference_mode():
         assert torch.allclose(served(x), expected) and torch.allclose(into(x), expected)  # (layouts differ: not bit for bit)
+
+
+class _Scaled(torch.nn.Linear):
+    """FP8-style extra state: kept by get_extra_state / set_extra_state, not as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.amax = torch.zeros(4)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.amax.clone()
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.amax = state.clone()
+
+
+class _Conv1D(torch.nn.Module):
+    """A weight stored transposed, turned by a load_state_dict pre-hook (a layout change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3, 5))
+        self._register_load_state_dict_pre_hook(self._turn)
+
+    @staticmethod
+    def _turn(state: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+        if state[prefix + "w"].shape == (5, 3):
+            state[prefix + "w"] = state[prefix + "w"].t()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")  # what wrote the old names
+@pytest.mark.parametrize("kind", ["extra state", "load hook", "weight_norm's old names"])
+async def test_a_module_that_loads_its_own_way_is_loaded_as_load_state_dict_loads_it(tmp_path: Any, kind: str) -> None:
+    from torch.nn.utils.parametrizations import weight_norm
+
+    if kind == "extra state":
+        make: Any = lambda: torch.nn.Sequential(_Scaled())  # noqa: E731
+        src = make()
+        src[0].amax.fill_(3.0)
+        state = src.state_dict()
+    elif kind == "load hook":
+        make = lambda: torch.nn.Sequential(_Conv1D())  # noqa: E731
+        state = {"0.w": torch.arange(15.0).view(5, 3)}
+    else:
+        make = lambda: weight_norm(torch.nn.Linear(4, 4))  # noqa: E731
+        state = torch.nn.utils.weight_norm(torch.nn.Linear(4, 4)).state_dict()  # old names: weight_g, weight_v
+    st_save({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "m.safetensors"))
+    want = make()
+    want.load_state_dict({k: v.clone() for k, v in state.items()})
+    got = make()
+    result = await load_into(got, tmp_path / "m.safetensors")
+    assert result == ([], [])
+    assert_state_equal(
+        {k: v.detach() for k, v in got.state_dict().items()}, {k: v.detach() for k, v in want.state_dict().items()}
+    )
+    if kind == "extra state":
+        assert got[0].amax.tolist() == [3.0] * 4
+    with pytest.raises(MismatchError, match="load_into"):  # a swap of tensors would skip it: said, not done
+        await prepare_swap(make(), tmp_path / "m.safetensors")
+
+
+async def test_a_file_without_batchnorms_num_batches_tracked_loads_strictly_as_in_torch(tmp_path: Any) -> None:
+    make = lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))  # noqa: E731
+    src = make()
+    src[1].running_mean.fill_(2.0)
+    state = {k: v for k, v in src.state_dict().items() if not k.endswith("num_batches_tracked")}
+    st_save(state, str(tmp_path / "bn.safetensors"))
+    assert make().load_state_dict(state, strict=True) is not None  # torch keeps it as it is
+    got = make()
+    assert await load_into(got, tmp_path / "bn.safetensors") == ([], [])
+    assert got[1].running_mean.tolist() == [2.0] * 4 and got[1].num_batches_tracked.item() == 0
+    swap = await prepare_swap(make(), tmp_path / "bn.safetensors")
+    assert swap.missing_keys == []
+
+
+async def test_a_swap_keeps_channels_last(tmp_path: Any) -> None:
+    make = lambda: torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)  # noqa: E731
+    src = make()
+    st_save({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "c.safetensors"))
+    served = make()
+    (await prepare_swap(served, tmp_path / "c.safetensors")).apply()
+    assert served.weight.is_contiguous(memory_format=torch.channels_last) and torch.equal(served.weight, src.weight)

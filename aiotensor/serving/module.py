@@ -9,6 +9,7 @@ name, so a file that stores one of them is complete; and a module built on the `
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -94,6 +95,36 @@ def _plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 _SAVES = ("state_dict", "_save_to_state_dict", "get_extra_state")
 _MAX_DEPTH = 500
+_LOADS = ("load_state_dict", "_load_from_state_dict", "set_extra_state")
+_NORM = torch.nn.modules.batchnorm._NormBase
+
+
+def _own_way(module: torch.nn.Module) -> tuple[str | None, set[str]]:
+    """Why ``module`` loads its state its own way, if it does: a module in it has a
+    ``load_state_dict`` hook (a weight-norm's renaming of old keys, a layout change) or overrides
+    ``load_state_dict``, ``_load_from_state_dict`` or ``set_extra_state`` (extra state, such as FP8
+    scaling factors, is restored only through the last); and the names a file may lack although
+    the module has them: BatchNorm's ``num_batches_tracked``, which its ``_load_from_state_dict``
+    (its only override, aside here) keeps as it is, as in a file written before torch had it."""
+    optional: set[str] = set()
+    plain: set[type] = set()
+    todo: list[tuple[str, torch.nn.Module, int]] = [("", module, 0)]
+    while todo:
+        prefix, m, depth = todo.pop()
+        t = type(m)
+        if t not in plain:
+            for a in _LOADS:
+                impl = getattr(t, a)
+                if impl is not getattr(torch.nn.Module, a) and impl is not _NORM._load_from_state_dict:
+                    return f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) overrides {a}", optional
+            plain.add(t)
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or any(a in m.__dict__ for a in _LOADS):
+            return f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) has a load_state_dict hook", optional
+        if isinstance(m, _NORM) and m.track_running_stats:
+            optional.add(prefix + "num_batches_tracked")
+        if m._modules and depth <= _MAX_DEPTH:
+            todo += [(prefix + k + ".", c, depth + 1) for k, c in m._modules.items() if c is not None]
+    return None, optional
 
 
 def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
@@ -119,18 +150,36 @@ async def _matched(
     scheduler: Scheduler | None,
     storage_options: Mapping[str, Any] | None,
     no_meta: bool = False,
+    swap: bool = False,
 ) -> LoadResult:
     """Match ``source``'s tensors to the module's by name (and shape: a mismatch is an error before
     anything is read), then read each where ``place`` says, straight into its final memory, once;
     the others into new tensors on ``device``, up to ``window_bytes`` of them at a time, handed to
     ``fn(names, module's tensor, loaded tensor)`` in worker threads. A name is missing only if
     neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
-    (else it is reported)."""
+    (else it is reported). A module that loads its state its own way (:func:`_own_way`) is loaded
+    by its ``load_state_dict`` from new tensors of the whole file instead; ``swap``: that is a
+    MismatchError (a swap switches tensors, which would skip it)."""
     path = local_path(source, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         dev = check_device(sched, device)
         known, ties = await sched.run_sync(_module_tensors, module)
+        why, optional = await sched.run_sync(_own_way, module)
+        if why is not None and swap:
+            raise MismatchError(
+                f"prepare_swap {source}: {why}, which a swap of its tensors would skip: load a second module with "
+                "load_into and switch to it"
+            )
+        if why is not None:
+            got = await read(sched, src.entries, dev)
+            loaded = {n: t for e, t in zip(src.entries, got, strict=True) for n in e.names}
+            try:
+                return await sched.call(_load_state_dict, module, loaded, known, ties, priority=Priority.LOAD)
+            finally:
+                held = [src, loaded, got]
+                del src, loaded, got
+                await sched.discard(known, ties, held)
         if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):
             raise MismatchError(f"the module has tensors on the meta device ({meta[:5]}); load_into materializes them")
         streams = cuda.caller_streams()  # new CUDA tensors and copies on the caller's streams
@@ -145,7 +194,27 @@ async def _matched(
         held = [src]
         del src
         await sched.discard(known, ties, batches, held, *(batches[-1] if batches else ()))
-    return LoadResult(left, unexpected)
+    return LoadResult([k for k in left if k not in optional], unexpected)
+
+
+def _load_state_dict(
+    module: torch.nn.Module,
+    loaded: dict[str, torch.Tensor],
+    known: Mapping[str, torch.Tensor],
+    ties: Mapping[str, tuple[str, ...]],
+) -> LoadResult:
+    """``module.load_state_dict(loaded)`` (its hooks, extra state and overrides run, in this worker
+    thread): a meta module's tensors assigned, an inference module's under ``inference_mode``; a
+    name is missing only if no name tied to it was loaded either."""
+    meta = any(t.is_meta for t in known.values())
+    inference = torch.inference_mode() if any(t.is_inference() for t in known.values()) else contextlib.nullcontext()
+    try:
+        with inference:
+            got = module.load_state_dict(loaded, strict=False, assign=meta)
+    except RuntimeError as e:  # shapes that differ, or the module's own refusal
+        raise MismatchError(f"{type(module).__name__}.load_state_dict refused the file: {str(e)[:2000]}") from None
+    missing = [k for k in got.missing_keys if not any(n in loaded for n in ties.get(k, ()))]
+    return LoadResult(missing, list(got.unexpected_keys))
 
 
 def _plan(
@@ -339,14 +408,19 @@ async def prepare_swap(
     def beside(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
         if dst.dtype != e.dtype:
             return None
-        with writing(dst):  # an inference tensor's replacement is one too: apply() mixing them breaks the module
-            t = new[names[0]] = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+        # in the kind (an inference tensor's replacement is one too: apply() mixing them breaks the
+        # module) and the layout (channels_last stays so) of the tensor it replaces
+        with writing(dst):
+            t = new[names[0]] = torch.empty_like(dst)
         return t
 
     def keep(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
+        if (t.dtype, t.device, t.is_inference(), t.stride()) == (dst.dtype, dst.device, dst.is_inference(), dst.stride()):
+            new[names[0]] = t
+            return
         with writing(dst):
-            same = (t.dtype, t.device, t.is_inference()) == (dst.dtype, dst.device, dst.is_inference())
-            new[names[0]] = t if same else t.to(dst.device, dst.dtype, copy=True)
+            made = new[names[0]] = torch.empty_like(dst)
+            made.copy_(t)
 
     got = await _matched(
         module,
@@ -359,6 +433,7 @@ async def prepare_swap(
         scheduler=scheduler,
         storage_options=storage_options,
         no_meta=True,
+        swap=True,
     )
     _raise_if(strict, f"prepare_swap {source}", got)
     return Swap(module, new, got)
