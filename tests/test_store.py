@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -483,3 +484,32 @@ async def test_load_into_inference_tensors(tmp_path: Any) -> None:
         await store.save(1, saved)
         await store.load(into=into)
     assert_state_equal(into, saved)
+
+
+async def test_a_multisteplr_state_keeps_its_counter(tmp_path: Any) -> None:
+    # MultiStepLR keeps its milestones in a collections.Counter: as a plain dict, step() failed
+    # after a restore ('dict' object has no attribute 'elements')
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4], gamma=0.5)
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"sched": sched.state_dict()})
+        got = await store.load()
+    assert type(got["sched"]["milestones"]) is collections.Counter and got["sched"] == sched.state_dict()
+    again = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), milestones=[1])
+    again.load_state_dict(got["sched"])
+    for _ in range(5):
+        again.optimizer.step()
+        again.step()
+        sched.optimizer.step()
+        sched.step()
+    assert again.get_last_lr() == sched.get_last_lr()
+
+
+async def test_a_string_that_is_not_unicode_is_a_state_error_and_leaves_nothing(tmp_path: Any) -> None:
+    name = os.fsdecode(b"shard-\xff.bin")  # a lone surrogate: what os.fsdecode makes of a name that is not UTF-8
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(2)})
+        with pytest.raises(StateError, match="surrogate"):
+            await store.save(2, {"w": torch.ones(2), "files": [name]})
+        assert store.steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000001"]

@@ -8,13 +8,16 @@ Encoding: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are stored a
 ``{"dict": {str: ...}}`` (all keys strings) or ``{"items": [[key, value], ...]}`` (other keys),
 ``{"dtype": "float32"}`` for a ``torch.dtype``, ``{"tensor": key}``, and
 ``{"odict": [mapping, metadata]}`` for an ``OrderedDict`` (what ``state_dict()`` returns), whose
-``_metadata`` attribute (the module versions ``load_state_dict`` reads) is kept too.
+``_metadata`` attribute (the module versions ``load_state_dict`` reads) is kept too, and
+``{"counter": mapping}`` for a ``collections.Counter`` (``MultiStepLR``'s milestones: as a dict,
+its ``step()`` fails after a restore). Other subclasses of dict, list, tuple, int and str come back
+as those (a ``torch.Size`` as a tuple, a named tuple as a tuple, a ``defaultdict`` as a dict).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Mapping, MutableMapping
 from itertools import chain
 from operator import itemgetter
@@ -77,6 +80,8 @@ class _Flatten:
             return _float(obj)
         if isinstance(obj, torch.dtype):
             return {"dtype": str(obj).removeprefix("torch.")}
+        if type(obj) is Counter:
+            return {"counter": self.walk(dict(obj), path)}
         if type(obj) is OrderedDict:
             meta = getattr(obj, "_metadata", None)
             return {"odict": [self.walk(dict(obj), path), None if meta is None else self.walk(meta, (*path, "_metadata"))]}
@@ -157,6 +162,8 @@ class _Unflatten:
             if val[1] is not None:
                 out._metadata = self.walk(val[1], depth + 1)  # type: ignore[attr-defined]
             return out
+        if tag == "counter" and isinstance(val, dict):
+            return Counter(self.walk(val, depth + 1))
         if tag == "dtype" and isinstance(val, str):
             dt = getattr(torch, val, None)
             if not isinstance(dt, torch.dtype):
