@@ -174,13 +174,21 @@ def evict(path: str | os.PathLike[str]) -> None:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports p that are free, with p + 10000 free too, below 55536: for a local
-    SeaweedFS (``weed`` serves gRPC at each port + 10000, and dies past 65535) in tests and
-    benchmarks."""
+    """``n`` loopback ports p that are free, with p + 10000 free too, both below the kernel's
+    ephemeral range where it leaves room (else below 55536): for a local SeaweedFS (``weed`` serves
+    gRPC at each port + 10000, and dies past 65535) in tests and benchmarks. A port in the ephemeral
+    range can be taken by any outgoing connection meanwhile: a server restarted on its ports then
+    failed with "address already in use"."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    top = ephemeral - 10000 if ephemeral - 10000 > 15000 else 55000
     ports: list[int] = []
     while len(ports) < n:
-        p = rng.randrange(20000, 55000)
+        p = rng.randrange(10000, top)
         try:
             for q in (p, p + 10000):
                 with socket.socket() as s:
