@@ -36,95 +36,101 @@ class LoadResult(NamedTuple):
 Fill = Callable[[tuple[str, ...], torch.Tensor, torch.Tensor], object]
 
 
-def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
-    """The module's state tensors by name, and for each name tied to others (one tensor object
-    under several names) the names of its group."""
-    known = _tensors_by_name(module)
+class _Walk(NamedTuple):
+    """What one walk of a module's submodules finds (:func:`_walk`)."""
+
+    tensors: dict[str, torch.Tensor] | None  # its state_dict's tensors; None: ask state_dict()
+    loads_own_way: str | None  # why it loads its state its own way, if it does
+    optional: set[str]  # names a file may lack although the module has them
+
+
+def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]], _Walk]:
+    """The module's state tensors by name, for each name tied to others (one tensor object under
+    several names) the names of its group, and the walk's findings."""
+    walk = _walk(module)
+    known = _tensors_by_name(module, walk)
     ids = list(map(id, known.values()))
     if len(set(ids)) == len(ids):  # no tensor under two names (C loops: tens of thousands)
-        return known, {}
+        return known, {}, walk
     by_id: dict[int, list[str]] = {}
     for name, t in known.items():
         by_id.setdefault(id(t), []).append(name)
-    return known, {n: tuple(g) for g in by_id.values() if len(g) > 1 for n in g}
+    return known, {n: tuple(g) for g in by_id.values() if len(g) > 1 for n in g}, walk
 
 
-def _tensors_by_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _tensors_by_name(module: torch.nn.Module, walk: _Walk | None = None) -> dict[str, torch.Tensor]:
     """The tensors of ``module.state_dict(keep_vars=True)``, by the walk where it gives them."""
-    known = _plain_state(module)  # parameters and buffers: tensors all
+    known = (walk or _walk(module)).tensors  # parameters and buffers: tensors all
     if known is None:
         known = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
     return known
 
 
 def _plain_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """``module.state_dict(keep_vars=True)``, the same names in the same order, by a walk of its
-    modules' own parameter and buffer dicts (as ``state_dict`` recurses: each child under
-    ``prefix + name + "."``, a module reached twice walked twice), where every module saves its
-    state as ``nn.Module`` does (no state_dict hook, no override of ``state_dict``,
-    ``_save_to_state_dict`` or ``get_extra_state``, on its class or on itself); else None (then
-    call ``state_dict``). torch's recursion costs 54 ms for a module of 20,000 submodules, this
-    walk 25."""
-    out: dict[str, torch.Tensor] = {}
-    plain: set[type] = set()
+    return _walk(module).tensors
+
+
+def _walk(module: torch.nn.Module) -> _Walk:
+    """One walk of ``module``'s submodules (as ``state_dict`` recurses: each child under
+    ``prefix + name + "."``, a module reached twice walked twice; each class checked once), for:
+
+    - ``tensors``: ``module.state_dict(keep_vars=True)``, the same names in the same order, from
+      its modules' own parameter and buffer dicts, where every module saves its state as
+      ``nn.Module`` does (no state_dict hook, no override of ``state_dict``,
+      ``_save_to_state_dict`` or ``get_extra_state``, on its class or on itself); else None (then
+      call ``state_dict``). torch's recursion costs 54 ms for a module of 20,000 submodules, this
+      walk 25.
+    - ``loads_own_way``: why it loads its state its own way, if it does: a module in it has a
+      ``load_state_dict`` hook (weight norm's renaming of its old names, a layout change) or
+      overrides ``load_state_dict``, ``_load_from_state_dict`` or ``set_extra_state`` (extra state,
+      such as FP8 scaling factors, is restored only through the last). The walk stops there.
+    - ``optional``: BatchNorm's ``num_batches_tracked``, which its ``_load_from_state_dict`` (its
+      only override, aside here) keeps as it is where a file lacks it (written before torch had
+      it)."""
+    out: dict[str, torch.Tensor] | None = {}
+    optional: set[str] = set()
+    kinds: dict[type, tuple[bool, str | None, bool]] = {}  # class -> saves its own way, load override, a norm
     todo: list[tuple[str, torch.nn.Module, int]] = [("", module, 0)]
     while todo:
         prefix, m, depth = todo.pop()
         t = type(m)
-        if t not in plain:
-            if any(getattr(t, a) is not getattr(torch.nn.Module, a) for a in _SAVES):
-                return None
-            plain.add(t)
-        own = m.__dict__
-        if m._state_dict_hooks or m._state_dict_pre_hooks or "state_dict" in own or "_save_to_state_dict" in own:
-            return None
+        kind = kinds.get(t)
+        if kind is None:
+            overrides = [a for a in _LOADS if getattr(t, a) not in (getattr(torch.nn.Module, a), _NORM._load_from_state_dict)]
+            saves = any(getattr(t, a) is not getattr(torch.nn.Module, a) for a in _SAVES)
+            kind = kinds[t] = (saves, overrides[0] if overrides else None, issubclass(t, _NORM))
+        d = m.__dict__
+        over = kind[1] or (next(a for a in _LOADS if a in d) if not _LOADS_SET.isdisjoint(d) else None)
+        if over or d["_load_state_dict_pre_hooks"] or d["_load_state_dict_post_hooks"]:
+            what = f"overrides {over}" if over else "has a load_state_dict hook"
+            return _Walk(None, f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) {what}", optional)
+        if kind[2] and m.track_running_stats:
+            optional.add(prefix + "num_batches_tracked")
         if depth > _MAX_DEPTH:  # a cycle, or deeper than torch's recursion goes: its own error
-            return None
-        for k, v in m._parameters.items():
-            if v is not None:
-                out[prefix + k] = v
-        if m._buffers:
-            skip = m._non_persistent_buffers_set
-            for k, b in m._buffers.items():
-                if b is not None and k not in skip:
-                    out[prefix + k] = b
-        if m._modules:
-            todo += reversed([(prefix + k + ".", c, depth + 1) for k, c in m._modules.items() if c is not None])
-    return out
+            return _Walk(None, None, optional)
+        if out is not None and (
+            kind[0] or d["_state_dict_hooks"] or d["_state_dict_pre_hooks"] or "state_dict" in d or "_save_to_state_dict" in d
+        ):
+            out = None
+        if out is not None:
+            for k, v in d["_parameters"].items():
+                if v is not None:
+                    out[prefix + k] = v
+            if d["_buffers"]:
+                skip = d["_non_persistent_buffers_set"]
+                for k, b in d["_buffers"].items():
+                    if b is not None and k not in skip:
+                        out[prefix + k] = b
+        if d["_modules"]:
+            todo += reversed([(prefix + k + ".", c, depth + 1) for k, c in d["_modules"].items() if c is not None])
+    return _Walk(out, None, optional)
 
 
 _SAVES = ("state_dict", "_save_to_state_dict", "get_extra_state")
 _MAX_DEPTH = 500
 _LOADS = ("load_state_dict", "_load_from_state_dict", "set_extra_state")
+_LOADS_SET = frozenset(_LOADS)
 _NORM = torch.nn.modules.batchnorm._NormBase
-
-
-def _own_way(module: torch.nn.Module) -> tuple[str | None, set[str]]:
-    """Why ``module`` loads its state its own way, if it does: a module in it has a
-    ``load_state_dict`` hook (a weight-norm's renaming of old keys, a layout change) or overrides
-    ``load_state_dict``, ``_load_from_state_dict`` or ``set_extra_state`` (extra state, such as FP8
-    scaling factors, is restored only through the last); and the names a file may lack although
-    the module has them: BatchNorm's ``num_batches_tracked``, which its ``_load_from_state_dict``
-    (its only override, aside here) keeps as it is, as in a file written before torch had it."""
-    optional: set[str] = set()
-    plain: set[type] = set()
-    todo: list[tuple[str, torch.nn.Module, int]] = [("", module, 0)]
-    while todo:
-        prefix, m, depth = todo.pop()
-        t = type(m)
-        if t not in plain:
-            for a in _LOADS:
-                impl = getattr(t, a)
-                if impl is not getattr(torch.nn.Module, a) and impl is not _NORM._load_from_state_dict:
-                    return f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) overrides {a}", optional
-            plain.add(t)
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or any(a in m.__dict__ for a in _LOADS):
-            return f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) has a load_state_dict hook", optional
-        if isinstance(m, _NORM) and m.track_running_stats:
-            optional.add(prefix + "num_batches_tracked")
-        if m._modules and depth <= _MAX_DEPTH:
-            todo += [(prefix + k + ".", c, depth + 1) for k, c in m._modules.items() if c is not None]
-    return None, optional
 
 
 def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
@@ -157,15 +163,15 @@ async def _matched(
     the others into new tensors on ``device``, up to ``window_bytes`` of them at a time, handed to
     ``fn(names, module's tensor, loaded tensor)`` in worker threads. A name is missing only if
     neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
-    (else it is reported). A module that loads its state its own way (:func:`_own_way`) is loaded
+    (else it is reported). A module that loads its state its own way (:func:`_walk`) is loaded
     by its ``load_state_dict`` from new tensors of the whole file instead; ``swap``: that is a
     MismatchError (a swap switches tensors, which would skip it)."""
     path = local_path(source, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         dev = check_device(sched, device)
-        known, ties = await sched.run_sync(_module_tensors, module)
-        why, optional = await sched.run_sync(_own_way, module)
+        known, ties, walk = await sched.run_sync(_module_tensors, module)
+        why, optional = walk.loads_own_way, walk.optional
         if why is not None and swap:
             raise MismatchError(
                 f"prepare_swap {source}: {why}, which a swap of its tensors would skip: load a second module with "
