@@ -14,6 +14,7 @@ from itertools import islice
 from operator import attrgetter, itemgetter, le
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import knobs
@@ -325,16 +326,29 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
     carried the whole allocation, ``resize_`` wrote over its neighbours,
     ``safetensors.torch.save_model`` refused them and ``torch.set_rng_state`` (which ignores a
     storage offset) crashed the process. Such a storage cannot be resized, and keeps ``memory``
-    alive. (About 1 us a 1-D tensor, 2 us another: 16 and 38 ms per 20,000, where splits of one
-    view took 8 and 10.)"""
+    alive. (About 1 us a tensor where numpy has its dtype: 16 ms per 20,000 of one or two
+    dimensions, where splits of one view took 8 and 10; 2 us for others of two dimensions.)"""
     buf = memory.numpy()
     out = []
     for s in specs:
-        dtype = SAFETENSORS_TO_TORCH[s.dtype]
+        kind = _NUMPY.get(s.dtype)
+        if kind is not None:  # one numpy array of its shape over its bytes, its memory torch's storage
+            out.append(torch.from_numpy(np.ndarray(s.shape, kind, buf, s.offset - base)))
+            continue
+        dtype = SAFETENSORS_TO_TORCH[s.dtype]  # numpy lacks it (bfloat16, float8): a 1-D tensor, shaped in place
         t = torch.frombuffer(buf, dtype=dtype, count=s.nbytes // dtype.itemsize, offset=s.offset - base)
         shape = torch_shape(s.dtype, s.shape)
-        out.append(t if len(shape) == 1 else t.resize_(shape))  # in place: no second tensor (a view made one)
+        out.append(t if len(shape) == 1 else t.resize_(shape))
     return out
+
+
+_NUMPY = {
+    k: np.dtype(v)
+    for k, v in {
+        "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "I32": np.int32, "U32": np.uint32,
+        "I64": np.int64, "U64": np.uint64, "F16": np.float16, "F32": np.float32, "F64": np.float64, "C64": np.complex64,
+    }.items()
+}  # fmt: skip
 
 
 _DTYPE, _OFFSET, _NBYTES, _ITEMSIZE = attrgetter("dtype"), attrgetter("offset"), attrgetter("nbytes"), attrgetter("itemsize")
