@@ -3,6 +3,7 @@ real torch.save, and hostile ones that must run nothing."""
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import zipfile
@@ -141,3 +142,24 @@ async def test_parameters_come_back_as_parameters_as_torch_load_gives_them(tmp_p
     assert {k: (type(v), v.requires_grad) for k, v in got.items()} == {k: (type(v), v.requires_grad) for k, v in want.items()}
     assert type(got["w"]) is torch.nn.Parameter and got["w"] is got["tied"]  # one object, as the pickle shares it
     assert_state_equal({k: v.detach() for k, v in got.items()}, {k: v.detach() for k, v in want.items()})
+
+
+async def test_counters_sizes_and_bytes_read_as_torch_load_reads_them(tmp_path: Any) -> None:
+    # what torch.load(weights_only=True) admits in a state: a MultiStepLR state (its Counter), a
+    # torch.Size, bytes (pickled through _codecs.encode); a bare storage is refused, not leaked
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    state = {
+        "sched": torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4]).state_dict(),
+        "shape": torch.Size([2, 3]),
+        "blob": b"\x00\xffbytes",
+        "w": torch.ones(2),
+    }
+    torch.save(state, tmp_path / "m.pt")
+    want = torch.load(tmp_path / "m.pt", weights_only=True)
+    got = await load_torch(tmp_path / "m.pt")
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}
+    assert type(got["sched"]["milestones"]) is collections.Counter and got["sched"] == want["sched"]
+    assert got["shape"] == want["shape"] and got["blob"] == want["blob"] and torch.equal(got["w"], want["w"])
+    torch.save({"s": torch.ones(2).untyped_storage()}, tmp_path / "s.pt")
+    with pytest.raises(UnsafeFileError, match="bare storage"):
+        await load_torch(tmp_path / "s.pt")

@@ -16,7 +16,7 @@ import math
 import pickle
 import struct
 import zipfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -108,6 +108,12 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
+        if (module, name) == ("collections", "Counter"):  # MultiStepLR's milestones
+            return Counter
+        if (module, name) == ("torch", "Size"):
+            return torch.Size
+        if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
+            return _latin1
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter"):
             return getattr(_Rebuild, name)
         if module == "torch.storage" and name == "UntypedStorage":
@@ -142,6 +148,13 @@ class _LegacyStorage:
 
     def __setstate__(self, state: Any) -> None:
         _no_build(self)
+
+
+def _latin1(text: Any, encoding: Any) -> bytes:
+    """``_codecs.encode`` as a protocol-2 pickle of ``bytes`` calls it, and only so."""
+    if not (type(text) is str and encoding == "latin1"):
+        raise UnsafeFileError("_codecs.encode called other than for bytes (a str and latin1): refused")
+    return text.encode("latin1")
 
 
 def _no_build(obj: object) -> None:
@@ -441,6 +454,8 @@ class _Names:
         """Name the tensors under ``obj``; True if there are any."""
         if depth > MAX_DEPTH:
             raise UnsafeFileError(f"the state nests deeper than {MAX_DEPTH} containers, at {key_path(path[:8])!r}...")
+        if isinstance(obj, Storage):
+            raise UnsafeFileError(f"a bare storage at {key_path(path[:8])!r}, not a tensor: aiotensor reads tensors")
         is_ref = isinstance(obj, TensorRef)
         if not is_ref and (not isinstance(obj, (dict, list, tuple)) or id(obj) in self.empty):
             return False
@@ -486,7 +501,7 @@ class _Rebuilt:
             done = self.memo[id(obj)] = torch.nn.Parameter(t, requires_grad=obj.requires_grad) if obj.parameter else t
             return done
         if isinstance(obj, dict):
-            out: Any = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+            out: Any = type(obj)() if type(obj) in (dict, OrderedDict, Counter) else {}
             self.memo[id(obj)] = out
             for k, v in obj.items():
                 out[k] = self.walk(v)
@@ -495,6 +510,6 @@ class _Rebuilt:
         elif isinstance(obj, list):
             out = self.memo[id(obj)] = []
             out.extend(self.walk(v) for v in obj)
-        else:
-            out = self.memo[id(obj)] = tuple(self.walk(v) for v in obj)
+        else:  # a torch.Size holds ints only: itself
+            out = self.memo[id(obj)] = obj if type(obj) is torch.Size else tuple(self.walk(v) for v in obj)
         return out
