@@ -549,3 +549,23 @@ async def test_a_swap_keeps_channels_last(tmp_path: Any) -> None:
     served = make()
     (await prepare_swap(served, tmp_path / "c.safetensors")).apply()
     assert served.weight.is_contiguous(memory_format=torch.channels_last) and torch.equal(served.weight, src.weight)
+
+
+async def test_torchs_own_overrides_that_change_nothing_keep_the_fast_path(tmp_path: Any) -> None:
+    # weight norm's hook renames old names only: a file of today's names swaps; InstanceNorm's
+    # override only refuses old running statistics; a meta module that loads its own way is refused
+    from torch.nn.utils.parametrizations import weight_norm
+
+    make = lambda: torch.nn.Sequential(weight_norm(torch.nn.Conv1d(2, 4, 3)), torch.nn.InstanceNorm1d(4, affine=True))  # noqa: E731
+    src = make()
+    st_save({k: v.detach().contiguous() + 1 for k, v in src.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    served = make()
+    (await prepare_swap(served, tmp_path / "m.safetensors")).apply()
+    assert_state_equal(
+        {k: v.detach() for k, v in served.state_dict().items()}, {k: v.detach() + 1 for k, v in src.state_dict().items()}
+    )
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(_Conv1D())
+    st_save({"0.w": torch.ones(5, 3)}, str(tmp_path / "c.safetensors"))
+    with pytest.raises(MismatchError, match="materialize it first"):
+        await load_into(meta, tmp_path / "c.safetensors")

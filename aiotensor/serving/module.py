@@ -42,6 +42,7 @@ class _Walk(NamedTuple):
     tensors: dict[str, torch.Tensor] | None  # its state_dict's tensors; None: ask state_dict()
     loads_own_way: str | None  # why it loads its state its own way, if it does
     optional: set[str]  # names a file may lack although the module has them
+    renamed: list[str]  # prefixes whose only hook is weight norm's renaming of its old names
 
 
 def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]], _Walk]:
@@ -84,11 +85,16 @@ def _walk(module: torch.nn.Module) -> _Walk:
       ``load_state_dict`` hook (weight norm's renaming of its old names, a layout change) or
       overrides ``load_state_dict``, ``_load_from_state_dict`` or ``set_extra_state`` (extra state,
       such as FP8 scaling factors, is restored only through the last). The walk stops there.
-    - ``optional``: BatchNorm's ``num_batches_tracked``, which its ``_load_from_state_dict`` (its
-      only override, aside here) keeps as it is where a file lacks it (written before torch had
-      it)."""
+      torch's own overrides that change nothing a file of today's names loads are set aside:
+      BatchNorm's and InstanceNorm's ``_load_from_state_dict`` (below), and weight norm's hook,
+      which renames ``weight_g``/``weight_v`` only where a file has them (``renamed``: the
+      caller looks at the file's names).
+    - ``optional``: BatchNorm's ``num_batches_tracked``, which its ``_load_from_state_dict`` keeps
+      as it is where a file lacks it (written before torch had it). (InstanceNorm's refuses the
+      running statistics of old files that it does not track, as unexpected names are refused.)"""
     out: dict[str, torch.Tensor] | None = {}
     optional: set[str] = set()
+    renamed: list[str] = []
     kinds: dict[type, tuple[bool, str | None, bool]] = {}  # class -> saves its own way, load override, a norm
     todo: list[tuple[str, torch.nn.Module, int]] = [("", module, 0)]
     while todo:
@@ -96,18 +102,22 @@ def _walk(module: torch.nn.Module) -> _Walk:
         t = type(m)
         kind = kinds.get(t)
         if kind is None:
-            overrides = [a for a in _LOADS if getattr(t, a) not in (getattr(torch.nn.Module, a), _NORM._load_from_state_dict)]
+            overrides = [a for a in _LOADS if getattr(t, a) not in (getattr(torch.nn.Module, a), *_SET_ASIDE)]
             saves = any(getattr(t, a) is not getattr(torch.nn.Module, a) for a in _SAVES)
             kind = kinds[t] = (saves, overrides[0] if overrides else None, issubclass(t, _NORM))
         d = m.__dict__
         over = kind[1] or (next(a for a in _LOADS if a in d) if not _LOADS_SET.isdisjoint(d) else None)
-        if over or d["_load_state_dict_pre_hooks"] or d["_load_state_dict_post_hooks"]:
+        hooks = d["_load_state_dict_pre_hooks"]
+        if hooks and all(_renames(h) for h in hooks.values()):
+            renamed.append(prefix)
+            hooks = None
+        if over or hooks or d["_load_state_dict_post_hooks"]:
             what = f"overrides {over}" if over else "has a load_state_dict hook"
-            return _Walk(None, f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) {what}", optional)
+            return _Walk(None, f"{prefix.rstrip('.') or 'the module'} ({t.__name__}) {what}", optional, renamed)
         if kind[2] and m.track_running_stats:
             optional.add(prefix + "num_batches_tracked")
         if depth > _MAX_DEPTH:  # a cycle, or deeper than torch's recursion goes: its own error
-            return _Walk(None, None, optional)
+            return _Walk(None, None, optional, renamed)
         if out is not None and (
             kind[0] or d["_state_dict_hooks"] or d["_state_dict_pre_hooks"] or "state_dict" in d or "_save_to_state_dict" in d
         ):
@@ -123,7 +133,7 @@ def _walk(module: torch.nn.Module) -> _Walk:
                         out[prefix + k] = b
         if d["_modules"]:
             todo += reversed([(prefix + k + ".", c, depth + 1) for k, c in d["_modules"].items() if c is not None])
-    return _Walk(out, None, optional)
+    return _Walk(out, None, optional, renamed)
 
 
 _SAVES = ("state_dict", "_save_to_state_dict", "get_extra_state")
@@ -131,6 +141,16 @@ _MAX_DEPTH = 500
 _LOADS = ("load_state_dict", "_load_from_state_dict", "set_extra_state")
 _LOADS_SET = frozenset(_LOADS)
 _NORM = torch.nn.modules.batchnorm._NormBase
+_SET_ASIDE = (_NORM._load_from_state_dict, torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict)
+
+
+def _renames(hook: Any) -> bool:
+    """Is ``hook`` (a wrapped load_state_dict pre-hook) weight norm's, which renames a file's old
+    ``weight_g``/``weight_v`` (a closure in ``torch.nn.utils.parametrizations.weight_norm``)?"""
+    fn = getattr(hook, "hook", None)
+    return getattr(fn, "__module__", None) == "torch.nn.utils.parametrizations" and getattr(fn, "__qualname__", "").endswith(
+        "._weight_norm_compat_hook"
+    )
 
 
 def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
@@ -172,35 +192,45 @@ async def _matched(
         dev = check_device(sched, device)
         known, ties, walk = await sched.run_sync(_module_tensors, module)
         why, optional = walk.loads_own_way, walk.optional
+        if why is None and walk.renamed:
+            names = {n for e in src.entries for n in e.names}
+            old = [p for p in walk.renamed if p + "weight_g" in names or p + "weight_v" in names]
+            why = f"{old[0].rstrip('.') or 'the module'} is weight norm's, and the file has its old names" if old else None
         if why is not None and swap:
             raise MismatchError(
                 f"prepare_swap {source}: {why}, which a swap of its tensors would skip: load a second module with "
                 "load_into and switch to it"
             )
+        streams = cuda.caller_streams()  # new CUDA tensors and copies on the caller's streams
         if why is not None:
+            if meta := [k for k, v in known.items() if v.is_meta]:  # its load_state_dict(assign=True) would drop dtypes and ties
+                raise MismatchError(f"{why}, and has tensors on the meta device ({meta[:5]}): materialize it first (to_empty)")
             got = await read(sched, src.entries, dev)
             loaded = {n: t for e, t in zip(src.entries, got, strict=True) for n in e.names}
             try:
-                return await sched.call(_load_state_dict, module, loaded, known, ties, priority=Priority.LOAD)
+                return await sched.call(
+                    cuda.under, streams, _load_state_dict, module, loaded, known, ties, priority=Priority.LOAD
+                )
             finally:
                 held = [src, loaded, got]
                 del src, loaded, got
                 await sched.discard(known, ties, held)
         if no_meta and (meta := [k for k, v in known.items() if v.is_meta]):
             raise MismatchError(f"the module has tensors on the meta device ({meta[:5]}); load_into materializes them")
-        streams = cuda.caller_streams()  # new CUDA tensors and copies on the caller's streams
         batches, left, unexpected = await sched.call(
             cuda.under, streams, _plan, src.entries, known, ties, place, strict, str(source), window_bytes, priority=Priority.LOAD
         )
         for entries, into, fills in batches:
             got = await read(sched, entries, dev, into=into)
             await sched.call(_each, fn, fills, got, streams, priority=Priority.LOAD)
+        # on the meta device, an optional name stays there: missing, as before torch's default fills it
+        left = [k for k in left if k not in optional or known[k].is_meta]
         # what holds tens of thousands of objects (the source's entries, the plan, the module's
         # tensors) is freed in a thread: freeing them on the loop's thread held it 10 ms and more
         held = [src]
         del src
         await sched.discard(known, ties, batches, held, *(batches[-1] if batches else ()))
-    return LoadResult([k for k in left if k not in optional], unexpected)
+    return LoadResult(left, unexpected)
 
 
 def _load_state_dict(
@@ -210,15 +240,19 @@ def _load_state_dict(
     ties: Mapping[str, tuple[str, ...]],
 ) -> LoadResult:
     """``module.load_state_dict(loaded)`` (its hooks, extra state and overrides run, in this worker
-    thread): a meta module's tensors assigned, an inference module's under ``inference_mode``; a
-    name is missing only if no name tied to it was loaded either."""
-    meta = any(t.is_meta for t in known.values())
+    thread, on the caller's CUDA streams, waited for): an inference module's under
+    ``inference_mode``; a name is missing only if no name tied to it was loaded either. Shapes are
+    load_state_dict's to check (a hook may change them): one that differs is a MismatchError after
+    the others were copied, as load_state_dict leaves them."""
     inference = torch.inference_mode() if any(t.is_inference() for t in known.values()) else contextlib.nullcontext()
     try:
         with inference:
-            got = module.load_state_dict(loaded, strict=False, assign=meta)
+            got = module.load_state_dict(loaded, strict=False)
     except RuntimeError as e:  # shapes that differ, or the module's own refusal
         raise MismatchError(f"{type(module).__name__}.load_state_dict refused the file: {str(e)[:2000]}") from None
+    finally:
+        if torch.cuda.is_available() and any(t.is_cuda for t in known.values()):
+            torch.cuda.current_stream().synchronize()  # the copies read `loaded`, freed next
     missing = [k for k in got.missing_keys if not any(n in loaded for n in ties.get(k, ()))]
     return LoadResult(missing, list(got.unexpected_keys))
 
