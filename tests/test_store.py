@@ -513,3 +513,24 @@ async def test_a_string_that_is_not_unicode_is_a_state_error_and_leaves_nothing(
             await store.save(2, {"w": torch.ones(2), "files": [name]})
         assert store.steps() == [1]
     assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000001"]
+
+
+@pytest.mark.parametrize("kind", ["dotted", "int and str"])
+async def test_load_into_pairs_tensors_by_where_they_are_not_by_a_name_two_paths_share(tmp_path: Any, kind: str) -> None:
+    # {"a.b": x, "a": {"b": y}} names x "a.b" and y "a.b#2" in the order a walk meets them: an
+    # `into` that lists them the other way round swapped them, silently
+    if kind == "dotted":
+        saved: Any = {"a.b": torch.zeros(3), "a": {"b": torch.ones(3)}}
+        into: Any = {"a": {"b": torch.full((3,), 7.0)}, "a.b": torch.full((3,), 7.0)}
+        first, second = into["a.b"], into["a"]["b"]
+    else:
+        saved = {1: torch.zeros(3), "1": torch.ones(3)}
+        into = {"1": torch.full((3,), 7.0), 1: torch.full((3,), 7.0)}
+        first, second = into[1], into["1"]
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, saved)
+        await store.load(into=into)
+        assert first.tolist() == [0.0] * 3 and second.tolist() == [1.0] * 3
+        extra = {**into, "c": torch.ones(1)}  # a tensor at a path the checkpoint lacks: named, not paired
+        with pytest.raises(MismatchError, match="'c'"):
+            await store.load(into=extra)

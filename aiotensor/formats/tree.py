@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -66,6 +66,7 @@ class _Flatten:
     def __init__(self) -> None:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.used: set[str] = set()
+        self.paths: list[Path] = []  # each tensor's, in the order of tensors
 
     def walk(self, obj: Any, path: Path) -> Any:
         if len(path) > _MAX_DEPTH:
@@ -73,6 +74,7 @@ class _Flatten:
         if isinstance(obj, torch.Tensor):
             key = unique_key(key_path(path), self.used)
             self.tensors.append((key, obj))
+            self.paths.append(path)
             return {"tensor": key}
         if isinstance(obj, _SCALARS):
             return obj
@@ -113,6 +115,57 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """
     f = _Flatten()
     return f.walk(state, ()), f.tensors
+
+
+def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` under the keys of the tree a save wrote (:func:`flatten`'s; ``keys``:
+    its tensors' keys), paired
+    by where they are, not by name: two paths that make one dotted name (``{"a.b": x, "a": {"b":
+    y}}``) are named ``a.b`` and ``a.b#2`` in the order a walk meets them, and a ``state`` that
+    lists them in the other order would swap them by name. A tensor of ``state`` at a path the tree
+    lacks keeps its own name (``#`` and a number where that is taken): the caller reports it."""
+    f = _Flatten()
+    f.walk(state, ())
+    if not any("#" in k for k, _ in f.tensors) and not any("#" in k for k in keys):  # no name made twice: names are paths
+        return dict(f.tensors)
+    by_path = {p: t for p, (_, t) in zip(f.paths, f.tensors, strict=True)}
+    out: dict[str, torch.Tensor] = {}
+    for key, path in _key_paths(tree).items():
+        if path in by_path:
+            out[key] = by_path.pop(path)
+    left = {id(t) for t in by_path.values()}
+    for key, t in f.tensors:
+        if id(t) in left:
+            out[unique_key(key, set(out))] = t
+    return out
+
+
+def _key_paths(tree: Any) -> dict[str, Path]:
+    """Each tensor key of a saved tree, with the path of keys (as :func:`flatten` walked them) to it."""
+    out: dict[str, Path] = {}
+    todo: list[tuple[Any, Path]] = [(tree, ())]
+    while todo:
+        node, path = todo.pop()
+        if not (isinstance(node, dict) and len(node) == 1):
+            continue
+        ((tag, val),) = node.items()
+        if tag == "tensor" and isinstance(val, str):
+            out[val] = path
+        elif tag in ("list", "tuple") and isinstance(val, list):
+            todo += [(v, (*path, i)) for i, v in enumerate(val)]
+        elif tag == "dict" and isinstance(val, dict):
+            todo += [(v, (*path, k)) for k, v in val.items()]
+        elif tag == "items" and isinstance(val, list):
+            todo += [(p[1], (*path, _key_of(p[0]))) for p in val if isinstance(p, list) and len(p) == 2]
+        elif tag == "odict" and isinstance(val, list) and len(val) == 2:
+            todo += [(val[0], path), (val[1], (*path, "_metadata"))]
+        elif tag == "counter":
+            todo.append((val, path))
+    return out
+
+
+def _key_of(node: Any) -> Any:
+    return float(node["float"]) if isinstance(node, dict) and set(node) == {"float"} else node
 
 
 class _Unflatten:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -20,7 +20,7 @@ from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reportin
 from ..errors import ManifestError
 from ..formats import manifest as mf
 from ..formats import safetensors as st
-from ..formats.tree import flatten, leaves, unflatten, update
+from ..formats.tree import flatten, leaves, matched, unflatten, update
 from ..location import is_object, local_path
 
 
@@ -282,8 +282,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _destinations(m: mf.Manifest, into: Any, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """``into``'s tensors to read into, checked against the manifest."""
-    _, tensors = flatten(into)
-    given = dict(tensors)
+    given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
     check_into(given, specs, devices, "the checkpoint")
     return given
