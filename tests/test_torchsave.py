@@ -163,3 +163,20 @@ async def test_counters_sizes_and_bytes_read_as_torch_load_reads_them(tmp_path: 
     torch.save({"s": torch.ones(2).untyped_storage()}, tmp_path / "s.pt")
     with pytest.raises(UnsafeFileError, match="bare storage"):
         await load_torch(tmp_path / "s.pt")
+
+
+async def test_a_parameter_with_attributes_and_complex128_read_as_torch_load_reads_them(tmp_path: Any) -> None:
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    p.tensor_model_parallel, p.partition_dim, p.note = True, 0, ["a", 1]  # Megatron marks its parameters so
+    state = {"w": p, "c": torch.randn(3, dtype=torch.complex128)}
+    torch.save(state, tmp_path / "m.pt")
+    want = torch.load(tmp_path / "m.pt", weights_only=True)
+    got = await load_torch(tmp_path / "m.pt")
+    assert type(got["w"]) is torch.nn.Parameter and torch.equal(got["w"], want["w"])
+    assert (got["w"].tensor_model_parallel, got["w"].partition_dim, got["w"].note) == (True, 0, ["a", 1])
+    assert got["c"].dtype == torch.complex128 and torch.equal(got["c"], want["c"])
+    q = torch.nn.Parameter(torch.ones(1))
+    q.evil = torch.ones(1)  # an attribute that is a tensor: refused, not half-read
+    torch.save({"q": q}, tmp_path / "q.pt")
+    with pytest.raises(UnsafeFileError, match="attribute"):
+        await load_torch(tmp_path / "q.pt")

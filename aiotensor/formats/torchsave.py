@@ -18,7 +18,7 @@ import struct
 import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,6 +78,8 @@ class TensorRef:
     conj: bool = False
     neg: bool = False
     parameter: bool = False  # an nn.Parameter (torch.load gives it back as one)
+    # a Parameter's Python attributes (Megatron's tensor_model_parallel, partition_dim...)
+    attrs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __setstate__(self, state: Any) -> None:
         _no_build(self)
@@ -114,7 +116,7 @@ class _Unpickler(pickle.Unpickler):
             return torch.Size
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
             return _latin1
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter"):
+        if module == "torch._utils" and name in _REBUILDS:
             return getattr(_Rebuild, name)
         if module == "torch.storage" and name == "UntypedStorage":
             return _UNTYPED
@@ -148,6 +150,17 @@ class _LegacyStorage:
 
     def __setstate__(self, state: Any) -> None:
         _no_build(self)
+
+
+def _plain_value(v: Any, depth: int = 0) -> bool:
+    """None, bool, int, float, str, or a list, tuple or dict of them (a few levels deep)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if depth < 4 and isinstance(v, (list, tuple)):
+        return all(_plain_value(x, depth + 1) for x in v)
+    if depth < 4 and isinstance(v, dict):
+        return all(_plain_value(x, depth + 1) for x in (*v.keys(), *v.values()))
+    return False
 
 
 def _latin1(text: Any, encoding: Any) -> bytes:
@@ -194,6 +207,24 @@ class _Rebuild:
         return _tensor(storage, dtype, offset, size, stride, requires_grad, metadata)
 
     @staticmethod
+    def _rebuild_parameter_with_state(data: TensorRef, requires_grad: bool, hooks: Any, state: Any) -> TensorRef:
+        """A Parameter with Python attributes: torch.load sets each (``state``: its ``__dict__``, or
+        that and its slots); only plain names, never a dunder, are admitted."""
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+        attrs: dict[str, Any] = {}
+        for part in parts:
+            if part is None:
+                continue
+            if not (
+                isinstance(part, dict) and all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in part)
+            ):
+                raise UnsafeFileError(f"a parameter's state {str(state)[:80]}: not a dict of plain attribute names")
+            if not all(map(_plain_value, part.values())):
+                raise UnsafeFileError("a parameter's attribute holds a tensor or an object: only plain values are admitted")
+            attrs.update(part)
+        return replace(_Rebuild._rebuild_parameter(data, requires_grad, hooks), attrs=attrs)
+
+    @staticmethod
     def _rebuild_parameter(data: TensorRef, requires_grad: bool, hooks: Any) -> TensorRef:
         if not isinstance(data, TensorRef):
             raise UnsafeFileError("a parameter that is not a tensor")
@@ -209,7 +240,7 @@ def _tensor(
 ) -> TensorRef:
     if not (isinstance(offset, int) and offset >= 0 and _ints(tuple(size)) and _ints(tuple(stride)) and len(size) == len(stride)):
         raise UnsafeFileError("a tensor with a malformed offset, size or stride")
-    if dtype not in TORCH_TO_SAFETENSORS:
+    if dtype not in TORCH_TO_SAFETENSORS and dtype != torch.complex128:  # (torch.load reads it; safetensors has no C128)
         raise UnsafeFileError(f"a tensor of dtype {dtype}, which aiotensor does not read")
     size, stride = tuple(size), tuple(stride)
     if math.prod(size) * dtype.itemsize >= 2**63:  # torch counts bytes in int64: absurd, not an allocation
@@ -225,6 +256,7 @@ def _tensor(
 
 
 _BITS = frozenset({"conj", "neg"})
+_REBUILDS = ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter", "_rebuild_parameter_with_state")
 
 
 def is_torch_zip(prefix: bytes) -> bool:
@@ -499,6 +531,8 @@ class _Rebuilt:
         if isinstance(obj, TensorRef):
             t = self.fn(obj)
             done = self.memo[id(obj)] = torch.nn.Parameter(t, requires_grad=obj.requires_grad) if obj.parameter else t
+            for k, v in obj.attrs.items():
+                setattr(done, k, v)
             return done
         if isinstance(obj, dict):
             out: Any = type(obj)() if type(obj) in (dict, OrderedDict, Counter) else {}
