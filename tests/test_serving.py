@@ -569,3 +569,18 @@ async def test_torchs_own_overrides_that_change_nothing_keep_the_fast_path(tmp_p
     st_save({"0.w": torch.ones(5, 3)}, str(tmp_path / "c.safetensors"))
     with pytest.raises(MismatchError, match="materialize it first"):
         await load_into(meta, tmp_path / "c.safetensors")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")
+async def test_weight_norm_of_another_name_loads_its_old_names(tmp_path: Any) -> None:
+    from torch.nn.utils.parametrizations import weight_norm
+
+    old = torch.nn.utils.weight_norm(torch.nn.LSTM(3, 4), name="weight_hh_l0")  # old names: weight_hh_l0_g/_v
+    st_save({k: v.detach().contiguous() for k, v in old.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    want = weight_norm(torch.nn.LSTM(3, 4), name="weight_hh_l0")
+    want.load_state_dict({k: v.detach().clone() for k, v in old.state_dict().items()})
+    got = weight_norm(torch.nn.LSTM(3, 4), name="weight_hh_l0")
+    assert await load_into(got, tmp_path / "m.safetensors") == ([], [])
+    assert_state_equal(
+        {k: v.detach() for k, v in got.state_dict().items()}, {k: v.detach() for k, v in want.state_dict().items()}
+    )

@@ -534,3 +534,24 @@ async def test_load_into_pairs_tensors_by_where_they_are_not_by_a_name_two_paths
         extra = {**into, "c": torch.ones(1)}  # a tensor at a path the checkpoint lacks: named, not paired
         with pytest.raises(MismatchError, match="'c'"):
             await store.load(into=extra)
+
+
+async def test_load_into_pairs_metadata_and_nan_keys_by_where_they_are(tmp_path: Any) -> None:
+    # an OrderedDict's content key "_metadata" beside a tensor in its _metadata, and nan keys,
+    # with names made twice and `into` in another order
+    od: Any = collections.OrderedDict(
+        {"_metadata": {"x": torch.ones(2)}, "a.b": torch.full((2,), 2.0), "a": {"b": torch.full((2,), 3.0)}}
+    )
+    od._metadata = {"x": torch.full((2,), 4.0)}
+    saved = {"od": od, float("nan"): torch.full((2,), 5.0), "nan": torch.full((2,), 6.0)}
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, saved)
+        into_od: Any = collections.OrderedDict(
+            {"a": {"b": torch.zeros(2)}, "a.b": torch.zeros(2), "_metadata": {"x": torch.zeros(2)}}
+        )
+        into_od._metadata = {"x": torch.zeros(2)}
+        into = {"nan": torch.zeros(2), float("nan"): torch.zeros(2), "od": into_od}
+        await store.load(into=into)
+    assert into_od["_metadata"]["x"].tolist() == [1.0] * 2 and into_od._metadata["x"].tolist() == [4.0] * 2
+    assert into_od["a.b"].tolist() == [2.0] * 2 and into_od["a"]["b"].tolist() == [3.0] * 2
+    assert into["nan"].tolist() == [6.0] * 2 and next(v for k, v in into.items() if k != k).tolist() == [5.0] * 2

@@ -152,15 +152,13 @@ class _LegacyStorage:
         _no_build(self)
 
 
-def _plain_value(v: Any, depth: int = 0) -> bool:
-    """None, bool, int, float, str, or a list, tuple or dict of them (a few levels deep)."""
+def _plain_value(v: Any) -> bool:
+    """None, bool, int, float or str, or a list or tuple of at most 64 of them: what parameters
+    are marked with. Never walked deeper (the pickle memo lets a file of a few KB share one list
+    billions of times over)."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
-    if depth < 4 and isinstance(v, (list, tuple)):
-        return all(_plain_value(x, depth + 1) for x in v)
-    if depth < 4 and isinstance(v, dict):
-        return all(_plain_value(x, depth + 1) for x in (*v.keys(), *v.values()))
-    return False
+    return isinstance(v, (list, tuple)) and len(v) <= 64 and all(x is None or isinstance(x, (bool, int, float, str)) for x in v)
 
 
 def _latin1(text: Any, encoding: Any) -> bytes:
@@ -209,19 +207,24 @@ class _Rebuild:
     @staticmethod
     def _rebuild_parameter_with_state(data: TensorRef, requires_grad: bool, hooks: Any, state: Any) -> TensorRef:
         """A Parameter with Python attributes: torch.load sets each (``state``: its ``__dict__``, or
-        that and its slots); only plain names, never a dunder, are admitted."""
+        that and its slots). Only a few, each a new plain name (none a Parameter already has)
+        holding a plain value (:func:`_plain_value`), are admitted."""
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
         attrs: dict[str, Any] = {}
         for part in parts:
             if part is None:
                 continue
-            if not (
-                isinstance(part, dict) and all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in part)
-            ):
-                raise UnsafeFileError(f"a parameter's state {str(state)[:80]}: not a dict of plain attribute names")
-            if not all(map(_plain_value, part.values())):
-                raise UnsafeFileError("a parameter's attribute holds a tensor or an object: only plain values are admitted")
-            attrs.update(part)
+            if not (isinstance(part, dict) and len(part) <= 64):
+                raise UnsafeFileError(f"a parameter's state is a {type(part).__name__}: not a dict of a few attributes")
+            for k, v in part.items():
+                if not (isinstance(k, str) and k.isidentifier() and not hasattr(torch.nn.Parameter, k)):
+                    name = k[:40] if isinstance(k, str) else f"<a {type(k).__name__}>"  # (never the repr of a shared tree)
+                    raise UnsafeFileError(f"a parameter's attribute {name!r}: not a new plain name")
+                if not _plain_value(v):
+                    raise UnsafeFileError(
+                        f"a parameter's attribute {k!r} is a {type(v).__name__}: only plain values are admitted"
+                    )
+                attrs[k] = v
         return replace(_Rebuild._rebuild_parameter(data, requires_grad, hooks), attrs=attrs)
 
     @staticmethod

@@ -74,7 +74,7 @@ class _Flatten:
         if isinstance(obj, torch.Tensor):
             key = unique_key(key_path(path), self.used)
             self.tensors.append((key, obj))
-            self.paths.append(path)
+            self.paths.append(tuple(_NAN if k != k else k for k in path))  # (nan is no key's equal)
             return {"tensor": key}
         if isinstance(obj, _SCALARS):
             return obj
@@ -86,7 +86,7 @@ class _Flatten:
             return {"counter": self.walk(dict(obj), path)}
         if type(obj) is OrderedDict:
             meta = getattr(obj, "_metadata", None)
-            return {"odict": [self.walk(dict(obj), path), None if meta is None else self.walk(meta, (*path, "_metadata"))]}
+            return {"odict": [self.walk(dict(obj), path), None if meta is None else self.walk(meta, (*path, _META))]}
         if isinstance(obj, Mapping):
             keys = list(obj.keys())
             for k in keys:
@@ -128,16 +128,29 @@ def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tenso
     f.walk(state, ())
     if not any("#" in k for k, _ in f.tensors) and not any("#" in k for k in keys):  # no name made twice: names are paths
         return dict(f.tensors)
-    by_path = {p: t for p, (_, t) in zip(f.paths, f.tensors, strict=True)}
+    by_path = {p: (k, t) for p, (k, t) in zip(f.paths, f.tensors, strict=True)}
+    saved = _key_paths(tree)
     out: dict[str, torch.Tensor] = {}
-    for key, path in _key_paths(tree).items():
+    for key, path in saved.items():
         if path in by_path:
-            out[key] = by_path.pop(path)
-    left = {id(t) for t in by_path.values()}
-    for key, t in f.tensors:
-        if id(t) in left:
-            out[unique_key(key, set(out))] = t
+            out[key] = by_path.pop(path)[1]
+    used = set(out) | set(saved)  # a tensor at a path the tree lacks takes no saved key
+    for key, t in by_path.values():
+        out[unique_key(key, used)] = t
     return out
+
+
+class _Marker:
+    """A path element that equals nothing a state's keys hold, shown as ``name`` in key paths."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_META, _NAN = _Marker("_metadata"), _Marker("nan")  # an OrderedDict's _metadata; a nan key
 
 
 def _key_paths(tree: Any) -> dict[str, Path]:
@@ -158,14 +171,16 @@ def _key_paths(tree: Any) -> dict[str, Path]:
         elif tag == "items" and isinstance(val, list):
             todo += [(p[1], (*path, _key_of(p[0]))) for p in val if isinstance(p, list) and len(p) == 2]
         elif tag == "odict" and isinstance(val, list) and len(val) == 2:
-            todo += [(val[0], path), (val[1], (*path, "_metadata"))]
+            todo += [(val[0], path), (val[1], (*path, _META))]
         elif tag == "counter":
             todo.append((val, path))
     return out
 
 
 def _key_of(node: Any) -> Any:
-    return float(node["float"]) if isinstance(node, dict) and set(node) == {"float"} else node
+    if isinstance(node, dict) and set(node) == {"float"}:
+        return _NAN if node["float"] == "nan" else float(node["float"])
+    return node
 
 
 class _Unflatten:

@@ -42,7 +42,7 @@ class _Walk(NamedTuple):
     tensors: dict[str, torch.Tensor] | None  # its state_dict's tensors; None: ask state_dict()
     loads_own_way: str | None  # why it loads its state its own way, if it does
     optional: set[str]  # names a file may lack although the module has them
-    renamed: list[str]  # prefixes whose only hook is weight norm's renaming of its old names
+    renamed: list[str]  # old names weight norm's hook renames, where that is a module's only hook
 
 
 def _module_tensors(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]], _Walk]:
@@ -108,8 +108,9 @@ def _walk(module: torch.nn.Module) -> _Walk:
         d = m.__dict__
         over = kind[1] or (next(a for a in _LOADS if a in d) if not _LOADS_SET.isdisjoint(d) else None)
         hooks = d["_load_state_dict_pre_hooks"]
-        if hooks and all(_renames(h) for h in hooks.values()):
-            renamed.append(prefix)
+        old = [_renames(h) for h in hooks.values()] if hooks else []
+        if old and all(old):
+            renamed += [prefix + n + end for n in old if n for end in ("_g", "_v")]
             hooks = None
         if over or hooks or d["_load_state_dict_post_hooks"]:
             what = f"overrides {over}" if over else "has a load_state_dict hook"
@@ -144,13 +145,17 @@ _NORM = torch.nn.modules.batchnorm._NormBase
 _SET_ASIDE = (_NORM._load_from_state_dict, torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict)
 
 
-def _renames(hook: Any) -> bool:
-    """Is ``hook`` (a wrapped load_state_dict pre-hook) weight norm's, which renames a file's old
-    ``weight_g``/``weight_v`` (a closure in ``torch.nn.utils.parametrizations.weight_norm``)?"""
-    fn = getattr(hook, "hook", None)
-    return getattr(fn, "__module__", None) == "torch.nn.utils.parametrizations" and getattr(fn, "__qualname__", "").endswith(
-        "._weight_norm_compat_hook"
-    )
+def _renames(hook: Any) -> str | None:
+    """The name whose old ``{name}_g``/``{name}_v`` a file may hold, where ``hook`` (a wrapped
+    load_state_dict pre-hook) is weight norm's, which renames them (a closure in
+    ``torch.nn.utils.parametrizations.weight_norm``, over the ``name`` it was given); else None."""
+    fn: Any = getattr(hook, "hook", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", None) != "torch.nn.utils.parametrizations" or not qualname.endswith("._weight_norm_compat_hook"):
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False))
+    name = cells["name"].cell_contents if "name" in cells else None
+    return name if isinstance(name, str) else None
 
 
 def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
@@ -194,8 +199,8 @@ async def _matched(
         why, optional = walk.loads_own_way, walk.optional
         if why is None and walk.renamed:
             names = {n for e in src.entries for n in e.names}
-            old = [p for p in walk.renamed if p + "weight_g" in names or p + "weight_v" in names]
-            why = f"{old[0].rstrip('.') or 'the module'} is weight norm's, and the file has its old names" if old else None
+            old = [n for n in walk.renamed if n in names]
+            why = f"weight norm renames the file's old name {old[0]!r}" if old else None
         if why is not None and swap:
             raise MismatchError(
                 f"prepare_swap {source}: {why}, which a swap of its tensors would skip: load a second module with "
@@ -251,8 +256,8 @@ def _load_state_dict(
     except RuntimeError as e:  # shapes that differ, or the module's own refusal
         raise MismatchError(f"{type(module).__name__}.load_state_dict refused the file: {str(e)[:2000]}") from None
     finally:
-        if torch.cuda.is_available() and any(t.is_cuda for t in known.values()):
-            torch.cuda.current_stream().synchronize()  # the copies read `loaded`, freed next
+        for device in {t.device for t in known.values() if t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the copies read `loaded`, freed next
     missing = [k for k in got.missing_keys if not any(n in loaded for n in ties.get(k, ()))]
     return LoadResult(missing, list(got.unexpected_keys))
 
