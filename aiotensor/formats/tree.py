@@ -63,15 +63,16 @@ def _float(x: float) -> Any:
 class _Flatten:
     """flatten's walk (a class, not a nested function: see the comment under _MAX_DEPTH)."""
 
-    def __init__(self) -> None:
-        self.tensors: list[tuple[str, torch.Tensor]] = []
+    def __init__(self, leaf: type = torch.Tensor) -> None:
+        self.leaf = leaf  # what a tensor leaf is (matched() walks a saved tree's keys as leaves)
+        self.tensors: list[tuple[str, Any]] = []
         self.used: set[str] = set()
         self.paths: list[Path] = []  # each tensor's, in the order of tensors
 
     def walk(self, obj: Any, path: Path) -> Any:
         if len(path) > _MAX_DEPTH:
             raise StateError(f"state nests deeper than {_MAX_DEPTH} levels at {key_path(path)!r}")
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, self.leaf):
             key = unique_key(key_path(path), self.used)
             self.tensors.append((key, obj))
             self.paths.append(tuple(_NAN if k != k else k for k in path))  # (nan is no key's equal)
@@ -119,25 +120,34 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
 
 def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tensor]:
     """The tensors of ``state`` under the keys of the tree a save wrote (:func:`flatten`'s; ``keys``:
-    its tensors' keys), paired
-    by where they are, not by name: two paths that make one dotted name (``{"a.b": x, "a": {"b":
-    y}}``) are named ``a.b`` and ``a.b#2`` in the order a walk meets them, and a ``state`` that
-    lists them in the other order would swap them by name. A tensor of ``state`` at a path the tree
-    lacks keeps its own name (``#`` and a number where that is taken): the caller reports it."""
+    its tensors' keys), paired by where they are, not by name: two paths that make one dotted name
+    (``{"a.b": x, "a": {"b": y}}``) are named ``a.b`` and ``a.b#2`` in the order a walk meets them,
+    and a ``state`` that lists them in the other order would swap them by name. The saved tree's
+    paths come from the same two walks a load and a save make (:func:`unflatten` with its keys as
+    leaves, then flatten's). A tensor of ``state`` at a path the tree lacks keeps its own name
+    (``#`` and a number where that is taken): the caller reports it."""
     f = _Flatten()
     f.walk(state, ())
     if not any("#" in k for k, _ in f.tensors) and not any("#" in k for k in keys):  # no name made twice: names are paths
         return dict(f.tensors)
     by_path = {p: (k, t) for p, (k, t) in zip(f.paths, f.tensors, strict=True)}
-    saved = _key_paths(tree)
+    walked = _Flatten(leaf=_Key)
+    walked.walk(unflatten(tree, _Key), ())
     out: dict[str, torch.Tensor] = {}
-    for key, path in saved.items():
+    for (_, leaf), path in zip(walked.tensors, walked.paths, strict=True):
         if path in by_path:
-            out[key] = by_path.pop(path)[1]
-    used = set(out) | set(saved)  # a tensor at a path the tree lacks takes no saved key
+            out[leaf.key] = by_path.pop(path)[1]
+    used = set(out) | {leaf.key for _, leaf in walked.tensors}  # a tensor at a path the tree lacks takes no saved key
     for key, t in by_path.values():
         out[unique_key(key, used)] = t
     return out
+
+
+class _Key:
+    """A saved tensor's key, as a leaf of the tree :func:`matched` rebuilds."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
 
 
 class _Marker:
@@ -151,36 +161,6 @@ class _Marker:
 
 
 _META, _NAN = _Marker("_metadata"), _Marker("nan")  # an OrderedDict's _metadata; a nan key
-
-
-def _key_paths(tree: Any) -> dict[str, Path]:
-    """Each tensor key of a saved tree, with the path of keys (as :func:`flatten` walked them) to it."""
-    out: dict[str, Path] = {}
-    todo: list[tuple[Any, Path]] = [(tree, ())]
-    while todo:
-        node, path = todo.pop()
-        if not (isinstance(node, dict) and len(node) == 1):
-            continue
-        ((tag, val),) = node.items()
-        if tag == "tensor" and isinstance(val, str):
-            out[val] = path
-        elif tag in ("list", "tuple") and isinstance(val, list):
-            todo += [(v, (*path, i)) for i, v in enumerate(val)]
-        elif tag == "dict" and isinstance(val, dict):
-            todo += [(v, (*path, k)) for k, v in val.items()]
-        elif tag == "items" and isinstance(val, list):
-            todo += [(p[1], (*path, _key_of(p[0]))) for p in val if isinstance(p, list) and len(p) == 2]
-        elif tag == "odict" and isinstance(val, list) and len(val) == 2:
-            todo += [(val[0], path), (val[1], (*path, _META))]
-        elif tag == "counter":
-            todo.append((val, path))
-    return out
-
-
-def _key_of(node: Any) -> Any:
-    if isinstance(node, dict) and set(node) == {"float"}:
-        return _NAN if node["float"] == "nan" else float(node["float"])
-    return node
 
 
 class _Unflatten:
