@@ -321,9 +321,10 @@ def mapped(fd: int, path: str, size: int, specs: Sequence[st.TensorSpec], crcs: 
 def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> list[torch.Tensor]:
     """Tensors over ``memory`` (uint8 on the CPU, its byte 0 the file's byte ``base``) for ``specs``
     (none empty, each at a multiple of its item size from ``base``), each with a storage of its own
-    over its bytes (``torch.frombuffer``), as the tensors of ``torch.load`` and of safetensors have
-    one each. As views of one storage, ``torch.save``, ``pickle`` or ``deepcopy`` of one tensor
-    carried the whole allocation, ``resize_`` wrote over its neighbours,
+    over its bytes (a numpy array of its shape handed to ``torch.from_numpy``, or
+    ``torch.frombuffer`` where numpy lacks the dtype), as the tensors of ``torch.load`` and of
+    safetensors have one each. As views of one storage, ``torch.save``, ``pickle`` or ``deepcopy``
+    of one tensor carried the whole allocation, ``resize_`` wrote over its neighbours,
     ``safetensors.torch.save_model`` refused them and ``torch.set_rng_state`` (which ignores a
     storage offset) crashed the process. Such a storage cannot be resized, and keeps ``memory``
     alive. (About 1 us a tensor where numpy has its dtype: 16 ms per 20,000 of one or two
