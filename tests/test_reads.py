@@ -203,7 +203,8 @@ def data_offsets(path: Any) -> dict[str, int]:
 
 
 async def test_small_tensors_are_carved_from_few_allocations_each_with_a_storage_of_its_own(tmp_path: Any) -> None:
-    w = {f"t.{i}": torch.randn(i % 7 + 1, 3).to([torch.float32, torch.float16, torch.float64][i % 3]) for i in range(3000)}
+    kinds = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float8_e4m3fn]  # the last two: not numpy's
+    w = {f"t.{i}": torch.randn(i % 7 + 1, 3, *[2] * (i % 3)).to(kinds[i % 5]) for i in range(3000)}
     w["big"] = torch.randn(2 << 20)
     w["rng"] = torch.get_rng_state()  # torch.set_rng_state ignores a storage offset: it crashed on a view
     path = tmp_path / "m.safetensors"
@@ -224,8 +225,9 @@ async def test_small_tensors_are_carved_from_few_allocations_each_with_a_storage
     torch.Generator().set_state(got["rng"])
     got["t.0"].add_(1)  # writing one changes no other
     equal({k: v for k, v in got.items() if k != "t.0"}, {k: v for k, v in w.items() if k != "t.0"})
-    with pytest.raises(RuntimeError, match="not resizable"):  # as safetensors' (torch keeps the new shape even so)
-        got["t.0"].resize_(1000)  # which would write over its neighbours
+    for k in ("t.0", "t.3", "t.4"):  # float32, bfloat16, float8
+        with pytest.raises(RuntimeError, match="not resizable"):  # as safetensors' (torch keeps the new shape even so)
+            got[k].resize_(1000)  # which would write over its neighbours
     # a torch.save file's storages stay their own (torch.load's sharing), carved or not
     torch.save(w, tmp_path / "m.pt")
     got = await aiotensor.load_torch(tmp_path / "m.pt")

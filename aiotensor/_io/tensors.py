@@ -321,14 +321,16 @@ def mapped(fd: int, path: str, size: int, specs: Sequence[st.TensorSpec], crcs: 
 def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> list[torch.Tensor]:
     """Tensors over ``memory`` (uint8 on the CPU, its byte 0 the file's byte ``base``) for ``specs``
     (none empty, each at a multiple of its item size from ``base``), each with a storage of its own
-    over its bytes (a numpy array of its shape handed to ``torch.from_numpy``, or
-    ``torch.frombuffer`` where numpy lacks the dtype), as the tensors of ``torch.load`` and of
+    over its bytes (a numpy array of its shape handed to ``torch.from_numpy``; where numpy lacks
+    the dtype, ``torch.frombuffer`` for one dimension, else an integer array of the same item size
+    viewed as the dtype), as the tensors of ``torch.load`` and of
     safetensors have one each. As views of one storage, ``torch.save``, ``pickle`` or ``deepcopy``
     of one tensor carried the whole allocation, ``resize_`` wrote over its neighbours,
     ``safetensors.torch.save_model`` refused them and ``torch.set_rng_state`` (which ignores a
     storage offset) crashed the process. Such a storage cannot be resized, and keeps ``memory``
     alive. (About 1 us a tensor where numpy has its dtype: 16 ms per 20,000 of one or two
-    dimensions, where splits of one view took 8 and 10; 2 us for others of two dimensions.)"""
+    dimensions, where splits of one view took 8 and 10; 2 us for others of two dimensions, where
+    ``frombuffer`` then ``resize_`` took 6 and gave the GIL up in each ``resize_``.)"""
     buf = memory.numpy()
     out = []
     for s in specs:
@@ -336,11 +338,17 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
         if kind is not None:  # one numpy array of its shape over its bytes, its memory torch's storage
             out.append(torch.from_numpy(np.ndarray(s.shape, kind, buf, s.offset - base)))
             continue
-        dtype = SAFETENSORS_TO_TORCH[s.dtype]  # numpy lacks it (bfloat16, float8): a 1-D tensor, shaped in place
-        t = torch.frombuffer(buf, dtype=dtype, count=s.nbytes // dtype.itemsize, offset=s.offset - base)
+        dtype = SAFETENSORS_TO_TORCH[s.dtype]  # numpy lacks it (bfloat16, float8)
         shape = torch_shape(s.dtype, s.shape)
-        out.append(t if len(shape) == 1 else t.resize_(shape))
+        if len(shape) == 1:  # made in one call
+            out.append(torch.frombuffer(buf, dtype=dtype, count=s.nbytes // dtype.itemsize, offset=s.offset - base))
+        else:  # an integer array of its item size and shape, viewed as its dtype
+            kind = _BITS[dtype.itemsize]
+            out.append(torch.from_numpy(np.ndarray(shape, kind, buf, s.offset - base)).view(dtype))
     return out
+
+
+_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 
 
 _NUMPY = {
