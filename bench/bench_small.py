@@ -4,13 +4,18 @@ the median of the paired ratios (> 1: faster). With ``--other TREE`` (a ``git wo
 commit) the two trees run alternately, each in a process of its own, so that a change is measured
 against the machine's drift.
 
-    python bench/bench_small.py [--layout flat|matrix] [--tensors 20000] [--reps 7] [--runs 2] [--other TREE]
+    python bench/bench_small.py [--layout flat|matrix] [--tensors 20000] [--reps 7] [--runs 2] [--other TREE] [--busy]
 
 Loaders: ``load_file``, ``stream`` (every tensor kept), ``load_into`` a module holding those
 tensors (one submodule per tensor: ``bench_serving.Holder``), and a store's ``load()`` (of a store
 each tree saves itself). Every file is read into the page cache before each repetition. Layouts:
 ``flat``, bench_serving's (1-D float32 tensors of ~5 KB: 0.1 GB), and ``matrix`` (2-D float32
 tensors of 32 B to 512 B: almost no bytes, so every microsecond is per-tensor work).
+
+``--busy``: a thread of pure Python spins beside every loader, as an application's threads run
+beside a hot swap's load (request handlers, a tokenizer). A loader that gives the GIL up around
+each tensor's read waits a switch interval to take it back each time it loses it to that thread
+(5 ms by default; aiotensor sets 1 ms during its operations, ``Scheduler(switch_interval=)``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r"""
 import asyncio, gc, hashlib, os, statistics, sys, time
-tree, folder, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tree, folder, reps, busy = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "busy"
 sys.path.insert(0, tree); sys.path.insert(0, os.path.join(tree, "bench"))
 import torch
 from safetensors.torch import load_file as st_load
@@ -66,7 +71,15 @@ async def into():
 tools = {"safetensors pread": lambda: asyncio.to_thread(st_load, path, backend="pread"),
          "load_file": lambda: aiotensor.load_file(path), "stream": stream, "load_into": into, "store load()": sload}
 
+def spin():  # an application thread that never waits: each loader shares the GIL with it
+    x = 0
+    while True:
+        x += 1
+
 async def main():
+    if busy:
+        import threading
+        threading.Thread(target=spin, daemon=True).start()
     res = {}
     for _ in range(reps):
         warm()
@@ -107,6 +120,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--runs", type=int, default=2, help="child processes per tree, alternating")
     p.add_argument("--other", help="another tree (a git worktree) to run alternately")
+    p.add_argument("--busy", action="store_true", help="a thread of pure Python runs beside every loader")
     p.add_argument("--dir", default="/tmp/aiotensor-bench-small")
     a = p.parse_args()
     folder = os.path.join(a.dir, f"{a.layout}-{a.tensors}")
@@ -116,12 +130,13 @@ def main() -> None:
     for _ in range(a.runs):
         for name, tree in trees.items():
             got = subprocess.run(
-                [sys.executable, "-c", CHILD, tree, folder, str(a.reps)], capture_output=True, text=True, check=True
+                [sys.executable, "-c", CHILD, tree, folder, str(a.reps), "busy" if a.busy else "idle"], capture_output=True, text=True, check=True
             )
             for line in got.stdout.strip().splitlines():
                 tool, ms, ratio = line.split("\t")
                 rows.setdefault(tool, {}).setdefault(name, []).append(f"{ratio} ({ms} ms)")
-    print(f"# {a.tensors} small tensors ({a.layout}), warm, one process: ratio to safetensors pread (> 1: faster), per run\n")
+    beside = ", beside a thread of pure Python" if a.busy else ""
+    print(f"# {a.tensors} small tensors ({a.layout}), warm, one process{beside}: ratio to safetensors pread (> 1: faster), per run\n")
     print("| tool | " + " | ".join(trees) + " |\n|---|" + "---|" * len(trees))
     for tool, by in rows.items():
         print(f"| {tool} | " + " | ".join(", ".join(by.get(t, [])) for t in trees) + " |")
