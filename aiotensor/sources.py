@@ -335,11 +335,11 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
     if SINGLE in names:
         files = [SINGLE]
     elif INDEX in names:
-        files = _index_files(engine, os.path.join(folder, INDEX))
+        files = _index_files(engine, real_path(os.path.join(folder, INDEX)))  # a Hugging Face cache links it to a blob
     elif BIN in names:
         files = [BIN]
     elif BIN_INDEX in names:
-        files = _index_files(engine, os.path.join(folder, BIN_INDEX))
+        files = _index_files(engine, real_path(os.path.join(folder, BIN_INDEX)))  # a Hugging Face cache links it to a blob
     else:
         files = sorted(n for n in names if n.endswith(".safetensors"))
     if not files:
@@ -372,7 +372,7 @@ def _index_files(engine: Engine, index: str) -> list[str]:
         raise ManifestError("weight_map must map tensor names to file names", index)
     files = list(dict.fromkeys(weight_map.values()))
     for f in files:
-        if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith("."):
+        if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith(".") or "\x00" in f:
             raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)
     return files
 

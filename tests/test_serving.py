@@ -62,10 +62,86 @@ async def test_stream_a_sharded_hugging_face_folder(tmp_path: Any) -> None:
     got = await collect(stream(tmp_path, dtype=torch.float16))
     assert set(got) == set(w) and all(t.dtype == torch.float16 for t in got.values())
     assert all(torch.equal(got[k], w[k].half()) for k in w)
-    index["weight_map"][keys[0]] = "../outside.safetensors"
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ManifestError, match="plain file name"):
-        await collect(stream(tmp_path))
+    for bad in ("../outside.safetensors", "a\x00b.safetensors"):  # (a NUL was a raw ValueError)
+        index["weight_map"][keys[0]] = bad
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(ManifestError, match="plain file name"):
+            await collect(stream(tmp_path))
+
+
+@pytest.mark.parametrize("index", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
+async def test_a_sharded_model_in_the_hugging_face_cache_layout(tmp_path: Any, index: str) -> None:
+    """huggingface_hub's cache links every file of ``snapshots/<revision>/``, the index too, to
+    ``../../blobs/<hash>``: the index was refused as a link, so no sharded model of the cache loaded."""
+    w = weights(1)
+    keys = sorted(w)
+    repo = tmp_path / "models--org--name"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    suffix = ".safetensors" if index.startswith("model.") else ".bin"
+    halves = {f"model-00001-of-00002{suffix}": keys[:3], f"model-00002-of-00002{suffix}": keys[3:]}
+    for i, (f, ks) in enumerate(halves.items()):
+        part = {k: w[k] for k in ks}
+        if suffix == ".safetensors":
+            st_save(part, str(blobs / f"{i:040x}"))
+        else:
+            torch.save(part, blobs / f"{i:040x}")
+        (snapshot / f).symlink_to(f"../../blobs/{i:040x}")
+    (blobs / ("f" * 40)).write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}))
+    (snapshot / index).symlink_to("../../blobs/" + "f" * 40)
+    assert_state_equal(dict(sorted((await collect(stream(snapshot))).items())), dict(sorted(w.items())))
+    module = torch.nn.Module()
+    for k, t in w.items():  # a module of those names
+        *path, leaf = k.split(".")
+        at = module
+        for p in path:
+            if not hasattr(at, p):
+                at.add_module(p, torch.nn.Module())
+            at = getattr(at, p)
+        at.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
+    await load_into(module, snapshot)
+    assert_state_equal(dict(sorted(module.state_dict().items())), dict(sorted(w.items())))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_stream_dropped_unclosed_is_closed_once_collected(tmp_path: Any) -> None:
+    """A consumer that leaves ``async for`` without ``async with`` or ``aclose()`` (a ``return``, or
+    its task cancelled between tensors): the reader task held the stream, so its files, its window
+    of tensors read ahead and its reader stayed until the event loop ended, one more per request."""
+    import gc
+
+    w = {f"t.{i}": torch.randn(64 * 1024) for i in range(32)}  # 8 MB, 256 KB a tensor
+    st_save(w, str(tmp_path / "m.safetensors"))
+    eng = FaultyEngine()
+    before = open_fds()
+
+    async def peek() -> str:
+        async for name, _ in stream(tmp_path / "m.safetensors", window_bytes=1 << 20, scheduler=aiotensor.Scheduler(eng)):
+            return name
+        raise AssertionError("empty")
+
+    async def slow_consumer() -> None:
+        async for _ in stream(tmp_path / "m.safetensors", window_bytes=1 << 20, scheduler=aiotensor.Scheduler(eng)):
+            await anyio.sleep(10)  # its own work, where it is cancelled
+
+    for _ in range(3):
+        assert await peek() == "t.0"
+    with anyio.move_on_after(0.2):
+        await slow_consumer()
+    gc.collect()
+    for _ in range(200):  # closing runs as a task of the loop
+        if open_fds() == before:
+            break
+        await anyio.sleep(0.01)
+    assert open_fds() == before, "a dropped stream kept its files open"
+    read = read_bytes(eng)
+    assert read < 4 * 3 * (1 << 20) + (8 << 20), "each stream read within its window"
+    await anyio.sleep(0.1)
+    assert read_bytes(eng) == read, "nothing is read after the streams were dropped"
 
 
 async def test_stream_a_checkpoint_and_a_store_root(tmp_path: Any) -> None:
@@ -219,6 +295,24 @@ async def test_a_hot_swap_switches_whole_or_not_at_all(tmp_path: Any) -> None:
     with pytest.raises(ChecksumError):
         await prepare_swap(model, tmp_path / "v3.safetensors")
     assert torch.equal(bits(model.weight), bits(new.weight))
+
+
+async def test_a_swap_refuses_a_module_changed_since_it_was_prepared(tmp_path: Any) -> None:
+    """``apply()`` set each parameter's data to the tensor prepared for it: after ``model.half()``
+    it silently put float32 weights back, and a parameter removed meanwhile was a KeyError."""
+    model = torch.nn.Linear(32, 8)
+    await save_file(dict(torch.nn.Linear(32, 8).state_dict()), tmp_path / "v2.safetensors")
+    swap = await prepare_swap(model, tmp_path / "v2.safetensors")
+    model.half()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(MismatchError, match=r"changed since prepare_swap: \['weight', 'bias'\]"):
+        swap.apply()
+    assert_state_equal({k: v.detach() for k, v in model.state_dict().items()}, before)  # nothing switched
+    swap = await prepare_swap(model, tmp_path / "v2.safetensors")  # prepared again: it switches
+    del model.bias
+    model.bias = None
+    with pytest.raises(MismatchError, match=r"\['bias'\]"):
+        swap.apply()
 
 
 class TiedLM(torch.nn.Module):

@@ -343,12 +343,12 @@ def views(memory: torch.Tensor, base: int, specs: Sequence[st.TensorSpec]) -> li
         if len(shape) == 1:  # made in one call
             out.append(torch.frombuffer(buf, dtype=dtype, count=s.nbytes // dtype.itemsize, offset=s.offset - base))
         else:  # an integer array of its item size and shape, viewed as its dtype
-            kind = _BITS[dtype.itemsize]
-            out.append(torch.from_numpy(np.ndarray(shape, kind, buf, s.offset - base)).view(dtype))
+            ints = _BITS[dtype.itemsize]
+            out.append(torch.from_numpy(np.ndarray(shape, ints, buf, s.offset - base)).view(dtype))
     return out
 
 
-_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+_BITS: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 
 
 _NUMPY = {

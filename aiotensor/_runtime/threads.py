@@ -249,6 +249,24 @@ def spawn(fn: Callable[[], Awaitable[None]]) -> None:
     task.add_done_callback(_keep_alive.discard)
 
 
+def spawner() -> Callable[[Callable[[], Awaitable[None]]], None]:
+    """:func:`spawn` for later, from any thread (a finalizer runs on whichever collects): ``later(fn)``
+    runs ``fn()`` as a task of the loop running now; nothing once that loop has ended."""
+    soon: Callable[..., object]
+    try:
+        soon = asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        soon = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def later(fn: Callable[[], Awaitable[None]]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has ended (trio's RunFinishedError is one too)
+            soon(spawn, fn)
+
+    return later
+
+
 class Tasks:
     """Work started in the background (by :func:`spawn`) that an owner waits for when it closes."""
 

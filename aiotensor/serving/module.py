@@ -384,6 +384,10 @@ async def load_into(
             what was loaded).
         What :func:`stream` raises.
 
+    A load that fails part way (ChecksumError, OSError) leaves what it read in the module, the
+    corrupt tensor's bytes too: each is read straight into its place before its checksum is
+    checked. Use :func:`prepare_swap` to switch only once everything is in and verified.
+
     Cancellation: returns once no thread writes into the module; it may hold a mix of old and new
     values (load into a copy, or use :func:`prepare_swap`, to switch only once everything is in).
     """
@@ -417,13 +421,29 @@ class Swap:
         between two requests, on the loop thread, while no other thread runs the module (with
         inference in worker threads, load a second module and switch the reference instead, as
         ``examples/model_server.py`` does): it does not await, so no coroutine sees half of it.
-        A tied parameter switches under all its names at once (it is one tensor)."""
+        A tied parameter switches under all its names at once (it is one tensor).
+
+        Raises:
+            MismatchError: the module changed since :func:`prepare_swap` (``.half()``, ``.to()``, a
+                parameter replaced or removed): a tensor it has now is not of the shape, dtype and
+                device of the one prepared for it. Nothing is switched; prepare the swap again.
+        """
         # now: .to() or new parameters since replace tensors (by the walk where it gives the same:
         # half state_dict()'s time, on the loop's thread, for a module of many submodules)
         current = _tensors_by_name(self.module)
+        changed = [n for n, t in self.tensors.items() if n not in current or _kind(current[n]) != _kind(t)]
+        if changed:
+            raise MismatchError(
+                f"the module changed since prepare_swap: {changed[:5]} ({len(changed)} in all) are no longer "
+                "tensors of the shape, dtype and device the swap loaded; nothing was switched, prepare it again"
+            )
         with torch.no_grad():
             for name, new in self.tensors.items():
                 current[name].data = new
+
+
+def _kind(t: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return t.shape, t.dtype, t.device
 
 
 async def prepare_swap(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from itertools import compress
 from operator import attrgetter, is_not, itemgetter
 from types import TracebackType
@@ -102,55 +103,13 @@ def _finish(a: Assembly, names: list[str], dtype: DtypeRule, stream: Any) -> lis
         return finish(a, names, dtype)
 
 
-class TensorStream:
-    """``async for name, tensor in aiotensor.stream(source, ...)``: the tensors of ``source`` (a
-    safetensors file, a Hugging Face folder, a torch.save zip, an aiotensor checkpoint step or store
-    root) as ``(name, tensor)`` pairs in file order, as soon as their bytes land: small neighbours
-    are read together (up to :data:`knobs.STREAM_BATCH_TENSORS` tensors and :data:`knobs.STREAM_BATCH_BYTES`) and handed out
-    together, a bigger tensor alone.
+class _Stream:
+    """A :class:`TensorStream`'s reading and what it landed: what its reader task holds, never the
+    TensorStream a consumer holds (so that dropping that one closes this)."""
 
-    ``keys`` selects what is read: one name, names and prefixes (a prefix ends with ``.``), or a
-    predicate; the bytes of other tensors are never read, and a name or prefix that selects nothing
-    is an error. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of that tensor (a
-    tensor-parallel shard; its checksum covers the whole tensor, so a row slice is not verified).
-    ``dtype`` converts floating-point tensors as they arrive, as ``nn.Module.to(dtype)`` does
-    (``dtype=lambda name, d: torch.bfloat16`` converts every tensor; return None to keep one).
-    Tensors of a torch.save file that share a storage come as views of it, as ``torch.load`` makes
-    them. Several streams may share one ``scheduler`` (loads run before saves on it).
-
-    Raises (from the iteration): CheckpointNotFoundError (nothing there, or a store root with no
-    committed step), MismatchError (``keys`` or ``rows`` name what is not there), HeaderError /
-    ManifestError (a malformed file, index or metadata, naming it), UnsafeFileError (a torch.save
-    file that needs more than a state_dict's pickle), ChecksumError (a corrupt tensor of a
-    checksummed file or checkpoint), OSError. An error is raised where its batch begins: the
-    tensors read with a corrupt one are not handed out.
-
-    Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
-    window is read alone); a slow consumer holds the reading back. Use it as an async context
-    manager (``async with stream(...) as s: async for ... in s``) or call :meth:`aclose` when
-    breaking out early: that stops every read at once and frees what was read ahead. A stream
-    abandoned without either stops reading when its window is full and is freed with it.
-
-    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
-    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
-
-    Cancellation: cancelling the task that iterates cancels the reads in flight; the stream is
-    then closed (its reader task stopped, nothing left writing).
-    """
-
-    def __init__(
-        self,
-        source: str | os.PathLike[str],
-        *,
-        device: str | torch.device = "cpu",
-        dtype: DtypeRule = None,
-        keys: Keys = None,
-        rows: Mapping[str, tuple[int, int]] | None = None,
-        window_bytes: int = knobs.WINDOW_BYTES,
-        verify: bool = True,
-        scheduler: Scheduler | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        """``args``: :class:`TensorStream`'s, in its order."""
+        source, device, dtype, keys, rows, window_bytes, verify, scheduler, storage_options = args
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
         self.source = local_path(source, objects=True)
@@ -182,17 +141,9 @@ class TensorStream:
         self._reader_done: anyio.Event | None = None
         self._closed = False
         self._yielded = 0.0  # when the consumer last let other tasks run
+        self._later: Callable[[Callable[[], Awaitable[None]]], None] | None = None  # spawns on its loop, from any thread
 
-    async def __aenter__(self) -> TensorStream:
-        return self
-
-    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        await self.aclose()
-
-    def __aiter__(self) -> TensorStream:
-        return self
-
-    async def __anext__(self) -> tuple[str, torch.Tensor]:
+    async def next(self) -> tuple[str, torch.Tensor]:
         if not self._closed and time.perf_counter() - self._yielded > knobs.YIELD_S:
             await self._wait(ready=True)
         if self._closed:
@@ -252,7 +203,13 @@ class TensorStream:
 
     def _start_reader(self) -> None:
         self._reader_done = anyio.Event()
+        self._later = threads.spawner()
         threads.spawn(self._read_all)
+
+    def abandon(self) -> None:
+        """Its TensorStream was collected unclosed (on any thread): close it on its event loop."""
+        if not self._closed and self._later is not None:
+            self._later(self.aclose)
 
     async def _read_all(self) -> None:
         """Read the batches in order, up to ``workers`` at once and ``window_bytes`` ahead of the
@@ -342,6 +299,94 @@ class TensorStream:
             if self._own:
                 self._own = False
                 await anyio.to_thread.run_sync(self.scheduler.close)
+
+
+class TensorStream:
+    """``async for name, tensor in aiotensor.stream(source, ...)``: the tensors of ``source`` (a
+    safetensors file, a Hugging Face folder, a torch.save zip, an aiotensor checkpoint step or store
+    root) as ``(name, tensor)`` pairs in file order, as soon as their bytes land: small neighbours
+    are read together (up to :data:`knobs.STREAM_BATCH_TENSORS` tensors and :data:`knobs.STREAM_BATCH_BYTES`) and handed out
+    together, a bigger tensor alone.
+
+    ``keys`` selects what is read: one name, names and prefixes (a prefix ends with ``.``), or a
+    predicate; the bytes of other tensors are never read, and a name or prefix that selects nothing
+    is an error. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of that tensor (a
+    tensor-parallel shard; its checksum covers the whole tensor, so a row slice is not verified).
+    ``dtype`` converts floating-point tensors as they arrive, as ``nn.Module.to(dtype)`` does
+    (``dtype=lambda name, d: torch.bfloat16`` converts every tensor; return None to keep one).
+    Tensors of a torch.save file that share a storage come as views of it, as ``torch.load`` makes
+    them. Several streams may share one ``scheduler`` (loads run before saves on it).
+
+    Raises (from the iteration): CheckpointNotFoundError (nothing there, or a store root with no
+    committed step), MismatchError (``keys`` or ``rows`` name what is not there), HeaderError /
+    ManifestError (a malformed file, index or metadata, naming it), UnsafeFileError (a torch.save
+    file that needs more than a state_dict's pickle), ChecksumError (a corrupt tensor of a
+    checksummed file or checkpoint), OSError. An error is raised where its batch begins: the
+    tensors read with a corrupt one are not handed out.
+
+    Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
+    window is read alone); a slow consumer holds the reading back. Use it as an async context
+    manager (``async with stream(...) as s: async for ... in s``) or call :meth:`aclose` when
+    breaking out early: that stops every read at once and frees what was read ahead. A stream
+    dropped without either (a ``break`` or ``return`` out of ``async for``, a consumer task
+    cancelled) is closed as soon as it is collected: its reads stop, its files are closed and what
+    it read ahead is freed.
+
+    ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
+    ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
+
+    Cancellation: cancelling the task that iterates cancels the reads in flight; the stream is
+    then closed (its reader task stopped, nothing left writing).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: DtypeRule = None,
+        keys: Keys = None,
+        rows: Mapping[str, tuple[int, int]] | None = None,
+        window_bytes: int = knobs.WINDOW_BYTES,
+        verify: bool = True,
+        scheduler: Scheduler | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        # the reading runs on a _Stream, which its reader task holds, never this object: a consumer
+        # that drops this stream unclosed lets it be collected, which closes it
+        self._s = s = _Stream((source, device, dtype, keys, rows, window_bytes, verify, scheduler, storage_options))
+        weakref.finalize(self, s.abandon).atexit = False
+        self.source, self.device, self.dtype, self.window_bytes, self.verify, self.scheduler = (
+            s.source,
+            s.device,
+            s.dtype,
+            s.window_bytes,
+            s.verify,
+            s.scheduler,
+        )
+
+    @property
+    def bytes_read(self) -> int:
+        """The bytes of the batches read so far."""
+        return self._s.bytes_read
+
+    async def __aenter__(self) -> TensorStream:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self._s.aclose()
+
+    def __aiter__(self) -> TensorStream:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, tuple[str, torch.Tensor]]:
+        return self._s.next()  # (its coroutine as it is: no frame more per tensor)
+
+    async def aclose(self) -> None:
+        """Stop reading and free what was read ahead (and the read plan: for tens of thousands of
+        tensors, freeing it is work too, done in a worker thread); waits until no thread writes any
+        more. Cancellation: shielded, it finishes."""
+        await self._s.aclose()
 
 
 def stream(source: str | os.PathLike[str], **kwargs: Any) -> TensorStream:
