@@ -431,7 +431,11 @@ class Swap:
         # now: .to() or new parameters since replace tensors (by the walk where it gives the same:
         # half state_dict()'s time, on the loop's thread, for a module of many submodules)
         current = _tensors_by_name(self.module)
-        changed = [n for n, t in self.tensors.items() if n not in current or _kind(current[n]) != _kind(t)]
+        changed = [
+            n
+            for n, t in self.tensors.items()
+            if (c := current.get(n)) is None or c.dtype is not t.dtype or c.shape != t.shape or c.device != t.device
+        ]
         if changed:
             raise MismatchError(
                 f"the module changed since prepare_swap: {changed[:5]} ({len(changed)} in all) are no longer "
@@ -440,10 +444,6 @@ class Swap:
         with torch.no_grad():
             for name, new in self.tensors.items():
                 current[name].data = new
-
-
-def _kind(t: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
-    return t.shape, t.dtype, t.device
 
 
 async def prepare_swap(
