@@ -40,7 +40,7 @@ from . import root as _root
 from ._io.assemble import Entry, Part, Span, stored_bytes
 from ._io.read import layout_of
 from .engines import Engine
-from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError
+from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError, annotate_oserror
 from .formats import dcp_metadata as dm
 from .formats import safetensors as st
 from .formats import torchsave as ts
@@ -351,7 +351,10 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
     seen: dict[str, str] = {}
     checksummed, metadata = True, dict[str, dict[str, str]]()
     for name in files:
-        src = _file(engine, real_path(os.path.join(folder, name)))
+        try:
+            src = _file(engine, real_path(os.path.join(folder, name)))
+        except FileNotFoundError as e:  # a shard the index names, or a link to a blob not there
+            raise annotate_oserror(e, f"{folder}: {name}, a file of the model, is not there") from None
         for e in src.entries:
             for n in e.names:
                 if n in seen:

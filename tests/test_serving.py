@@ -102,6 +102,9 @@ async def test_a_sharded_model_in_the_hugging_face_cache_layout(tmp_path: Any, i
         at.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
     await load_into(module, snapshot)
     assert_state_equal(dict(sorted(module.state_dict().items())), dict(sorted(w.items())))
+    (blobs / f"{1:040x}").unlink()  # a shard's blob not there (an interrupted download): say which file
+    with pytest.raises(FileNotFoundError, match=f"model-00002-of-00002{suffix}, a file of the model, is not there"):
+        await collect(stream(snapshot))
 
 
 def open_fds() -> int:
