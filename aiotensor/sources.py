@@ -353,8 +353,8 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
     for name in files:
         try:
             src = _file(engine, real_path(os.path.join(folder, name)))
-        except FileNotFoundError as e:  # a shard the index names, or a link to a blob not there
-            raise annotate_oserror(e, f"{folder}: {name}, a file of the model, is not there") from None
+        except FileNotFoundError as gone:  # a shard the index names, or a link to a blob not there
+            raise annotate_oserror(gone, f"{folder}: {name}, a file of the model, is not there") from None
         for e in src.entries:
             for n in e.names:
                 if n in seen:

@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
+import functools
 import os
 import queue
 import sys
@@ -31,6 +32,12 @@ from typing import Any, TypeVar
 import anyio
 
 from ..knobs import IDLE_S, NICE
+
+# anyio imports an event loop's backend when the first of its primitives is made (an Event, at the
+# first load or save): 20-100 ms of imports on the event loop's thread, every task stalled. The
+# asyncio one is imported here instead, with aiotensor.
+with contextlib.suppress(ImportError):
+    import anyio._backends._asyncio
 
 T = TypeVar("T")
 
@@ -252,19 +259,29 @@ def spawn(fn: Callable[[], Awaitable[None]]) -> None:
 def spawner() -> Callable[[Callable[[], Awaitable[None]]], None]:
     """:func:`spawn` for later, from any thread (a finalizer runs on whichever collects): ``later(fn)``
     runs ``fn()`` as a task of the loop running now; nothing once that loop has ended."""
-    soon: Callable[..., object]
-    try:
-        soon = asyncio.get_running_loop().call_soon_threadsafe
-    except RuntimeError:  # not asyncio: trio
-        import trio
-
-        soon = trio.lowlevel.current_trio_token().run_sync_soon
+    soon = call_soon_threadsafe()
 
     def later(fn: Callable[[], Awaitable[None]]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop has ended (trio's RunFinishedError is one too)
-            soon(spawn, fn)
+            soon(functools.partial(spawn, fn))
 
     return later
+
+
+def release(items: list[Any]) -> None:
+    """Let ``items`` go (the last references to tensors, say) in a worker thread, not the caller's:
+    freeing 1 GB of tensors took 70 ms (the kernel unmapping it; the GIL is free meanwhile), a
+    stall of every task where the caller is the event loop's thread."""
+
+    def job() -> Callable[[], None]:
+        items.clear()
+        return _nothing
+
+    _pool(NICE).submit(job)
+
+
+def _nothing() -> None:
+    pass
 
 
 class Tasks:
