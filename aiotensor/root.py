@@ -306,14 +306,15 @@ def read_manifest(engine: Engine, folder: str, step: int | None = None) -> mf.Ma
     return m
 
 
-def read_small(engine: Engine, path: str, limit: int, error: type[FormatError], what: str) -> bytes:
-    """A whole small file of at most ``limit`` bytes, read through ``engine`` (blocking)."""
+def read_small(engine: Engine, path: str, limit: int, error: type[FormatError], what: str, shown: str | None = None) -> bytes:
+    """A whole small file of at most ``limit`` bytes, read through ``engine`` (blocking); errors
+    name ``shown`` (the path a user knows, where ``path`` is a link's target) or ``path``."""
     fd = engine.open_read(path)
     try:
         size = engine.size(fd)
         if size > limit:
-            raise error(f"{what} is {size} bytes, over the {limit} byte cap", path)
-        return read_range(engine, fd, 0, size, path, error, what)
+            raise error(f"{what} is {size} bytes, over the {limit} byte cap", shown or path)
+        return read_range(engine, fd, 0, size, shown or path, error, what)
     finally:
         engine.close(fd)
 

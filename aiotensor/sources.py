@@ -335,11 +335,11 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
     if SINGLE in names:
         files = [SINGLE]
     elif INDEX in names:
-        files = _index_files(engine, real_path(os.path.join(folder, INDEX)))  # a Hugging Face cache links it to a blob
+        files = _index_files(engine, os.path.join(folder, INDEX))
     elif BIN in names:
         files = [BIN]
     elif BIN_INDEX in names:
-        files = _index_files(engine, real_path(os.path.join(folder, BIN_INDEX)))  # a Hugging Face cache links it to a blob
+        files = _index_files(engine, os.path.join(folder, BIN_INDEX))
     else:
         files = sorted(n for n in names if n.endswith(".safetensors"))
     if not files:
@@ -368,16 +368,30 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
 
 
 def _index_files(engine: Engine, index: str) -> list[str]:
-    raw = _root.read_small(engine, index, MAX_INDEX_BYTES, ManifestError, "the index")
+    """The shard files a model folder's index names, in its order; read where a Hugging Face cache
+    links it (a blob), named as the folder's."""
+    try:
+        raw = _root.read_small(engine, real_path(index), MAX_INDEX_BYTES, ManifestError, "the index", shown=index)
+    except FileNotFoundError as gone:  # a link to a blob an interrupted download never wrote
+        raise annotate_oserror(gone, f"{index}: the model's index is not there") from None
     doc = st.loads_json_object(raw, index, "index", ManifestError)
     weight_map = doc.get("weight_map")
     if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
         raise ManifestError("weight_map must map tensor names to file names", index)
     files = list(dict.fromkeys(weight_map.values()))
     for f in files:
-        if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith(".") or "\x00" in f:
+        if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith(".") or not _encodable(f):
             raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)
     return files
+
+
+def _encodable(name: str) -> bool:
+    """A name a file can have: no NUL, no lone surrogate (what ``os.fsdecode`` makes of bytes that
+    are not UTF-8, which a JSON index can also hold)."""
+    try:
+        return "\x00" not in name and bool(os.fsencode(name))
+    except UnicodeEncodeError:
+        return False
 
 
 # --- helpers --------------------------------------------------------------------------------------

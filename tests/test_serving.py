@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import anyio
@@ -62,7 +63,7 @@ async def test_stream_a_sharded_hugging_face_folder(tmp_path: Any) -> None:
     got = await collect(stream(tmp_path, dtype=torch.float16))
     assert set(got) == set(w) and all(t.dtype == torch.float16 for t in got.values())
     assert all(torch.equal(got[k], w[k].half()) for k in w)
-    for bad in ("../outside.safetensors", "a\x00b.safetensors"):  # (a NUL was a raw ValueError)
+    for bad in ("../outside.safetensors", "a\x00b.safetensors", "\ud800.safetensors"):  # (NUL, surrogate: raw errors)
         index["weight_map"][keys[0]] = bad
         (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
         with pytest.raises(ManifestError, match="plain file name"):
@@ -105,10 +106,47 @@ async def test_a_sharded_model_in_the_hugging_face_cache_layout(tmp_path: Any, i
     (blobs / f"{1:040x}").unlink()  # a shard's blob not there (an interrupted download): say which file
     with pytest.raises(FileNotFoundError, match=f"model-00002-of-00002{suffix}, a file of the model, is not there"):
         await collect(stream(snapshot))
+    (blobs / ("f" * 40)).write_text("{")  # the index's errors name it, not its blob
+    with pytest.raises(ManifestError, match=f"snapshots/0123abc/{index}"):
+        await collect(stream(snapshot))
+    (blobs / ("f" * 40)).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{index}: the model's index is not there"):
+        await collect(stream(snapshot))
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_stream_dropped_as_its_event_loop_ends(tmp_path: Any, backend: str) -> None:
+    """An async generator over a stream, alive when the run ends, is finalized then: the stream's
+    close must neither fail the run (trio refuses new tasks then: that was a TrioInternalError)
+    nor stay pending for the life of the process (asyncio: a task waiting on a closed loop)."""
+    from aiotensor._runtime import threads
+
+    st_save({f"t.{i}": torch.randn(64 * 1024) for i in range(32)}, str(tmp_path / "m.safetensors"))
+
+    async def tensors() -> Any:
+        async for pair in stream(tmp_path / "m.safetensors", window_bytes=1 << 20):
+            yield pair
+
+    alive = []
+
+    async def main() -> None:
+        g = tensors()
+        await g.__anext__()
+        alive.append(g)
+
+    before = open_fds()
+    anyio.run(main, backend=backend)
+    alive.clear()
+    assert [t for t in threads._keep_alive if not t.done()] == []
+    for _ in range(200):
+        if open_fds() == before:
+            break
+        time.sleep(0.01)
+    assert open_fds() == before
 
 
 async def test_a_stream_dropped_unclosed_is_closed_once_collected(tmp_path: Any) -> None:
@@ -133,6 +171,9 @@ async def test_a_stream_dropped_unclosed_is_closed_once_collected(tmp_path: Any)
 
     for _ in range(3):
         assert await peek() == "t.0"
+        # the idiom for one tensor: nothing else holds the stream while its first pair is read
+        name, _ = await anext(stream(tmp_path / "m.safetensors", window_bytes=1 << 20, scheduler=aiotensor.Scheduler(eng)))
+        assert name == "t.0"
     with anyio.move_on_after(0.2):
         await slow_consumer()
     gc.collect()
@@ -142,7 +183,7 @@ async def test_a_stream_dropped_unclosed_is_closed_once_collected(tmp_path: Any)
         await anyio.sleep(0.01)
     assert open_fds() == before, "a dropped stream kept its files open"
     read = read_bytes(eng)
-    assert read < 4 * 3 * (1 << 20) + (8 << 20), "each stream read within its window"
+    assert read < 4 * 6 * (1 << 20) + (8 << 20), "each stream read within its window"
     await anyio.sleep(0.1)
     assert read_bytes(eng) == read, "nothing is read after the streams were dropped"
 
@@ -304,6 +345,7 @@ async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_p
     """The old weights' last references went on the caller's thread, the event loop's: unmapping
     them took 31 ms for 0.47 GB (70 ms a GB) there, every task stalled. Now a worker drops them."""
     import threading
+    import weakref
 
     from aiotensor._runtime import threads
 
@@ -311,21 +353,21 @@ async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_p
     await save_file(dict(torch.nn.Linear(64, 32).state_dict()), tmp_path / "v2.safetensors")
     swap = await prepare_swap(model, tmp_path / "v2.safetensors")
     before = {model.weight.data_ptr(), model.bias.data_ptr()}
-    given: list[list[torch.Tensor]] = []
+    given: list[set[int]] = []
     freed_in: list[str] = []
-    release = threads.release
+    in_worker = threads.in_worker
 
-    def spy(items: list[torch.Tensor]) -> None:
-        given.append(items)
-        import weakref
-
+    def spy(fn: Any) -> None:
+        items = fn.__self__  # old.clear: the list of the weights switched out
+        given.append({t.data_ptr() for t in items})
         for t in items:
             weakref.finalize(t, lambda: freed_in.append(threading.current_thread().name))
-        release(items)
+        del t, items
+        in_worker(fn)
 
-    monkeypatch.setattr(threads, "release", spy)
+    monkeypatch.setattr(threads, "in_worker", spy)
     swap.apply()
-    assert [{t.data_ptr() for t in items} for items in given] == [before]
+    assert given == [before]
     for _ in range(200):
         if len(freed_in) == 2:
             break
@@ -349,6 +391,13 @@ async def test_a_swap_refuses_a_module_changed_since_it_was_prepared(tmp_path: A
     model.bias = None
     with pytest.raises(MismatchError, match=r"\['bias'\]"):
         swap.apply()
+    conv = torch.nn.Conv2d(3, 8, 3)
+    await save_file(dict(torch.nn.Conv2d(3, 8, 3).state_dict()), tmp_path / "c.safetensors")
+    swap = await prepare_swap(conv, tmp_path / "c.safetensors")
+    conv.to(memory_format=torch.channels_last)  # a swap keeps a layout: not this one, made since
+    with pytest.raises(MismatchError, match=r"\['weight'\]"):
+        swap.apply()
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
 class TiedLM(torch.nn.Module):

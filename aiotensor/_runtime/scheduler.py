@@ -9,6 +9,7 @@ first served. Bookkeeping is synchronous; the only ``await`` is the wait itself 
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import itertools
 import time
@@ -249,6 +250,12 @@ class Scheduler:
         with self.operation():
             await self.run_sync(_clear, containers)
 
+    def discard_later(self, *containers: list[Any] | dict[Any, Any], then: Callable[[], object] | None = None) -> None:
+        """:meth:`discard`, not awaited: ``containers`` are emptied in a worker thread, then
+        ``then()`` runs there. For what nobody waits for (a stream dropped unclosed, whose event
+        loop may be ending)."""
+        threads.in_worker(functools.partial(_clear_then, containers, then))
+
     async def map(
         self,
         fn: Callable[..., T],
@@ -347,6 +354,12 @@ def batched(
     if batch:
         batches.append((batch, size))
     return batches
+
+
+def _clear_then(containers: tuple[list[Any] | dict[Any, Any], ...], then: Callable[[], object] | None) -> None:
+    _clear(containers)
+    if then is not None:
+        then()
 
 
 def _clear(containers: tuple[list[Any] | dict[Any, Any], ...]) -> None:

@@ -258,23 +258,30 @@ def spawn(fn: Callable[[], Awaitable[None]]) -> None:
 
 def spawner() -> Callable[[Callable[[], Awaitable[None]]], None]:
     """:func:`spawn` for later, from any thread (a finalizer runs on whichever collects): ``later(fn)``
-    runs ``fn()`` as a task of the loop running now; nothing once that loop has ended."""
+    runs ``fn()`` as a task of the loop running now; nothing once that loop is ending or has ended
+    (trio refuses new tasks then, and would call the refusal an internal error)."""
     soon = call_soon_threadsafe()
+
+    def start(fn: Callable[[], Awaitable[None]]) -> None:
+        with contextlib.suppress(RuntimeError):
+            spawn(fn)
 
     def later(fn: Callable[[], Awaitable[None]]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop has ended (trio's RunFinishedError is one too)
-            soon(functools.partial(spawn, fn))
+            soon(functools.partial(start, fn))
 
     return later
 
 
-def release(items: list[Any]) -> None:
-    """Let ``items`` go (the last references to tensors, say) in a worker thread, not the caller's:
-    freeing 1 GB of tensors took 70 ms (the kernel unmapping it; the GIL is free meanwhile), a
-    stall of every task where the caller is the event loop's thread."""
+def in_worker(fn: Callable[[], object]) -> None:
+    """Run ``fn()`` in a worker thread and return at once; nothing waits for it, its result and its
+    errors are dropped. For letting go of what nobody waits for: freeing 1 GB of tensors took 70 ms
+    (the kernel unmapping it; the GIL is free meanwhile), a stall of every task where the caller is
+    the event loop's thread."""
 
     def job() -> Callable[[], None]:
-        items.clear()
+        with contextlib.suppress(Exception):
+            fn()
         return _nothing
 
     _pool(NICE).submit(job)

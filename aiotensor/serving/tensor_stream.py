@@ -3,6 +3,7 @@ land, read ahead within a window, small neighbours read together."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -143,7 +144,9 @@ class _Stream:
         self._yielded = 0.0  # when the consumer last let other tasks run
         self._later: Callable[[Callable[[], Awaitable[None]]], None] | None = None  # spawns on its loop, from any thread
 
-    async def next(self) -> tuple[str, torch.Tensor]:
+    async def next(self, owner: object) -> tuple[str, torch.Tensor]:
+        """The next pair; ``owner`` (the TensorStream) is held meanwhile: ``await anext(stream(...))``
+        holds no other reference to it, and its collection would close the stream under this call."""
         if not self._closed and time.perf_counter() - self._yielded > knobs.YIELD_S:
             await self._wait(ready=True)
         if self._closed:
@@ -159,18 +162,18 @@ class _Stream:
                     )
             except BaseException:
                 with anyio.CancelScope(shield=True):
-                    await self.aclose()
+                    await self._close()
                 raise
             self._batches = batches
             self._start_reader()
         while self._next not in self._ready:
             if self._next >= len(self._batches) or (self._reader_done is not None and self._reader_done.is_set()):
-                await self.aclose()
+                await self._close()
                 raise StopAsyncIteration
             await self._wait()
         got = self._ready.pop(self._next)
         if isinstance(got, BaseException):
-            await self.aclose()
+            await self._close()
             raise got
         self._run, self._run_bytes = got, self._batches[self._next][2]
         self._next += 1
@@ -191,7 +194,7 @@ class _Stream:
             await (anyio.lowlevel.checkpoint() if ready else self._next_change())
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.aclose()
+                await self._close()
             raise
         self._yielded = time.perf_counter()
 
@@ -207,9 +210,10 @@ class _Stream:
         threads.spawn(self._read_all)
 
     def abandon(self) -> None:
-        """Its TensorStream was collected unclosed (on any thread): close it on its event loop."""
+        """Its TensorStream was collected unclosed (on any thread): close it on its event loop,
+        what it holds let go in a worker thread, not awaited (its loop may be ending)."""
         if not self._closed and self._later is not None:
-            self._later(self.aclose)
+            self._later(functools.partial(self._close, False))
 
     async def _read_all(self) -> None:
         """Read the batches in order, up to ``workers`` at once and ``window_bytes`` ahead of the
@@ -282,10 +286,9 @@ class _Stream:
         self._waiting = True
         await self._changed.wait()
 
-    async def aclose(self) -> None:
-        """Stop reading and free what was read ahead (and the read plan: for tens of thousands of
-        tensors, freeing it is work too, done in a worker thread); waits until no thread writes any
-        more. Cancellation: shielded, it finishes."""
+    async def _close(self, wait: bool = True) -> None:
+        """:meth:`TensorStream.aclose`; without ``wait``, what it read ahead and its own scheduler
+        are let go in a worker thread once no thread writes any more, not awaited."""
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
@@ -295,10 +298,14 @@ class _Stream:
             self._ahead = 0
             held = (self._ready, self._batches or [], self._run)
             self._ready, self._batches, self._run = {}, [], []
+            close = self.scheduler.close if self._own else None
+            self._own = False
+            if not wait:
+                self.scheduler.discard_later(*held, then=close)
+                return
             await self.scheduler.discard(*held)
-            if self._own:
-                self._own = False
-                await anyio.to_thread.run_sync(self.scheduler.close)
+            if close is not None:
+                await anyio.to_thread.run_sync(close)
 
 
 class TensorStream:
@@ -374,19 +381,19 @@ class TensorStream:
         return self
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        await self._s.aclose()
+        await self._s._close()
 
     def __aiter__(self) -> TensorStream:
         return self
 
     def __anext__(self) -> Coroutine[Any, Any, tuple[str, torch.Tensor]]:
-        return self._s.next()  # (its coroutine as it is: no frame more per tensor)
+        return self._s.next(self)  # (its coroutine as it is: no frame more per tensor)
 
     async def aclose(self) -> None:
         """Stop reading and free what was read ahead (and the read plan: for tens of thousands of
         tensors, freeing it is work too, done in a worker thread); waits until no thread writes any
         more. Cancellation: shielded, it finishes."""
-        await self._s.aclose()
+        await self._s._close()
 
 
 def stream(source: str | os.PathLike[str], **kwargs: Any) -> TensorStream:
