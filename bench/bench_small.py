@@ -130,13 +130,18 @@ def main() -> None:
     for _ in range(a.runs):
         for name, tree in trees.items():
             got = subprocess.run(
-                [sys.executable, "-c", CHILD, tree, folder, str(a.reps), "busy" if a.busy else "idle"], capture_output=True, text=True, check=True
+                [sys.executable, "-c", CHILD, tree, folder, str(a.reps), "busy" if a.busy else "idle"],
+                capture_output=True,
+                text=True,
+                check=True,
             )
             for line in got.stdout.strip().splitlines():
                 tool, ms, ratio = line.split("\t")
                 rows.setdefault(tool, {}).setdefault(name, []).append(f"{ratio} ({ms} ms)")
     beside = ", beside a thread of pure Python" if a.busy else ""
-    print(f"# {a.tensors} small tensors ({a.layout}), warm, one process{beside}: ratio to safetensors pread (> 1: faster), per run\n")
+    print(
+        f"# {a.tensors} small tensors ({a.layout}), warm, one process{beside}: ratio to safetensors pread (> 1: faster), per run\n"
+    )
     print("| tool | " + " | ".join(trees) + " |\n|---|" + "---|" * len(trees))
     for tool, by in rows.items():
         print(f"| {tool} | " + " | ".join(", ".join(by.get(t, [])) for t in trees) + " |")
