@@ -31,6 +31,7 @@ atomic), the same steps by other means:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -42,7 +43,7 @@ import anyio
 
 from ._runtime.scheduler import Priority, Scheduler
 from .engines import Engine
-from .errors import annotate_oserror
+from .errors import CheckpointExistsError, annotate_oserror
 
 log = logging.getLogger("aiotensor")
 MANIFEST = "manifest.json"
@@ -189,11 +190,19 @@ class Publication:
         """Make what was written under ``tmp`` appear at ``final`` (see :func:`publish`).
 
         Raises:
+            CheckpointExistsError: a folder ``final`` is there already (not empty).
             OSError: naming the step that failed; nothing is published (``tmp`` is then removed
                 on leaving the block).
         """
         with anyio.CancelScope(shield=True):  # a rename that ran must be followed by its fsync
-            await self._call(publish, self.engine, self.tmp, self.final, what=f"publishing {self.final}", folder=self.folder)
+            try:
+                await self._call(publish, self.engine, self.tmp, self.final, what=f"publishing {self.final}", folder=self.folder)
+            except OSError as e:
+                if self.folder and e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                    raise CheckpointExistsError(
+                        f"{self.final} appeared meanwhile and is not this save's (nothing was published): {e}"
+                    ) from e
+                raise
         self.published = True
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

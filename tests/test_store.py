@@ -165,6 +165,55 @@ async def test_errors_are_typed_and_named(tmp_path: Any) -> None:
         TensorStore(tmp_path, keep_last=0)
 
 
+async def test_a_step_whose_folder_is_taken_by_a_damaged_one_is_refused_at_once(tmp_path: Any) -> None:
+    """A trainer resumed from step 1 because step 2's manifest was damaged (load() skips it) then
+    saved step 2 again: all the work was done, and the final rename failed with a raw OSError
+    (ENOTEMPTY). The damaged folder is never deleted (its shards may be worth keeping): the save is
+    refused before anything is written, and one made while a save runs is refused at its commit."""
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"x": torch.ones(2)})
+        await store.save(2, {"x": torch.ones(2) * 2})
+    manifest = tmp_path / "step-000000000002" / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    manifest.write_bytes(bytes(raw))
+    async with TensorStore(tmp_path) as store:
+        assert store.steps() == [1]
+        with pytest.raises(CheckpointExistsError, match="step-000000000002 exists but is not a committed checkpoint"):
+            await store.save(2, {"x": torch.zeros(2)})
+        assert manifest.read_bytes() == bytes(raw) and not tmp_leftovers(str(tmp_path))
+
+    def meanwhile(op: tuple[Any, ...]) -> None:  # a folder of that name, made while step 3 is saved, not empty
+        if op[0] == "rename" and str(op[2]).endswith("step-000000000003"):
+            (tmp_path / "step-000000000003").mkdir()
+            (tmp_path / "step-000000000003" / "notes.txt").write_text("mine")
+
+    async with TensorStore(tmp_path, engine=FaultyEngine(hook=meanwhile)) as store:
+        with pytest.raises(CheckpointExistsError, match="appeared meanwhile"):
+            await store.save(3, {"x": torch.zeros(4)})
+        assert os.listdir(tmp_path / "step-000000000003") == ["notes.txt"] and not tmp_leftovers(str(tmp_path))
+        await store.save(4, {"x": torch.ones(3)})
+        assert store.steps() == [1, 4]
+
+
+async def test_a_committed_step_missing_a_file_or_a_meta_into_say_so(tmp_path: Any) -> None:
+    """A shard deleted from a committed step was a bare FileNotFoundError naming the file; a meta
+    tensor in ``into`` was a StateError about saving ("this store handles cpu tensors")."""
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(4), "step": 1})
+        with torch.device("meta"):
+            meta = torch.nn.Linear(2, 2).weight
+        with pytest.raises(MismatchError, match="is on the meta device"):
+            await store.load(1, into={"w": meta, "step": 0})
+        with pytest.raises(MismatchError) as e:
+            await store.load(1, into={"w": torch.ones(4), "v": torch.ones(1), "step": 0})
+        assert "unexpected" not in str(e.value)  # no empty list of keys
+        os.remove(tmp_path / "step-000000000001" / "shard-00000.safetensors")
+        with pytest.raises(FileNotFoundError, match="step 1 of .* is damaged, a file it lists is not there") as got:
+            await store.load(1)
+        assert not isinstance(got.value, CheckpointNotFoundError)
+
+
 async def test_corruption_is_detected_and_named(tmp_path: Any) -> None:
     state = {"a": torch.randn(1000), "b": torch.randn(2000)}
     async with TensorStore(tmp_path) as store:

@@ -162,14 +162,18 @@ def check_into(
     missing = [] if missing_ok else sorted(set(given) - set(specs))
     unexpected = [] if unexpected_ok else sorted(set(specs) - set(given))
     if missing or unexpected:
-        raise MismatchError(
-            f"`into` does not match {where}: missing keys {_few(missing)} (only in `into`), "
-            f"unexpected keys {_few(unexpected)} (not in `into`)"
-        )
+        parts = [f"missing keys {_few(missing)} (only in `into`)"] if missing else []
+        parts += [f"unexpected keys {_few(unexpected)} (not in `into`)"] if unexpected else []
+        raise MismatchError(f"`into` does not match {where}: {', '.join(parts)}")
     for k, t in given.items():
         spec = specs.get(k)
         if spec is None:
             continue
+        if t.is_meta:
+            raise MismatchError(
+                f"tensor {k!r} of `into` is on the meta device: `into` is filled in place, so its tensors must have "
+                "memory (module.to_empty(device=...) first; or load a module with aiotensor.load_into, which materializes it)"
+            )
         check_tensor(k, t, devices, stored=False)
         want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
         if tuple(t.shape) != shape or t.dtype != want:
