@@ -595,8 +595,9 @@ class TensorStore:
         except FileNotFoundError as e:
             if await call(self.scheduler, self.engine.exists, self.path(step), what=f"checking {self.path(step)}"):
                 # still committed, a file of it gone (a CheckpointNotFoundError, also a FileNotFoundError, is a retired step)
+                why = e.strerror or e
                 raise FileNotFoundError(
-                    e.errno, f"step {step} of {self.root} is damaged, a file it lists is not there ({e.strerror})", e.filename
+                    e.errno, f"step {step} of {self.root} is damaged, a file it lists is not there ({why})", e.filename
                 ) from None
             self._steps.committed.discard(step)
             raise CheckpointNotFoundError(
