@@ -391,6 +391,21 @@ async def test_a_swap_refuses_a_module_changed_since_it_was_prepared(tmp_path: A
     model.bias = None
     with pytest.raises(MismatchError, match=r"\['bias'\]"):
         swap.apply()
+    lm = TiedLM()  # a tie broken since prepare: only one name of it would have switched
+    await save_file(dict(TiedLM().state_dict()), tmp_path / "lm.safetensors")
+    swap = await prepare_swap(lm, tmp_path / "lm.safetensors")
+    lm.lm_head.weight = torch.nn.Parameter(lm.wte.weight.detach().clone())
+    with pytest.raises(MismatchError, match="ties changed since prepare_swap"):
+        swap.apply()
+    lm = TiedLM()
+    lm.lm_head.weight = torch.nn.Parameter(lm.wte.weight.detach().clone())  # untied when prepared, tied since
+    swap = await prepare_swap(lm, tmp_path / "lm.safetensors")
+    lm.lm_head.weight = lm.wte.weight
+    with pytest.raises(MismatchError, match="two of its names are one tensor now"):
+        swap.apply()
+    swap = await prepare_swap(lm, tmp_path / "lm.safetensors")  # prepared as it is: it switches, tied
+    swap.apply()
+    assert lm.lm_head.weight is lm.wte.weight
     conv = torch.nn.Conv2d(3, 8, 3)
     await save_file(dict(torch.nn.Conv2d(3, 8, 3).state_dict()), tmp_path / "c.safetensors")
     swap = await prepare_swap(conv, tmp_path / "c.safetensors")

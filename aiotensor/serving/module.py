@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -411,10 +411,17 @@ class Swap:
     ``missing_keys`` and ``unexpected_keys`` say what the new version lacked or had beyond the
     module (both empty unless it was prepared with ``strict=False``)."""
 
-    def __init__(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], result: LoadResult | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        tensors: Mapping[str, torch.Tensor],
+        result: LoadResult | None = None,
+        ties: Iterable[tuple[str, ...]] = (),
+    ) -> None:
         self.module = module
         self.tensors = dict(tensors)
         self.missing_keys, self.unexpected_keys = result or LoadResult([], [])
+        self._ties = list(dict.fromkeys(ties))  # the module's names of one tensor, as prepared
 
     def apply(self) -> None:
         """Switch the module to the new weights: pointer swaps only, no I/O and no copy. Call it
@@ -426,10 +433,10 @@ class Swap:
         of the event loop; CUDA memory goes back to torch's cache at once).
 
         Raises:
-            MismatchError: a tensor of the module is not of the shape, dtype, device and strides
-                of the one prepared for it any more (``.half()``, ``.to()``, a parameter replaced or
-                removed since :func:`prepare_swap`). Nothing is switched; prepare the swap again.
-                (A tie made or broken since is not seen.)
+            MismatchError: the module changed since :func:`prepare_swap` (``.half()``, ``.to()``, a
+                parameter replaced or removed, a tie made or broken): a tensor of it is not of the
+                shape, dtype, device and strides of the one prepared for it, or its names no longer
+                share tensors as they did. Nothing is switched; prepare the swap again.
         """
         # now: .to() or new parameters since replace tensors (by the walk where it gives the same:
         # half state_dict()'s time, on the loop's thread, for a module of many submodules)
@@ -448,6 +455,11 @@ class Swap:
                 f"the module changed since prepare_swap: {changed[:5]} ({len(changed)} in all) are no longer "
                 "tensors of the shape, dtype, device and strides the swap loaded; nothing was switched, prepare it again"
             )
+        untied = [g for g in self._ties if any(current.get(n) is not current[g[0]] for n in g[1:])]
+        ids = list(map(id, map(current.__getitem__, self.tensors)))
+        if untied or len(set(ids)) != len(ids):  # a tie broken, or made (two prepared names, one tensor now)
+            what = f"{list(untied[0])} are no longer one tensor" if untied else "two of its names are one tensor now"
+            raise MismatchError(f"the module's ties changed since prepare_swap: {what}; nothing was switched, prepare it again")
         old = []  # the CPU weights switched out, freed in a worker thread
         with torch.no_grad():
             for name, new in self.tensors.items():
@@ -481,8 +493,11 @@ async def prepare_swap(
     Cancellation: nothing was switched; the partly loaded copy is dropped.
     """
     new: dict[str, torch.Tensor] = {}
+    ties: list[tuple[str, ...]] = []  # the module's names of one tensor (tied weights)
 
     def beside(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
+        if len(names) > 1:
+            ties.append(names)
         if dst.dtype != e.dtype:
             return None
         # in the kind (an inference tensor's replacement is one too: apply() mixing them breaks the
@@ -513,4 +528,4 @@ async def prepare_swap(
         swap=True,
     )
     _raise_if(strict, f"prepare_swap {source}", got)
-    return Swap(module, new, got)
+    return Swap(module, new, got, ties)
