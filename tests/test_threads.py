@@ -159,3 +159,23 @@ async def test_exit_ends_the_idle_threads() -> None:
     await _threads.run_sync(divmod, 9, 4, nice=6, home=True)
     _threads._end_idle_workers()  # the home thread too
     assert not any(t.name == "aiotensor-home-nice+6" for t in threading.enumerate())
+
+
+def test_exit_waits_for_what_in_worker_still_frees() -> None:
+    """``in_worker`` hands work to a thread and returns (a swap's old weights, a dropped stream's
+    window): a process that exited while that thread still freed tensors aborted in the C++
+    runtime's teardown ("terminate called without an active exception", exit code 134)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from aiotensor._runtime import threads\n"
+        "old = [torch.ones(16) for _ in range(200000)]\n"  # freed well after the interpreter begins to exit
+        "threads.in_worker(old.clear)\n"
+        "del old\n"
+    )
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and "terminate" not in got.stderr, (got.returncode, got.stderr[-500:])
+    with _threads._unwaited_lock:
+        assert not _threads._unwaited

@@ -131,7 +131,13 @@ if hasattr(os, "register_at_fork"):
 def _end_idle_workers() -> None:
     """At interpreter exit, end the idle threads and wait for them (briefly), as anyio does for its
     own when its event loop ends: a thread left running into the interpreter's and the C++ runtime's
-    teardown (after it ran gloo collectives, say) can abort the process."""
+    teardown (after it ran gloo collectives, say) can abort the process. :func:`in_worker`'s jobs
+    are waited for first (what nobody else waits for), within the same 2 s."""
+    deadline = time.monotonic() + 2
+    with _unwaited_lock:
+        pending = list(_unwaited)
+    for done in pending:
+        done.wait(max(0.0, deadline - time.monotonic()))
     ending: list[_Worker] = []
     with _pools_lock:
         for pool in _pools.values():
@@ -143,7 +149,6 @@ def _end_idle_workers() -> None:
                     pool.home = None
     for w in ending:
         w.jobs.put(None)
-    deadline = time.monotonic() + 2
     for w in ending:
         w.join(max(0.0, deadline - time.monotonic()))
 
@@ -279,16 +284,25 @@ def in_worker(fn: Callable[[], object]) -> None:
     (the kernel unmapping it; the GIL is free meanwhile), a stall of every task where the caller is
     the event loop's thread."""
 
+    done = threading.Event()  # waited for at exit (_end_idle_workers): freeing tensors into the
+    with _unwaited_lock:  # interpreter's teardown aborted the process ("terminate called ...")
+        _unwaited.add(done)
+
+    def finished() -> None:  # called by the worker once it is idle again
+        with _unwaited_lock:
+            _unwaited.discard(done)
+        done.set()
+
     def job() -> Callable[[], None]:
         with contextlib.suppress(Exception):
             fn()
-        return _nothing
+        return finished
 
     _pool(NICE).submit(job)
 
 
-def _nothing() -> None:
-    pass
+_unwaited: set[threading.Event] = set()  # in_worker's jobs not yet done
+_unwaited_lock = threading.Lock()
 
 
 class Tasks:

@@ -464,7 +464,7 @@ class Swap:
         with torch.no_grad():
             for name, new in self.tensors.items():
                 p = current[name]
-                if p.device.type == "cpu":
+                if p.is_cpu:
                     old.append(p.data)
                 p.data = new
         threads.in_worker(old.clear)
