@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter, is_
 from typing import Any, NamedTuple
 
 import torch
@@ -417,11 +418,16 @@ class Swap:
         tensors: Mapping[str, torch.Tensor],
         result: LoadResult | None = None,
         ties: Iterable[tuple[str, ...]] = (),
+        was: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.module = module
         self.tensors = dict(tensors)
         self.missing_keys, self.unexpected_keys = result or LoadResult([], [])
         self._ties = list(dict.fromkeys(ties))  # the module's names of one tensor, as prepared
+        # the module's tensors as prepared, and their addresses: where both are the same at apply(),
+        # the module did not change (the full check of each: 40 ms per 20,000 tensors)
+        self._was = [was[n] for n in self.tensors] if was is not None else []
+        self._ptrs = list(map(_PTR, self._was))
 
     def apply(self) -> None:
         """Switch the module to the new weights: pointer swaps only, no I/O and no copy. Call it
@@ -441,33 +447,40 @@ class Swap:
         # now: .to() or new parameters since replace tensors (by the walk where it gives the same:
         # half state_dict()'s time, on the loop's thread, for a module of many submodules)
         current = _tensors_by_name(self.module)
-        changed = [
-            n
-            for n, t in self.tensors.items()
-            if (c := current.get(n)) is None
-            or c.dtype is not t.dtype
-            or c.shape != t.shape
-            or c.device != t.device
-            or c.stride() != t.stride()
-        ]
-        if changed:
+        news = list(self.tensors.values())
+        got = list(map(current.get, self.tensors))
+        if any(c is None for c in got):
+            gone = [n for n, c in zip(self.tensors, got, strict=True) if c is None]
+            raise MismatchError(f"the module changed since prepare_swap: it has no {gone[:5]} any more; nothing was switched")
+        now: list[torch.Tensor] = got  # type: ignore[assignment]  # (none is None)
+        # the same tensors at the same addresses (C loops), else each compared
+        same = len(now) == len(self._was) and all(map(is_, now, self._was)) and list(map(_PTR, now)) == self._ptrs
+        if not same and (list(map(_KIND, now)) != list(map(_KIND, news)) or _strides(now) != _strides(news)):
+            changed = [
+                n for n, c, t in zip(self.tensors, now, news, strict=True) if _KIND(c) != _KIND(t) or c.stride() != t.stride()
+            ]
             raise MismatchError(
                 f"the module changed since prepare_swap: {changed[:5]} ({len(changed)} in all) are no longer "
                 "tensors of the shape, dtype, device and strides the swap loaded; nothing was switched, prepare it again"
             )
         untied = [g for g in self._ties if any(current.get(n) is not current[g[0]] for n in g[1:])]
-        ids = list(map(id, map(current.__getitem__, self.tensors)))
+        ids = list(map(id, now))
         if untied or len(set(ids)) != len(ids):  # a tie broken, or made (two prepared names, one tensor now)
             what = f"{list(untied[0])} are no longer one tensor" if untied else "two of its names are one tensor now"
             raise MismatchError(f"the module's ties changed since prepare_swap: {what}; nothing was switched, prepare it again")
-        old = []  # the CPU weights switched out, freed in a worker thread
+        old = list(map(_DATA, now))  # the weights switched out: the CPU ones freed in a worker thread
         with torch.no_grad():
-            for name, new in self.tensors.items():
-                p = current[name]
-                if p.is_cpu:
-                    old.append(p.data)
+            for p, new in zip(now, news, strict=True):
                 p.data = new
+        old = [d for d in old if d.is_cpu]  # (CUDA memory back to torch's cache at once)
         threads.in_worker(old.clear)
+
+
+_KIND, _DATA, _PTR = attrgetter("dtype", "shape", "device"), attrgetter("data"), torch.Tensor.data_ptr
+
+
+def _strides(tensors: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    return list(map(torch.Tensor.stride, tensors))  # type: ignore[arg-type]
 
 
 async def prepare_swap(
@@ -494,8 +507,10 @@ async def prepare_swap(
     """
     new: dict[str, torch.Tensor] = {}
     ties: list[tuple[str, ...]] = []  # the module's names of one tensor (tied weights)
+    was: dict[str, torch.Tensor] = {}  # the module's tensor each new one replaces
 
     def beside(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
+        was[names[0]] = dst
         if len(names) > 1:
             ties.append(names)
         if dst.dtype != e.dtype:
@@ -528,4 +543,4 @@ async def prepare_swap(
         swap=True,
     )
     _raise_if(strict, f"prepare_swap {source}", got)
-    return Swap(module, new, got, ties)
+    return Swap(module, new, got, ties, was)
