@@ -15,10 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._runtime import gil
-from ..errors import ManifestError, StateError
+from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
-from .safetensors import TensorSpec, columns, counts, is_count, parse_members, plain_nbytes, plain_sizes, rows, shape_problem
+from .safetensors import (
+    TensorSpec,
+    columns,
+    counts,
+    is_count,
+    parse_members,
+    plain_nbytes,
+    plain_sizes,
+    rows,
+    shape_problem,
+    utf8,
+)
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
@@ -95,14 +106,7 @@ def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
 def seal(doc: dict[str, Any]) -> bytes:
     """Serialize a manifest document and append its checksum."""
     doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
-    text = gil.dumps(doc)
-    try:
-        raw = text.encode()
-    except UnicodeEncodeError as e:  # what os.fsdecode makes of a name that is not UTF-8
-        near = text[max(0, e.start - 60) : e.end + 20]
-        raise StateError(
-            f"a string of the state is not valid Unicode (a lone surrogate), near {near!r}: encode it first"
-        ) from None
+    raw = utf8(gil.dumps(doc))
     digits = len(raw) - len(_ZEROS) - 2  # the digits sit right before the closing '"}'
     view = memoryview(raw)  # one copy of a manifest of megabytes, not three
     return b"".join((view[:digits], b"%08x" % checksum.crc32c(raw), view[digits + len(_ZEROS) :]))

@@ -19,7 +19,7 @@ from operator import add, attrgetter, floordiv, itemgetter, mul, sub
 from typing import Any, NamedTuple, TypeVar
 
 from .._runtime import gil
-from ..errors import FormatError, HeaderError
+from ..errors import FormatError, HeaderError, StateError
 from ..knobs import JSON_CHUNK_VALUES
 from .dtypes import ITEMSIZE, PACKED, nbytes_of, packing_problem
 
@@ -105,7 +105,7 @@ def header_bytes(
         dims = map(",".join, map(map, repeat(str), shapes[i:j]))
         members = zip(map(_quoted, keys[i:j]), dtypes[i:j], dims, begins[i:j], ends[i:j], strict=True)
         parts.append(",".join(map(_ENTRY_TEXT.__mod__, members)))
-    text = ("{" + ",".join(parts) + "}").encode()
+    text = utf8("{" + ",".join(parts) + "}")
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
     return struct.pack("<Q", padded) + text + b" " * (padded - len(text)), sizes
@@ -113,6 +113,19 @@ def header_bytes(
 
 _ENTRY_TEXT = '%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'
 _quoted: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]  # json.dumps' (ensure_ascii=False)
+
+
+def utf8(text: str) -> bytes:
+    """A header's or a manifest's JSON as UTF-8, or a StateError showing where a string of the
+    state is not Unicode: a lone surrogate, what ``os.fsdecode`` makes of a name that is not UTF-8
+    (it was a raw UnicodeEncodeError)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        near = text[max(0, e.start - 60) : e.end + 20]
+        raise StateError(
+            f"a string of the state is not valid Unicode (a lone surrogate), near {near!r}: encode it first"
+        ) from None
 
 
 def header_length(prefix: bytes, file_size: int, path: object) -> int:
