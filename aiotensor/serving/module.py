@@ -464,8 +464,9 @@ class Swap:
                 "tensors of the shape, dtype, device and strides the swap loaded; nothing was switched, prepare it again"
             )
         untied = [g for g in self._ties if any(current.get(n) is not current[g[0]] for n in g[1:])]
-        ids = list(map(id, now))
-        if untied or len(set(ids)) != len(ids):  # a tie broken, or made (two prepared names, one tensor now)
+        # a tie made since: two prepared names one tensor now (the same tensors as prepared are not)
+        made = not same and len(set(map(id, now))) != len(now)
+        if untied or made:
             what = f"{list(untied[0])} are no longer one tensor" if untied else "two of its names are one tensor now"
             raise MismatchError(f"the module's ties changed since prepare_swap: {what}; nothing was switched, prepare it again")
         old = list(map(_DATA, now))  # the weights switched out: the CPU ones freed in a worker thread
