@@ -421,3 +421,32 @@ async def test_loading_to_an_absent_device_is_a_clear_error(tmp_path: Any) -> No
         await store.save(1, {"w": torch.ones(2)})
         with pytest.raises(ValueError, match="cannot load to cuda"):
             await store.load(1, device="cuda")
+
+
+def test_a_pinned_mapping_dropped_unclosed_is_unregistered_before_it_is_unmapped() -> None:
+    """Found on the first GPU run: a scheduler dropped without being closed let its pinned slots
+    be unmapped while still registered, and the next mapping at that address (ours, or kvikio's
+    bounce buffers) failed cudaHostRegister with error 712. Registration now ends with the mapping,
+    whoever holds it last; a stand-in refuses an overlap the way CUDA does."""
+    import gc
+
+    from aiotensor._runtime.buffers import HostBuffer
+
+    registered: dict[int, int] = {}
+
+    def register(at: int, n: int, device: int) -> None:
+        if any(a < at + n and at < a + m for a, m in registered.items()):
+            raise RuntimeError("cudaHostRegister failed with CUDA error 712")
+        registered[at] = n
+
+    pinning = Pinning(register=register, unregister=lambda at, d: registered.pop(at), device=0)
+    for _ in range(20):  # each maps where the last was, typically
+        buf = HostBuffer(1 << 20, populate=False)
+        assert buf.pin(pinning) and buf.pin(Pinning(register=register, device=0))  # pinned once, whoever asks
+        view = buf.view[4096:8192]  # a slot's view outlives the buffer: unmapped with it
+        del buf
+        gc.collect()
+        assert registered
+        del view
+        gc.collect()
+        assert registered == {} and pinning.pinned_bytes == 0

@@ -103,11 +103,34 @@ def prefault(buf: memoryview) -> None:
 
 
 class _Mapping:
-    """Mapped memory, as numpy's array interface sees it; unmapped once nothing refers to it."""
+    """Mapped memory, as numpy's array interface sees it; unmapped once nothing refers to it, after
+    each of ``pins`` (a cuda.Pinning that registered it with CUDA) has unregistered it. A range
+    unmapped while still registered stays registered in the driver: the next mapping at that address
+    then fails ``cudaHostRegister`` with error 712, ours and kvikio's bounce buffers alike (the first
+    run on a GPU: every scheduler dropped without being closed left its pinned slots so)."""
 
     def __init__(self, at: int, size: int) -> None:
         self.__array_interface__ = {"data": (at, False), "shape": (size,), "typestr": "|u1", "version": 3}
-        weakref.finalize(self, libc().munmap, at, size).atexit = False  # arrays may outlive atexit
+        self.pins: list[Any] = []
+        weakref.finalize(self, _unmap, at, size, self.pins).atexit = False  # arrays may outlive atexit
+
+
+def _unmap(at: int, size: int, pins: list[Any]) -> None:
+    try:
+        for pinning in pins:
+            pinning.unpin(at)
+    finally:
+        libc().munmap(at, size)
+
+
+def _map(size: int, flags: int, fd: int = -1) -> _Mapping:
+    """``mmap`` through libc, read-write: ``size`` bytes of ``fd`` (or anonymous memory)."""
+    c = libc()
+    at = None if c is None else c.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if at is None or at == MAP_FAILED:
+        err = ctypes.get_errno() if c is not None else errno.ENOSYS
+        raise OSError(err, os.strerror(err))
+    return _Mapping(at, size)
 
 
 def map_copy(fd: int, size: int) -> np.ndarray:
@@ -123,12 +146,7 @@ def map_copy(fd: int, size: int) -> np.ndarray:
     have = os.fstat(fd).st_size
     if have < size:
         raise OSError(errno.EIO, f"the file is {have} bytes now, fewer than the {size} to map (truncated meanwhile?)")
-    c = libc()
-    at = None if c is None else c.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
-    if at is None or at == MAP_FAILED:
-        err = ctypes.get_errno() if c is not None else errno.ENOSYS
-        raise OSError(err, os.strerror(err))
-    return np.asarray(_Mapping(at, size))
+    return np.asarray(_map(size, mmap.MAP_PRIVATE, fd))
 
 
 def address(buf: memoryview) -> int:
@@ -143,26 +161,26 @@ def same_bytes(a: int, b: int, nbytes: int) -> bool:
 
 
 class HostBuffer:
-    """One anonymous mapping, seen as a memoryview and as a uint8 tensor (both share its pages).
+    """One anonymous mapping, seen as a memoryview and as a uint8 tensor (both share its pages); it
+    is unmapped (and unpinned first, where pinned) when the last of them goes.
 
     Create it in a worker thread when ``populate`` (the default) is set: every page is touched.
     """
 
     def __init__(self, nbytes: int, *, populate: bool = True) -> None:
         self.nbytes = round_up(max(nbytes, 1))
-        self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # numpy keeps the mapping alive for the tensor (torch.frombuffer would not)
-        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self._mapping = _map(self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.array = np.asarray(self._mapping)  # keeps the mapping alive for the tensor and the views
         self.tensor = torch.from_numpy(self.array)
-        self.view = memoryview(self._mm)
+        self.view = memoryview(self.array)
         self.address = int(self.array.ctypes.data)
         # what a save that used this arena left in it: arena offset -> the committed shard whose
         # bytes lie there (an incremental save compares its sources with them while it stages)
         self.images: dict[int, Any] = {}
         if populate:
-            # Fault every page in now, in pieces, with the GIL released. Not MAP_POPULATE: Python's
-            # mmap() keeps the GIL for the whole populate (4 s of frozen event loop for 1.4 GB on
-            # the development VM, where the first touch of guest memory is slow).
+            # Fault every page in now, in pieces, with the GIL released. Not MAP_POPULATE: it
+            # would fault the whole mapping in one call that a cancelled save cannot cut short
+            # (4 s for 1.4 GB on the development VM, where the first touch of guest memory is slow).
             for a in range(0, self.nbytes, knobs.TOUCH_BYTES):
                 self.tensor[a : a + knobs.TOUCH_BYTES].zero_()
 
@@ -171,23 +189,24 @@ class HostBuffer:
         mapping. Done before pinning: a pinned page shared copy-on-write with a child breaks DMA."""
         advice = getattr(mmap, "MADV_DONTFORK", None)
         if advice is not None:
-            self._mm.madvise(advice)
+            libc().madvise(self.address, self.nbytes, advice)
 
     def pin(self, pinning: Any) -> bool:
-        """Pin this mapping with ``pinning`` (a cuda.Pinning; once, from a worker: pinning blocks),
-        kept from forked children first; False where no device has a context to pin it under yet."""
-        if not pinning.pinned(self.address):
+        """Pin this mapping with ``pinning`` (a cuda.Pinning; from a worker: pinning blocks), kept
+        from forked children first, unless any pinning has already: registration is portable, for
+        the whole process. False where no device has a context to pin it under yet."""
+        pins = self._mapping.pins
+        if not pins:
             self.keep_from_children()
             pinning.pin(self.address, self.nbytes)
-        return bool(pinning.pinned(self.address))
+            if pinning.pinned(self.address) and pinning not in pins:
+                pins.append(pinning)  # unpinned by the unmapping at the latest
+        return bool(pins)
 
     def close(self) -> None:
-        del self.tensor, self.array
+        """Let go of the mapping: unmapped now, or with the last tensor or view still over it."""
         self.view.release()
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere: the GC unmaps it with the last one
-            pass
+        del self.tensor, self.array, self._mapping
 
 
 class StagingPool:

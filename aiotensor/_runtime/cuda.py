@@ -194,7 +194,10 @@ def _cuda_host_register(address: int, nbytes: int, device: int) -> None:
 
 def _cuda_host_unregister(address: int, device: int) -> None:
     with torch.cuda.device(device):
-        torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+        err = int(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
+    if err != 0:
+        _clear_last_error()
+        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {err}")
 
 
 def _clear_last_error() -> None:
