@@ -1,6 +1,6 @@
 """GPU benchmark: checkpoints of CUDA state, aiotensor (each engine) vs torch, safetensors and DCP.
 
-NOT YET RUN ON A GPU: no device was lent while this was written. ``--device cpu --small`` runs the
+Run on an H200 on 2026-11-26 (``bench/device_gpu.sh``; bench/results/gpu.md). ``--device cpu --small`` runs the
 same code on CPU tensors (bus figures and the pinned DCP stager then left out) to check the script.
 
 Measures in one run, medians of ``--reps`` after a discarded warm-up:

@@ -450,3 +450,14 @@ def test_a_pinned_mapping_dropped_unclosed_is_unregistered_before_it_is_unmapped
         del view
         gc.collect()
         assert registered == {} and pinning.pinned_bytes == 0
+
+
+def test_a_child_forked_after_cuda_was_initialized_makes_no_cuda_call(monkeypatch: Any) -> None:
+    """On the first GPU run, CPU-only saves in a child forked by a process that had initialized
+    CUDA failed: the store recorded CUDA events (every CUDA call fails in such a child)."""
+    from aiotensor._runtime import cuda
+    from aiotensor.engines import kvikio_usable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert not cuda.available() and not kvikio_usable() and Scheduler(PosixEngine()).cuda is None

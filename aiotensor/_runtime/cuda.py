@@ -1,8 +1,8 @@
 """CUDA staging: pinned staging memory, a copy stream per device, CUDA events bridged to ``await``.
 
-NOT YET RUN ON A GPU: no device was lent while this was written. The event bridge's logic (thread →
-loop delivery, errors, cancellation, keeping sources alive) is tested on CPU with stand-in events;
-the CUDA calls themselves (``cudaHostRegister``, streams, ``copy_(non_blocking=True)``) are not.
+Run on one GPU (an H200, 2026-11-26: ``tests/test_gpu.py``, ``tests/test_cuda.py``, ``bench/bench_gpu.py``;
+never on two). The event bridge's logic (thread → loop delivery, errors, cancellation, keeping
+sources alive) is also tested on CPU with stand-in events.
 
 How a save of CUDA tensors stages (see :func:`aiotensor._io.stage`):
 
@@ -48,8 +48,10 @@ class Event(Protocol):
 
 
 def available() -> bool:
-    """True where torch sees a CUDA device (so libcuda loaded)."""
-    return torch.cuda.is_available()
+    """True where torch sees a CUDA device (so libcuda loaded) that this process may use: not in a
+    child forked after CUDA was initialized, where every CUDA call fails (a CPU-only save there
+    must not make one)."""
+    return torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
 
 
 class EventBridge:

@@ -1,9 +1,10 @@
 """The kvikio engine: CUDA device memory read and written through ``kvikio.CuFile`` (cuFile/GDS).
 
-NOT YET RUN ON A GPU: no device was lent while this was written. Its logic (which buffers go to
-kvikio, chunking, short reads, configuration, the reported mode, every call in a worker thread) is
+Run on one GPU with the real kvikio-cu13 26.10 in its compatibility mode (an H200 without
+GPUDirect Storage, 2026-11-26); GDS itself has not run. Its logic (which buffers go to kvikio,
+chunking, short reads, configuration, the reported mode, every call in a worker thread) is also
 tested on CPU against a stand-in kvikio package that mirrors the real one's module layout and
-signatures (tests/fake_kvikio, from kvikio 26.08); kvikio itself has never been called.
+signatures (tests/fake_kvikio, from kvikio 26.08).
 
 Host buffers keep the posix path (``os.preadv``/``os.pwritev``, O_DIRECT writes): the scheduler
 already runs them in parallel, and kvikio's host path is posix I/O on its own thread pool. Only
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .._runtime import cuda
 from .posix import PosixEngine
 
 
@@ -216,9 +218,9 @@ def io_mode(defaults: Any, driver: Any) -> str:
 
 
 def kvikio_usable() -> bool:
-    """True where torch sees CUDA (libcuda loaded) and kvikio is installed (found, not imported:
-    importing it is the set-up, which runs in a thread of its own)."""
-    if not torch.cuda.is_available():
+    """True where this process may use CUDA (:func:`aiotensor._runtime.cuda.available`) and kvikio
+    is installed (found, not imported: importing it is the set-up, which runs in a thread of its own)."""
+    if not cuda.available():
         return False
     try:
         return importlib.util.find_spec("kvikio") is not None

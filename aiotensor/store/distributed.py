@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .._runtime import threads
+from .._runtime import cuda, threads
 from .._runtime.scheduler import Scheduler
 from ..errors import DistributedError
 from .handle import SaveHandle
@@ -183,9 +183,9 @@ class Saver:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        opts = StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                              use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
-        self.stager = DefaultStager(opts)
+        self.opts = StagingOptions(use_pinned_memory=cuda.available(), use_shared_memory=False,
+                                   use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
+        self.stager = DefaultStager(self.opts)
 
     def stage(self, state: Any, what: str) -> Any:
         """A CPU copy of this rank's part of ``state`` (DCP's stager: DTensor and ShardedTensor kept
@@ -195,6 +195,8 @@ class Saver:
             staged, problem = self.stager.stage(state), None
         except Exception as e:
             staged, problem = None, e
+        if spent(self.stager):
+            self.stager = DefaultStager(self.opts)
         failed = agree(problem is not None, self.group)
         if problem is not None:
             if len(failed) > 1:
@@ -224,6 +226,14 @@ class Saver:
 
     def close(self) -> None:
         self.stager.close()
+
+
+def spent(stager: Any) -> bool:
+    """Did DCP's ``DefaultStager`` close itself in its last ``stage``? torch 2.11 closes its inner
+    stager at the end of every stage (pytorch/pytorch#183413), after which the next one fails with
+    ``KeyError: <class 'type'>``: the second save of a distributed store did, on the first GPU run."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
 
 def agree(failed: bool, group: Any) -> list[int]:
