@@ -186,7 +186,7 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
                 done = r
             t_held = time.perf_counter() - t0
             done.result()
-        except KeyError as e:  # torch 2.11's pinned stager cannot deepcopy a class in a tensor's reduce
+        except KeyError as e:  # torch 2.11: a DefaultStager used again after it closed itself (pytorch#183413)
             if stager is None:
                 raise
             print(f"DCP's pinned stager failed ({e!r}); timing DCP's default stager instead")

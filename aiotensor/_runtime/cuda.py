@@ -150,7 +150,8 @@ class Pinning:
         self._unregister = unregister or _cuda_host_unregister
         self._device = device
         self._pinned: dict[int, int] = {}  # address -> bytes
-        self._lock = threading.Lock()
+        # re-entrant: a collection inside a registration can unmap (so unpin) another mapping here
+        self._lock = threading.RLock()
 
     @property
     def device(self) -> int | None:
