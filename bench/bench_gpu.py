@@ -33,6 +33,7 @@ from torch import nn
 
 import aiotensor
 from aiotensor.engines import KvikioEngine, PosixEngine, kvikio_usable
+from aiotensor.store.distributed import spent
 
 
 def device_state(dev: str, layers: int, d: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -197,6 +198,10 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
         if rep:
             held_dcp.append(t_held)
         shutil.rmtree(p, ignore_errors=True)
+        if stager is not None and spent(stager):  # torch 2.11: it closed itself, as the store's Saver sees
+            stager.close()
+            stager = DefaultStager(StagingOptions(True, False, True, True))
+            res["dcp_stager"] = "DefaultStager(pinned, async), a new one per save (torch 2.11 closes it after each)"
     while len(held_dcp) < reps:  # the repetitions the failed stager used up
         p = os.path.join(base, "dcp-async-extra")
         t0 = time.perf_counter()

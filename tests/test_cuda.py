@@ -461,3 +461,57 @@ def test_a_child_forked_after_cuda_was_initialized_makes_no_cuda_call(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     assert not cuda.available() and not kvikio_usable() and Scheduler(PosixEngine()).cuda is None
+
+
+def test_a_forked_child_neither_unpins_nor_unmaps_the_pinned_memory_it_inherited_the_object_of() -> None:
+    """Review of the first GPU run's fix: a child forked while a pinned buffer was garbage (in a
+    cycle) collected it, and its finalizer made a CUDA call there and unmapped the address, where the
+    child's own new buffer often lay: SIGSEGV at its first touch."""
+    import gc
+
+    from aiotensor._runtime.buffers import HostBuffer
+
+    parent = os.getpid()
+
+    def unregister(at: int, device: int) -> None:
+        assert os.getpid() == parent, "a CUDA call in a forked child"
+
+    pinning = Pinning(register=lambda a, n, d: None, unregister=unregister, device=0)
+    gc.disable()
+    try:
+        buf = HostBuffer(64 << 20, populate=False)
+        assert buf.pin(pinning)
+        buf.me = buf  # type: ignore[attr-defined]  # a cycle: garbage not yet collected at the fork
+        del buf
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                mine = HostBuffer(64 << 20, populate=False)  # often where the parent's lay
+                assert pinning.pinned_bytes == 0  # nothing is pinned in the child
+                gc.collect()  # the parent's garbage: its finalizer runs here
+                mine.array[0] = 1
+                mine.close()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        gc.enable()
+    gc.collect()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert pinning.pinned_bytes == 0  # the parent's was unpinned by the parent's collection
+
+
+async def test_a_failed_unpin_is_logged_and_the_clean_up_goes_on(caplog: Any) -> None:
+    def broken(at: int, device: int) -> None:
+        raise RuntimeError("cudaHostUnregister failed with CUDA error 999")
+
+    pinning = Pinning(register=lambda a, n, d: None, unregister=broken, device=0)
+    pool = StagingPool(2, pinning=pinning)
+    arenas = [await pool.acquire(10_000), await pool.acquire(10_000)]
+    for a in arenas:
+        pool.release(a)
+    pool.close()
+    assert pool.mapped_bytes == 0 and pinning.pinned_bytes == 0
+    assert caplog.text.count("could not unpin") == 2

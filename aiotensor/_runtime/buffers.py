@@ -13,6 +13,7 @@ import functools
 import mmap
 import os
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -111,13 +112,28 @@ class _Mapping:
 
     def __init__(self, at: int, size: int) -> None:
         self.__array_interface__ = {"data": (at, False), "shape": (size,), "typestr": "|u1", "version": 3}
-        self.pins: list[Any] = []
-        weakref.finalize(self, _unmap, at, size, self.pins).atexit = False  # arrays may outlive atexit
+        self.held = _Held(os.getpid())
+        weakref.finalize(self, _unmap, at, size, self.held).atexit = False  # arrays may outlive atexit
 
 
-def _unmap(at: int, size: int, pins: list[Any]) -> None:
+@dataclass
+class _Held:
+    """What the unmapping needs: the process that mapped it, who pinned it, and whether forked
+    children were kept from it. A child forked later has this object but not such a mapping's pages
+    (nor CUDA): it neither unpins nor unmaps it there, where the address may hold a mapping of its own."""
+
+    pid: int
+    pins: list[Any] = field(default_factory=list)
+    kept_from_children: bool = False
+
+
+def _unmap(at: int, size: int, held: _Held) -> None:
+    if os.getpid() != held.pid:  # a forked child
+        if not held.kept_from_children:
+            libc().munmap(at, size)  # its own copy-on-write copy
+        return
     try:
-        for pinning in pins:
+        for pinning in held.pins:
             pinning.unpin(at)
     finally:
         libc().munmap(at, size)
@@ -188,14 +204,17 @@ class HostBuffer:
         """``madvise(MADV_DONTFORK)``: a forked child (a DataLoader worker) does not inherit this
         mapping. Done before pinning: a pinned page shared copy-on-write with a child breaks DMA."""
         advice = getattr(mmap, "MADV_DONTFORK", None)
-        if advice is not None:
-            libc().madvise(self.address, self.nbytes, advice)
+        if advice is not None and not self._mapping.held.kept_from_children:
+            if libc().madvise(self.address, self.nbytes, advice) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"madvise(MADV_DONTFORK): {os.strerror(err)}")
+            self._mapping.held.kept_from_children = True
 
     def pin(self, pinning: Any) -> bool:
         """Pin this mapping with ``pinning`` (a cuda.Pinning; from a worker: pinning blocks), kept
         from forked children first, unless any pinning has already: registration is portable, for
         the whole process. False where no device has a context to pin it under yet."""
-        pins = self._mapping.pins
+        pins = self._mapping.held.pins
         if not pins:
             self.keep_from_children()
             pinning.pin(self.address, self.nbytes)

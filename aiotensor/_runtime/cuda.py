@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -35,6 +38,8 @@ import anyio
 import torch
 
 from . import threads
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -152,6 +157,7 @@ class Pinning:
         self._pinned: dict[int, int] = {}  # address -> bytes
         # re-entrant: a collection inside a registration can unmap (so unpin) another mapping here
         self._lock = threading.RLock()
+        _pinnings.add(self)
 
     @property
     def device(self) -> int | None:
@@ -170,10 +176,22 @@ class Pinning:
                 self._pinned[address] = nbytes
 
     def unpin(self, address: int) -> None:
+        """Unregister ``address`` if this pinned it. A failure (CUDA broken by an earlier error) is
+        logged, not raised: unpinning is part of a clean-up that must go on."""
         with self._lock:
-            if self._pinned.pop(address, None) is not None:
+            nbytes = self._pinned.pop(address, None)
+            if nbytes is not None:
                 assert self._device is not None  # fixed by the pin
-                self._unregister(address, self._device)
+                try:
+                    self._unregister(address, self._device)
+                except RuntimeError as e:
+                    log.warning("could not unpin %d bytes of staging memory: %s", nbytes, e)
+
+    def _forget(self) -> None:
+        """In a forked child: nothing is pinned here (the pinned pages were kept from it), and the
+        lock may have been held by a thread that does not exist here."""
+        self._pinned = {}
+        self._lock = threading.RLock()
 
     def pinned(self, address: int) -> bool:
         with self._lock:
@@ -183,6 +201,17 @@ class Pinning:
     def pinned_bytes(self) -> int:
         return sum(self._pinned.values())
 
+
+_pinnings: weakref.WeakSet[Pinning] = weakref.WeakSet()
+
+
+def _forget_pinnings() -> None:
+    for p in list(_pinnings):
+        p._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pinnings)
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, as torch's own pin helper does
 
