@@ -188,7 +188,7 @@ class HostBuffer:
         self._mapping = _map(self.nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.array = np.asarray(self._mapping)  # keeps the mapping alive for the tensor and the views
         self.tensor = torch.from_numpy(self.array)
-        self.view = memoryview(self.array)
+        self.view = self.array.data
         self.address = int(self.array.ctypes.data)
         # what a save that used this arena left in it: arena offset -> the committed shard whose
         # bytes lie there (an incremental save compares its sources with them while it stages)
