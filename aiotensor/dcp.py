@@ -132,7 +132,7 @@ def dumps_metadata(m: md.Metadata) -> bytes:
     planner = m.planner_data if isinstance(m.planner_data, dict) else {}
     doc = {
         "format": FORMAT,
-        "version": m.version,
+        "version": getattr(m, "version", None),  # torch 2.8 has none
         "state_dict_metadata": entries,
         "planner_data": {k: list(v) for k, v in planner.items()},
         "storage_data": [{"index": _index(k), **v} for k, v in (m.storage_data or {}).items()],
