@@ -320,6 +320,10 @@ async def test_load_into_a_live_module(tmp_path: Any) -> None:
         await load_into(dst, tmp_path / "part.safetensors")
     res = await load_into(dst, tmp_path / "part.safetensors", strict=False)
     assert "0.bias" in res.missing_keys and res.unexpected_keys == ["extra"]
+    await save_file({k: v for k, v in src.state_dict().items() if k != "2.bias"}, tmp_path / "less.safetensors")
+    with pytest.raises(MismatchError, match=r"missing keys \['2.bias'\] \(only in the module\); strict=False loads") as e:
+        await load_into(dst, tmp_path / "less.safetensors")
+    assert "unexpected" not in str(e.value)  # no empty list
 
 
 async def test_a_hot_swap_switches_whole_or_not_at_all(tmp_path: Any) -> None:

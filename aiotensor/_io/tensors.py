@@ -162,8 +162,8 @@ def check_into(
     missing = [] if missing_ok else sorted(set(given) - set(specs))
     unexpected = [] if unexpected_ok else sorted(set(specs) - set(given))
     if missing or unexpected:
-        parts = [f"missing keys {_few(missing)} (only in `into`)"] if missing else []
-        parts += [f"unexpected keys {_few(unexpected)} (not in `into`)"] if unexpected else []
+        parts = [f"missing keys {few(missing)} (only in `into`)"] if missing else []
+        parts += [f"unexpected keys {few(unexpected)} (not in `into`)"] if unexpected else []
         raise MismatchError(f"`into` does not match {where}: {', '.join(parts)}")
     for k, t in given.items():
         spec = specs.get(k)
@@ -180,7 +180,8 @@ def check_into(
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
 
 
-def _few(keys: list[str]) -> str:
+def few(keys: list[str]) -> str:
+    """The first few of ``keys``, for a message."""
     return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
 
 
