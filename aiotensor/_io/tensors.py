@@ -162,9 +162,7 @@ def check_into(
     missing = [] if missing_ok else sorted(set(given) - set(specs))
     unexpected = [] if unexpected_ok else sorted(set(specs) - set(given))
     if missing or unexpected:
-        parts = [f"missing keys {few(missing)} (only in `into`)"] if missing else []
-        parts += [f"unexpected keys {few(unexpected)} (not in `into`)"] if unexpected else []
-        raise MismatchError(f"`into` does not match {where}: {', '.join(parts)}")
+        raise MismatchError(f"`into` does not match {where}: {mismatch(missing, unexpected, '`into`')}")
     for k, t in given.items():
         spec = specs.get(k)
         if spec is None:
@@ -180,8 +178,15 @@ def check_into(
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
 
 
-def few(keys: list[str]) -> str:
-    """The first few of ``keys``, for a message."""
+def mismatch(missing: list[str], unexpected: list[str], side: str) -> str:
+    """``load_state_dict``'s words for a mismatch, ``side`` in the module's place: the names only
+    ``side`` has are missing, those only the source has unexpected; each list only where it has names."""
+    parts = [f"missing keys {_few(missing)} (only in {side})"] if missing else []
+    parts += [f"unexpected keys {_few(unexpected)} (not in {side})"] if unexpected else []
+    return ", ".join(parts)
+
+
+def _few(keys: list[str]) -> str:
     return f"{keys[:5]}{'...' if len(keys) > 5 else ''}"
 
 

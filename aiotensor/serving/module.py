@@ -19,7 +19,7 @@ import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import assign, check_device, few, writing
+from .._io.tensors import assign, check_device, mismatch, writing
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
@@ -161,9 +161,8 @@ def _renames(hook: Any) -> str | None:
 
 def _raise_if(strict: bool, source: object, got: LoadResult) -> None:
     if strict and (got.missing_keys or got.unexpected_keys):
-        parts = [f"missing keys {few(got.missing_keys)} (only in the module)"] if got.missing_keys else []
-        parts += [f"unexpected keys {few(got.unexpected_keys)} (not in the module)"] if got.unexpected_keys else []
-        raise MismatchError(f"{source}: {', '.join(parts)}; strict=False loads the names both have")
+        what = mismatch(got.missing_keys, got.unexpected_keys, "the module")
+        raise MismatchError(f"{source}: {what}; strict=False loads the names both have")
 
 
 # where an entry is read straight to (the module's tensor, or a new one of its dtype and device),
