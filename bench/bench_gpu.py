@@ -10,7 +10,10 @@ Measures in one run, medians of ``--reps`` after a discarded warm-up:
     ``staging_completion``);
   - durable save, and cold load to the GPU (new tensors and into existing ones), for aiotensor with
     each engine (posix; kvikio where it imports, with the mode that ran), torch.save/torch.load,
-    safetensors (``load_file(device="cuda")``) and dcp.save/dcp.load;
+    safetensors (``load_file(device="cuda")``) and dcp.save/dcp.load. Each library saves all its
+    repetitions, the disk is let settle (``os.sync``, then 5 s: a load right after a big write
+    shares the disk with its write-back), then loads each cold (evicted first); aiotensor's two loads
+    alternate which goes first. Every repetition's seconds are kept in the JSON (``raw_s``);
   - a training loop (a small transformer), step time with a Snapshotter checkpoint every step
     against the same loop without checkpoints.
 
@@ -28,7 +31,7 @@ import time
 from typing import Any
 
 import torch
-from bench_cpu import atimed, evict, fio_limits, fsync_path, med, ratio_table, timed, timed_save, write_results
+from bench_cpu import SETTLE_S, atimed, evict, fio_limits, fsync_path, med, ratio_table, timed, timed_save, write_results
 from torch import nn
 
 import aiotensor
@@ -90,8 +93,8 @@ def dd_limits(folder: str, size_mb: int) -> dict[str, float]:
 
 def engines() -> dict[str, Any]:
     out: dict[str, Any] = {"aiotensor-posix": PosixEngine}
-    if kvikio_usable():
-        out["aiotensor-kvikio"] = KvikioEngine
+    if kvikio_usable():  # through cuFile whatever kvikio's mode, to keep measuring what "auto" decides
+        out["aiotensor-kvikio"] = lambda: KvikioEngine(cufile="always")
     return out
 
 
@@ -106,23 +109,33 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
     def check(got: dict[str, torch.Tensor]) -> None:
         assert all(torch.equal(got[k], v) for k, v in state.items()), "loaded values differ"
 
+    def settle() -> None:  # every save of a library written back before its loads (as bench_cpu)
+        os.sync()
+        time.sleep(SETTLE_S)
+
     for name, make in engines().items():
         root = os.path.join(base, name)
-        async with aiotensor.TensorStore(root, engine=make(), keep_last=1) as store:
+        async with aiotensor.TensorStore(root, engine=make(), keep_last=reps + 1) as store:
             res.setdefault("io_mode", {})[name] = store.io_mode
             for rep in range(reps + 1):
                 t_staged, t_save = await timed_save(store, rep, state)
-                evict(store.path(rep))
-                t_load = await atimed(store.load(rep, device=dev))
-                evict(store.path(rep))
-                t_into = await atimed(store.load(rep, into=into))
-                check(into)
                 if rep:
                     save_s.setdefault(name, []).append(t_save)
-                    load_s.setdefault(name, []).append(t_load)
-                    into_s.setdefault(name, []).append(t_into)
                     if name == "aiotensor-posix":
                         held.append(t_staged)
+            settle()
+            for rep in range(reps + 1):
+                # new tensors first on even repetitions, into existing ones first on odd ones
+                for kind in ("new", "into") if rep % 2 == 0 else ("into", "new"):
+                    evict(store.path(rep))
+                    if kind == "new":
+                        t = await atimed(store.load(rep, device=dev))
+                    else:
+                        t = await atimed(store.load(rep, into=into))
+                        check(into)
+                    if rep:
+                        (load_s if kind == "new" else into_s).setdefault(name, []).append(t)
+        shutil.rmtree(root, ignore_errors=True)
 
     import safetensors.torch as st
     import torch.distributed as dist
@@ -144,10 +157,14 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
         "safetensors": (lambda p: st.save_file(state, p), lambda p: st.load_file(p, device=dev), ".safetensors"),
         "dcp": (lambda p: dcp.save(state, storage_writer=dcp.FileSystemWriter(p, sync_files=True)), dcp_load, ""),
     }
-    for rep in range(reps + 1):
-        for name, (save, load, ext) in peers.items():
-            p = os.path.join(base, f"{name}-{rep}{ext}")
+    for name, (save, load, ext) in peers.items():
+        paths = [os.path.join(base, f"{name}-{rep}{ext}") for rep in range(reps + 1)]
+        for rep, p in enumerate(paths):
             t_save = await asyncio.to_thread(timed, lambda: (save(p), sync(dev), fsync_path(p)))
+            if rep:
+                save_s.setdefault(name, []).append(t_save)
+        settle()
+        for rep, p in enumerate(paths):
             evict(p)
             t0 = time.perf_counter()
             got = await asyncio.to_thread(load, p)
@@ -156,7 +173,6 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
             check(got)
             del got
             if rep:
-                save_s.setdefault(name, []).append(t_save)
                 load_s.setdefault(name, []).append(t_load)
             shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
 
@@ -218,6 +234,7 @@ async def checkpoint_io(args: argparse.Namespace, state: dict[str, torch.Tensor]
     res["load_into_s"] = {k: med(v) for k, v in into_s.items()}
     res["held_s"] = med(held)
     res["held_dcp_s"] = med(held_dcp)
+    res["raw_s"] = {"save": save_s, "load": load_s, "load_into": into_s, "held": held, "held_dcp": held_dcp}
 
 
 def small_transformer(dev: str, d: int, layers: int, vocab: int) -> nn.Module:
