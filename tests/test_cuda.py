@@ -299,7 +299,7 @@ def _engines() -> list[Any]:
 
 
 def _engine(name: str) -> Any:
-    return PosixEngine() if name == "posix" else aiotensor.KvikioEngine()
+    return PosixEngine() if name == "posix" else aiotensor.KvikioEngine(cufile="always")  # through cuFile in any mode
 
 
 @gpu

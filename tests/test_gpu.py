@@ -38,10 +38,11 @@ LONG = 2_000_000_000  # torch.cuda._sleep cycles: about a second on an H100, lon
 
 
 class Counting(aiotensor.KvikioEngine):
-    """The kvikio engine, counting the bytes that really went through cuFile."""
+    """The kvikio engine, counting the bytes that really went through cuFile (through it whatever
+    kvikio's mode: in its own compat mode "auto" would take the store's bounce slots)."""
 
     def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
+        super().__init__(cufile="always", **kw)
         self.device_bytes = {"pread": 0, "pwrite": 0}
 
     def pread_device(self, fd: int, dst: torch.Tensor, offset: int) -> int:

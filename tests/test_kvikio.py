@@ -269,6 +269,33 @@ def test_mode_reports_what_runs(kv: Any, monkeypatch: pytest.MonkeyPatch) -> Non
         assert io_mode(Old(value), kvikio.cufile_driver) == mode, value
 
 
+async def test_in_kvikios_own_compat_mode_device_tensors_take_the_bounce_slots(tmp_path: Any, kv: Any) -> None:
+    """Without a cuFile library (mode "compat") kvikio bounces through its own pinned buffers with
+    plain reads: the store's bounce slots (O_DIRECT) measured faster on an H200, so "auto" takes
+    them; "always" still goes through kvikio."""
+    kv.compat_preferred = True
+    tensors = {str(d): random_tensor(d, (400, 90), i) for i, d in enumerate(DTYPES)}
+    path = str(tmp_path / "w.safetensors")
+    eng = HostKvikio()
+    await save_file(tensors, path, scheduler=Scheduler(eng))
+    assert_state_equal(await load_file(path, into=_like(tensors), scheduler=Scheduler(eng)), tensors)
+    async with TensorStore(tmp_path / "ck", engine=eng) as store:
+        await store.save(1, tensors)
+        assert_state_equal(await store.load(1), tensors)
+        assert store.io_mode == "kvikio (compat: CUDA tensors through bounce slots)"
+    assert not kv.calls and not kv.opened and eng.mode == "compat"
+    assert_state_equal(dict(sorted(st_load_file(path).items())), dict(sorted(tensors.items())))
+    eng = HostKvikio(cufile="always")
+    await save_file(tensors, path, scheduler=Scheduler(eng))
+    assert_state_equal(await load_file(path, into=_like(tensors), scheduler=Scheduler(eng)), tensors)
+    _check_io(kv, "pwrite")
+    _check_io(kv, "pread")
+    async with TensorStore(tmp_path / "ck", engine=eng) as store:
+        assert store.io_mode == "kvikio (compat)"
+    with pytest.raises(ValueError, match='cufile must be "auto" or "always"'):
+        KvikioEngine(cufile="never")
+
+
 def test_threads_and_task_size_are_set_deliberately(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert KvikioEngine(num_threads=6, task_size=8 << 20).mode == "gds"  # configured on first use
     assert (kv.values["num_threads"], kv.values["task_size"]) == (6, 8 << 20)

@@ -29,6 +29,12 @@ class Engine(abc.ABC):
     # put whole under its final name and a folder is a key prefix (see aiotensor.commit)
     renames: bool = True
 
+    @property
+    def label(self) -> str:
+        """What :attr:`TensorStore.io_mode <aiotensor.TensorStore.io_mode>` reports: the name, and
+        the mode where there is one."""
+        return f"{self.name} ({self.mode})" if self.mode else self.name
+
     @abc.abstractmethod
     def open_read(self, path: str) -> int: ...
 

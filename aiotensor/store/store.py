@@ -162,10 +162,12 @@ class TensorStore:
 
     @property
     def io_mode(self) -> str:
-        """The I/O path in use: ``"posix"``, or ``"kvikio (gds)"`` / ``"kvikio (compat)"``... (see
-        :class:`~aiotensor.KvikioEngine`) where CUDA tensors move through cuFile."""
-        e = self.engine
-        return f"{e.name} ({e.mode})" if e.mode else e.name
+        """The I/O path in use: ``"posix"``, or ``"kvikio (gds)"``, ``"kvikio (cufile-compat)"``...
+        (see :class:`~aiotensor.KvikioEngine`) where CUDA tensors move through cuFile, ``"kvikio
+        (compat: CUDA tensors through bounce slots)"`` where kvikio runs in its own compatibility
+        mode. For the kvikio engine, the first read waits for kvikio's set-up (up to a second, once
+        per process): read it in a worker thread, or after a first save or load."""
+        return self.engine.label
 
     @property
     def ignored(self) -> dict[str, str]:
