@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -127,7 +127,7 @@ async def write_safetensors(
         raise StateError(f"metadata key {CRC_KEY!r} is aiotensor's own (the per-tensor checksums)")
     # checking, ordering and laying out tens of thousands of tensors: not on the loop thread
     entries = await sched.call(_entries, tensors, sched.devices, priority=Priority.SAVE)
-    await wait_for_streams(sched, [t for _, _, t in entries])
+    await wait_for_streams(sched, map(_THIRD, entries))
     sources = await sched.call(_sources, sched, entries, priority=Priority.SAVE)
     crcs = await crcs_of(sched, sources)
     meta = {"format": "pt", **(metadata or {})}
@@ -376,3 +376,4 @@ def _targets(
 
 
 _KEY = attrgetter("key")
+_THIRD = itemgetter(2)

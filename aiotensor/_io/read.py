@@ -127,7 +127,7 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
 
     Cancellation: returns only once no thread writes into any target tensor.
     """
-    await wait_for_streams(sched, (t.tensor for t in targets))
+    await wait_for_streams(sched, map(_TENSOR, targets))
     total = sum(t.spec.nbytes for t in targets)
     if total <= sched.batch_bytes:
         # what one worker call would read anyway (a stream's batch, a small file): planned, read
@@ -576,6 +576,7 @@ def _combined(
 
 
 _KIND, _PARTS, _CRC, _FIRST = attrgetter("kind"), attrgetter("parts"), attrgetter("crc"), itemgetter(0)
+_TENSOR = attrgetter("tensor")
 
 
 async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:

@@ -11,8 +11,8 @@ already runs them in parallel, and kvikio's host path is posix I/O on its own th
 CUDA tensors go through ``CuFile.pread``/``pwrite``: with GPUDirect Storage the bytes move between
 disk and GPU memory without a host copy. In kvikio's own compatibility mode (cuFile unavailable)
 kvikio would bounce them through its own pinned buffers with plain reads; the engine then moves
-them through the store's bounce slots instead (``cufile="auto"``), which measured faster. The file format is the same as the posix engine's: every file
-either engine writes, the other reads.
+them through the store's bounce slots instead (``cufile="auto"``), which measured faster. The
+file format is the same as the posix engine's: every file either engine writes, the other reads.
 
 Selected at run time by :func:`aiotensor.engines.default_engine`, only where torch sees a CUDA
 device (so libcuda loaded) and ``import kvikio`` works.
