@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from aiotensor import TensorStore
 from aiotensor.dcp import AiotensorReader, AiotensorWriter, SafeFileSystemReader
-from aiotensor.errors import UnsafeFileError
+from aiotensor.errors import MismatchError, UnsafeFileError
 
 from ._dcp_ranks import full
 from .conftest import assert_state_equal
@@ -540,3 +540,33 @@ async def test_a_turn_cancelled_while_waiting_for_the_side_group_gives_its_lock_
         async with g.turn():
             pass
     assert not g.side.lock.locked()
+
+
+def test_a_partial_resume_of_a_dcp_step_and_under_a_process_group(tmp_path: Any, one_rank_group: Any) -> None:
+    """strict=False on a step DCP wrote (read by aiotensor's resolver, no group) and in a
+    distributed store (DCP's partial load): what both have is loaded, the rest left alone."""
+    import anyio
+
+    saved = {"model": {"w": torch.randn(16, 8), "old": torch.ones(3)}, "step": 5}
+    dcp.save(saved, storage_writer=AiotensorWriter(tmp_path / "root" / "step-000000000005"))
+
+    def fresh() -> dict[str, Any]:
+        return {"model": {"w": torch.zeros(16, 8), "new": torch.full((2,), 9.0)}, "step": 0}
+
+    async def main() -> None:
+        async with TensorStore(tmp_path / "root", readonly=True) as store:
+            into = fresh()
+            with pytest.raises(MismatchError, match="missing keys.*new.*unexpected keys.*old"):
+                await store.load(into=into)
+            await store.load(into=into, strict=False)
+            assert torch.equal(into["model"]["w"], saved["model"]["w"]) and into["step"] == 5
+            assert torch.equal(into["model"]["new"], torch.full((2,), 9.0)) and "old" not in into["model"]
+        async with TensorStore(tmp_path / "root", distributed=True) as store:
+            into = fresh()
+            with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: model.new"):
+                await store.load(into=into)
+            await store.load(into=into, strict=False)
+            assert torch.equal(into["model"]["w"], saved["model"]["w"]) and into["step"] == 5
+            assert torch.equal(into["model"]["new"], torch.full((2,), 9.0)) and "old" not in into["model"]
+
+    anyio.run(main)

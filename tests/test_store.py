@@ -609,3 +609,54 @@ async def test_load_into_pairs_metadata_and_nan_keys_by_where_they_are(tmp_path:
     assert into_od["_metadata"]["x"].tolist() == [1.0] * 2 and into_od._metadata["x"].tolist() == [4.0] * 2
     assert into_od["a.b"].tolist() == [2.0] * 2 and into_od["a"]["b"].tolist() == [3.0] * 2
     assert into["nan"].tolist() == [6.0] * 2 and next(v for k, v in into.items() if k != k).tolist() == [5.0] * 2
+
+
+async def test_a_partial_resume_loads_what_both_have(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """strict=False (load_state_dict's meaning): a model that gained a head and lost a layer, an
+    optimizer state that changed shape, resumes from what both have; the rest of ``into`` is left
+    as it is, and nothing ``into`` lacks is read or added."""
+    w = torch.randn(8, 4)
+    saved = {
+        "model": {"embed": w, "layer1": torch.randn(4, 4), "head": w},  # head tied to embed: stored once
+        "optim": {"lr": 0.01, "betas": [0.9, 0.99], "momentum": [torch.ones(3), torch.ones(5)], "params": [0, 1]},
+        "step": 7,
+        "rng": "saved",
+    }
+    async with TensorStore(tmp_path) as store:
+        await store.save(7, saved)
+        new_head = torch.full((2, 4), 5.0)
+        into: dict[str, Any] = {
+            "model": {"head": torch.zeros(8, 4), "new_head": new_head},  # embed and layer1 dropped
+            # lists of another length (an optimizer's param_groups' params after the model changed)
+            "optim": {"lr": 0.5, "betas": [0.0, 0.0], "momentum": [torch.zeros(3)], "params": [0, 1, 2]},
+            "step": 0,
+        }
+        with pytest.raises(MismatchError, match="missing keys.*new_head.*unexpected keys"):
+            await store.load(into=into)
+        assert into["step"] == 0 and not into["model"]["head"].any()  # a refused load writes nothing
+        caplog.set_level("WARNING", logger="aiotensor")
+        got = await store.load(into=into, strict=False)
+    assert got is into
+    assert torch.equal(into["model"]["head"], w)  # read from the tensor it is tied to, though `into` lacks embed
+    assert torch.equal(into["model"]["new_head"], torch.full((2, 4), 5.0)) and into["model"]["new_head"] is new_head
+    assert set(into["model"]) == {"head", "new_head"} and "rng" not in into  # nothing `into` lacks is added
+    assert into["step"] == 7 and into["optim"]["lr"] == 0.01 and into["optim"]["betas"] == [0.9, 0.99]
+    # names are paths: optim.momentum.0 is in both (filled), .1 only in the step; the list keeps its length
+    assert len(into["optim"]["momentum"]) == 1 and into["optim"]["momentum"][0].eq(1).all()
+    assert into["optim"]["params"] == [0, 1, 2]
+    assert "strict=False" in caplog.text and "new_head" in caplog.text and "layer1" in caplog.text
+
+
+async def test_a_partial_resume_still_refuses_a_shape_or_dtype_that_differs(tmp_path: Any) -> None:
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(4, 4), "b": torch.ones(4)})
+        into = {"w": torch.zeros(4, 5), "b": torch.zeros(4)}
+        with pytest.raises(MismatchError, match="tensor 'w'"):
+            await store.load(into=into, strict=False)
+        assert not into["b"].any()
+        into = {"b": torch.zeros(4, dtype=torch.float64)}
+        with pytest.raises(MismatchError, match="tensor 'b'"):
+            await store.load(into=into, strict=False)
+        into = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+        assert (await store.load(into=into, strict=False, atomic=True))["w"].eq(1).all()  # nothing to warn about
+        assert (await store.load(strict=False))["b"].eq(1).all()  # without into: no meaning, new tensors

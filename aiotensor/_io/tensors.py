@@ -153,16 +153,16 @@ def check_into(
     *,
     missing_ok: bool = False,
     unexpected_ok: bool = False,
-) -> None:
+) -> tuple[list[str], list[str]]:
     """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
     and shape on a device this machine handles; else MismatchError (StateError for the device).
     The words are ``load_state_dict``'s, ``into`` in the module's place: a key of ``into`` that
     ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
-    is unexpected (``unexpected_ok``: not read)."""
-    missing = [] if missing_ok else sorted(set(given) - set(specs))
-    unexpected = [] if unexpected_ok else sorted(set(specs) - set(given))
-    if missing or unexpected:
-        raise MismatchError(f"`into` does not match {where}: {mismatch(missing, unexpected, '`into`')}")
+    is unexpected (``unexpected_ok``: not read). Returns the missing and unexpected keys let pass."""
+    missing, unexpected = sorted(set(given) - set(specs)), sorted(set(specs) - set(given))
+    refused = ([] if missing_ok else missing), ([] if unexpected_ok else unexpected)
+    if refused[0] or refused[1]:
+        raise MismatchError(f"`into` does not match {where}: {mismatch(*refused, '`into`')}")
     for k, t in given.items():
         spec = specs.get(k)
         if spec is None:
@@ -176,6 +176,7 @@ def check_into(
         want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
         if tuple(t.shape) != shape or t.dtype != want:
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
+    return missing, unexpected
 
 
 def mismatch(missing: list[str], unexpected: list[str], side: str) -> str:

@@ -260,19 +260,49 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
     return out
 
 
-def update(into: Any, saved: Any) -> Any:
+def update(into: Any, saved: Any, partial: bool = False) -> Any:
     """Every value of ``saved`` put into ``into``'s own containers (a load's ``into=`` gets every
     saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
-    values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple)."""
-    if isinstance(into, torch.Tensor):
+    values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple).
+    ``partial`` (a load with ``strict=False``): only where ``into`` has the place, a list or tuple
+    only element by element (one of another length is left as it is), and nothing that holds a
+    tensor the load did not read (:data:`UNREAD`)."""
+    if saved is UNREAD or isinstance(into, torch.Tensor):
         return into
     if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
         for k, v in saved.items():
-            into[k] = update(into[k], v) if k in into else v
+            if k in into:
+                into[k] = update(into[k], v, partial)
+            elif not partial:
+                into[k] = v
         return into
-    if isinstance(into, list) and isinstance(saved, list) and len(into) == len(saved):
-        into[:] = [update(a, b) for a, b in zip(into, saved, strict=True)]
+    lists, tuples = isinstance(into, list) and isinstance(saved, list), isinstance(into, tuple) and isinstance(saved, tuple)
+    same = (lists or tuples) and len(into) == len(saved)
+    if (lists or tuples) and not same and partial:
+        return into  # an optimizer's param_groups' "params" after the model changed: `into`'s own
+    if lists and same:
+        into[:] = [update(a, b, partial) for a, b in zip(into, saved, strict=True)]
         return into
-    if isinstance(into, tuple) and isinstance(saved, tuple) and len(into) == len(saved):
-        return type(into)(update(a, b) for a, b in zip(into, saved, strict=True)) if type(into) is tuple else saved
+    if tuples and same and type(into) is tuple:
+        return tuple(update(a, b, partial) for a, b in zip(into, saved, strict=True))
+    if partial and _holds_unread(saved):
+        return into
     return saved
+
+
+class _Unread:
+    def __repr__(self) -> str:
+        return "UNREAD"
+
+
+UNREAD: Any = _Unread()  # a saved tensor a partial load did not read, in the tree it rebuilds
+
+
+def _holds_unread(value: Any) -> bool:
+    if value is UNREAD:
+        return True
+    if isinstance(value, Mapping):
+        return any(map(_holds_unread, value.values()))
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_unread, value))
+    return False

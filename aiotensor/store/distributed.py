@@ -18,6 +18,7 @@ import anyio.lowlevel
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -95,13 +96,13 @@ class Group:
                 h.nbytes = await self.sched.run_sync(self.saver.write, staged, path, what, self.sched, token, fence)
             await steps.commit(h, None)
 
-    async def load(self, into: Any, path: str, what: str) -> None:
-        """Fill ``into`` (this rank's sharded state) through DCP, which reshards. As :meth:`save`,
-        cancelling waits for the end on this rank."""
+    async def load(self, into: Any, path: str, what: str, strict: bool = True) -> None:
+        """Fill ``into`` (this rank's sharded state) through DCP, which reshards (``strict=False``:
+        its partial load). As :meth:`save`, cancelling waits for the end on this rank."""
         with anyio.CancelScope(shield=True):
             async with self.turn():
                 token = anyio.lowlevel.current_token()
-                await self.sched.run_sync(load, into, path, self.group, what, self.sched, token)
+                await self.sched.run_sync(load, into, path, self.group, what, self.sched, token, strict)
 
     def close(self) -> None:
         if self.saver is not None:
@@ -244,9 +245,11 @@ def agree(failed: bool, group: Any) -> list[int]:
     return [r for r, f in enumerate(flags) if f.item()]
 
 
-def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: Any) -> None:
+def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True) -> None:
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk. The
-    reads run on ``sched`` (the store's, on the event loop of ``token``)."""
+    reads run on ``sched`` (the store's, on the event loop of ``token``). ``strict=False``: DCP's
+    partial load (``allow_partial_load``): a key of ``into`` the checkpoint lacks is left alone;
+    DCP never reads a key ``into`` lacks, strict or not."""
     from ..dcp import AiotensorReader
 
     reader = AiotensorReader(path, scheduler=sched, token=token)
@@ -260,7 +263,8 @@ def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: A
         raise problem
     if failed:
         raise DistributedError(f"{what} failed: ranks {failed} could not read the checkpoint's metadata")
-    collective(lambda: dcp_load(into, storage_reader=reader, process_group=group), what)
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what)
 
 
 def collective(fn: Callable[[], Any], what: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from itertools import chain, repeat
 from operator import attrgetter
@@ -14,14 +15,16 @@ from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
-from .._io.tensors import Target, assign, carved_targets, check_device, check_into, mapped
+from .._io.tensors import Target, assign, carved_targets, check_device, check_into, mapped, mismatch
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
 from ..formats import manifest as mf
 from ..formats import safetensors as st
-from ..formats.tree import flatten, leaves, matched, unflatten, update
+from ..formats.tree import UNREAD, flatten, leaves, matched, unflatten, update
 from ..location import is_object, local_path
+
+log = logging.getLogger("aiotensor")
 
 
 async def load_checkpoint(
@@ -35,8 +38,10 @@ async def load_checkpoint(
     step: int | None = None,
     progress: ProgressCallback | None = None,
     mmap: bool = False,
+    strict: bool = True,
 ) -> Any:
-    """Load one checkpoint folder (see :meth:`TensorStore.load` for ``into``, ``device``, ``atomic``, ``mmap``).
+    """Load one checkpoint folder (see :meth:`TensorStore.load` for ``into``, ``device``, ``atomic``,
+    ``mmap``, ``strict``).
 
     With ``step``, the folder must be a real folder (not a symbolic link) whose manifest names that
     step. At most one shard file is open at a time, whatever the number of shards.
@@ -57,7 +62,7 @@ async def load_checkpoint(
         dev = check_device(sched, device)
         if mmap and (into is not None or dev.type != "cpu" or is_object(path)):
             raise ValueError("mmap=True maps a local step's shards into new CPU tensors: not with into=, another device or a URL")
-        return await _load(sched, path, into, verify, dev, atomic, step, progress, mmap)
+        return await _load(sched, path, into, verify, dev, atomic, step, progress, mmap, strict)
 
 
 async def _load(
@@ -70,11 +75,12 @@ async def _load(
     step: int | None,
     progress: ProgressCallback | None,
     mmap: bool = False,
+    strict: bool = True,
 ) -> Any:
     if await sched.call(_root.is_dcp_step, sched.engine, folder, priority=Priority.LOAD):
         if mmap:
             raise ValueError(f"{folder} was written through DCP (a shard per rank, chunks to assemble): mmap=True cannot map it")
-        return await _load_dcp(sched, folder, into, dev, verify)
+        return await _load_dcp(sched, folder, into, dev, verify, strict)
     m: mf.Manifest
     m, by_shard = await sched.call(_read_manifest, sched, folder, step, priority=Priority.LOAD)
     mpath = os.path.join(folder, _root.MANIFEST)
@@ -97,12 +103,24 @@ async def _load(
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
     dest, targets, nbytes = await sched.call(
-        cuda.under, streams, _targets, m, by_shard, into, dev, sched.devices, verify, priority=Priority.LOAD, home=True
+        cuda.under,
+        streams,
+        _targets,
+        m,
+        by_shard,
+        into,
+        dev,
+        sched.devices,
+        verify,
+        strict,
+        folder,
+        priority=Priority.LOAD,
+        home=True,
     )
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
         await _read_passes(sched, folder, targets, passes)
-    state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, priority=Priority.LOAD)
+    state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, None, strict, priority=Priority.LOAD)
     manifest = [m]
     del m
     await _discard(sched, manifest, *by_shard.values(), *targets.values(), by_shard, targets, dest)
@@ -132,13 +150,15 @@ async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Ta
                 await close(sched, fd)
 
 
-async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device, verify: bool) -> Any:
+async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device, verify: bool, strict: bool = True) -> Any:
     """A checkpoint written through DCP (any number of ranks): its tensors whole, assembled from
     their chunks, straight into ``into``'s tensors or new ones (:mod:`aiotensor.sources`)."""
     src = await sched.call(sources.step, sched.engine, folder, priority=Priority.LOAD)
-    dests = None if into is None else await sched.call(_dests, src, into, sched.devices, priority=Priority.LOAD)
-    tensors = await read(sched, src.entries, dev, verify, into=dests)
-    return await sched.call(_state_of, src, tensors, into, priority=Priority.LOAD)
+    entries, dests = list(src.entries), None
+    if into is not None:
+        entries, dests = await sched.call(_dests, src, into, sched.devices, strict, folder, priority=Priority.LOAD)
+    tensors = await read(sched, entries, dev, verify, into=dests)
+    return await sched.call(_state_of, src, entries, tensors, into, strict, priority=Priority.LOAD)
 
 
 class _Leaf:
@@ -148,24 +168,41 @@ class _Leaf:
         self.name = name
 
 
-def _dests(src: sources.Source, into: Any, devices: tuple[str, ...]) -> list[torch.Tensor | None]:
-    """``into``'s tensor for each entry of ``src``, checked against it (keys, dtypes, shapes)."""
+def _dests(
+    src: sources.Source, into: Any, devices: tuple[str, ...], strict: bool, folder: str
+) -> tuple[list[sources.Entry], list[torch.Tensor | None]]:
+    """The entries of ``src`` to read and ``into``'s tensor for each, checked against it (keys,
+    dtypes, shapes); not ``strict``: those ``into`` has (:func:`_partial`)."""
     assert src.state is not None
     where = {leaf.name: key for key, leaf in leaves(src.state(_Leaf), lambda x: isinstance(x, _Leaf))}
     _, targets = flatten(into)
     given = dict(targets)
     specs = {where[n]: sources.spec_for(n, e.dtype, e.shape) for e in src.entries for n in e.names}
-    check_into(given, specs, devices, "the checkpoint")
-    return [given[where[e.names[0]]] for e in src.entries]
+    _partial(folder, check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict))
+    chosen = [
+        (e, next(given[where[n]] for n in e.names if where[n] in given))
+        for e in src.entries
+        if any(where[n] in given for n in e.names)
+    ]
+    return [e for e, _ in chosen], [t for _, t in chosen]
+
+
+def _partial(folder: str, keys: tuple[list[str], list[str]]) -> None:
+    """A load with ``strict=False`` says what it left alone and what it did not read."""
+    if keys[0] or keys[1]:
+        log.warning("%s loaded with strict=False: %s", folder, mismatch(*keys, "`into`"))
 
 
 @gil.quiet_gc
-def _state_of(src: sources.Source, tensors: list[torch.Tensor], into: Any) -> Any:
-    """The state ``src`` holds, its tensors ``tensors``; with ``into``, every saved value put there."""
+def _state_of(
+    src: sources.Source, entries: list[sources.Entry], tensors: list[torch.Tensor], into: Any, strict: bool = True
+) -> Any:
+    """The state ``src`` holds, its tensors ``tensors`` (of ``entries``); with ``into``, every saved
+    value put there (not ``strict``: where ``into`` has its place)."""
     assert src.state is not None
-    by_name = {n: t for e, t in zip(src.entries, tensors, strict=True) for n in e.names}
-    state = src.state(by_name.__getitem__)
-    return state if into is None else update(into, state)
+    by_name = {n: t for e, t in zip(entries, tensors, strict=True) for n in e.names}
+    state = src.state(by_name.__getitem__ if strict else lambda n: by_name.get(n, UNREAD))
+    return state if into is None else update(into, state, partial=not strict)
 
 
 def _read_manifest(sched: Scheduler, folder: str, step: int | None) -> tuple[mf.Manifest, dict[str, list[mf.Entry]]]:
@@ -184,6 +221,8 @@ def _targets(
     device: torch.device,
     devices: tuple[str, ...],
     verify: bool,
+    strict: bool = True,
+    folder: str = "",
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[Target]], int]:
     if into is None:  # new tensors, carved shard by shard
         dest: dict[str, torch.Tensor] = {}
@@ -194,12 +233,13 @@ def _targets(
             tensors, targets[shard] = carved_targets(specs, crcs, repeat("crc32c"), device)
             dest.update(zip(map(_KEY, specs), tensors, strict=True))
     else:
-        dest = _destinations(m, into, devices)
+        dest = _destinations(m, into, devices, strict, folder)
         targets = {
-            shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries]
+            shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries if e.spec.key in dest]
             for shard, entries in by_shard.items()
         }
-    return dest, targets, sum(e.spec.nbytes for e in m.entries.values())
+        targets = {shard: ts for shard, ts in targets.items() if ts}
+    return dest, targets, sum(t.spec.nbytes for ts in targets.values() for t in ts)
 
 
 _SPEC, _CRC, _KEY, _OFFSET = attrgetter("spec"), attrgetter("crc32c"), attrgetter("key"), attrgetter("offset")
@@ -207,19 +247,27 @@ _SPEC, _CRC, _KEY, _OFFSET = attrgetter("spec"), attrgetter("crc32c"), attrgette
 
 @gil.quiet_gc
 def _finish(
-    m: mf.Manifest, dest: dict[str, torch.Tensor], mpath: str, into: Any, views: dict[str, list[Target]] | None = None
+    m: mf.Manifest,
+    dest: dict[str, torch.Tensor],
+    mpath: str,
+    into: Any,
+    views: dict[str, list[Target]] | None = None,
+    strict: bool = True,
 ) -> Any:
-    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there.
-    ``views``: the tensors (mapped shards' views) are put in ``dest`` first."""
+    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there (not
+    ``strict``: where ``into`` has its place). ``views``: the tensors (mapped shards' views) are put
+    in ``dest`` first."""
     for targets in (views or {}).values():
         dest.update((t.spec.key, t.tensor) for t in targets)
     for alias, target in m.aliases.items():
+        if target not in dest:  # (strict=False: neither is in `into`)
+            continue
         if alias not in dest:
             dest[alias] = dest[target]
         elif not _same_view(dest[alias], dest[target]):
             assign(dest[alias].detach(), dest[target])
-    state = unflatten(m.tree, dest.__getitem__, mpath)
-    return state if into is None else update(into, state)
+    state = unflatten(m.tree, dest.__getitem__ if strict else lambda k: dest.get(k, UNREAD), mpath)
+    return state if into is None else update(into, state, partial=not strict)
 
 
 def _map_shard(
@@ -280,9 +328,18 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
-def _destinations(m: mf.Manifest, into: Any, devices: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """``into``'s tensors to read into, checked against the manifest."""
+def _destinations(
+    m: mf.Manifest, into: Any, devices: tuple[str, ...], strict: bool = True, folder: str = ""
+) -> dict[str, torch.Tensor]:
+    """``into``'s tensors to read into, checked against the manifest; not ``strict``: those both
+    have, a tied name ``into`` has read into from the stored tensor it names when ``into`` lacks that."""
     given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-    check_into(given, specs, devices, "the checkpoint")
-    return given
+    _partial(folder, check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict))
+    if strict:
+        return given
+    shared = {k: t for k, t in given.items() if k in specs}
+    for alias, target in m.aliases.items():
+        if alias in shared and target not in shared:
+            shared[target] = shared[alias]
+    return shared

@@ -547,6 +547,7 @@ class TensorStore:
         atomic: bool = False,
         progress: ProgressCallback | None = None,
         mmap: bool = False,
+        strict: bool = True,
     ) -> Any:
         """Load a committed step (default: the newest) as the nested state it was saved as: new
         tensors on ``device``, or, with ``into`` (a state of the same structure), its tensors filled
@@ -560,9 +561,18 @@ class TensorStore:
         later stays readable through them (a mapping keeps the file's inode), and its disk space
         is freed only when the last view is gone (``docs/serving.md``).
 
+        ``strict`` (with ``into``) has ``load_state_dict``'s meaning: ``strict=False`` loads what
+        both have (a resume after the model or optimizer changed), leaves a tensor or value of
+        ``into`` the step lacks as it is (a missing key: a new head) and neither reads nor adds
+        what ``into`` lacks (an unexpected key: a dropped layer, a saved value ``into`` has no
+        place for); a warning on the ``aiotensor`` logger names both. A name both have must still
+        match in shape and dtype. Under a process group, DCP's partial load does this (it never
+        reads a key ``into`` lacks, strict or not).
+
         Raises:
             CheckpointNotFoundError: no such committed step, or another process retired it meanwhile.
-            MismatchError: ``into`` lacks a key, has an extra one, or a shape/dtype differs (named).
+            MismatchError: ``into`` lacks a key, has an extra one (unless ``strict=False``), or a
+                shape/dtype differs (named).
             ChecksumError, ManifestError, HeaderError: corrupt or malformed files (named).
             OSError: an I/O error, naming the file.
 
@@ -574,13 +584,15 @@ class TensorStore:
         self._check_open()
         tier = self._tier
         if tier is not None and (self.latest() if step is None else step) in tier._steps.committed - self._steps.committed:
-            return await tier.load(step, into=into, verify=verify, device=device, atomic=atomic, progress=progress, mmap=mmap)
+            return await tier.load(
+                step, into=into, verify=verify, device=device, atomic=atomic, progress=progress, mmap=mmap, strict=strict
+            )
         step = self._steps.check(step)
         self._steps.readers[step] += 1  # never retired by this store meanwhile
         try:
             with self._tasks.running():  # close() waits for it
                 if self._group is not None and into is not None and not mmap:  # mmap with into=: refused below
-                    await self._group.load(into, self.path(step), f"loading step {step} from {self.root}")
+                    await self._group.load(into, self.path(step), f"loading step {step} from {self.root}", strict)
                     return into
                 verify = self.verify if verify is None else verify
                 return await load_checkpoint(
@@ -593,6 +605,7 @@ class TensorStore:
                     step=step,
                     progress=progress,
                     mmap=mmap,
+                    strict=strict,
                 )
         except FileNotFoundError as e:
             if await call(self.scheduler, self.engine.exists, self.path(step), what=f"checking {self.path(step)}"):
