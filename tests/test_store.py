@@ -660,3 +660,32 @@ async def test_a_partial_resume_still_refuses_a_shape_or_dtype_that_differs(tmp_
         into = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
         assert (await store.load(into=into, strict=False, atomic=True))["w"].eq(1).all()  # nothing to warn about
         assert (await store.load(strict=False))["b"].eq(1).all()  # without into: no meaning, new tensors
+
+
+class _Pair(collections.namedtuple("_Pair", "params step")):
+    pass
+
+
+async def test_a_partial_resume_never_replaces_what_it_leaves_alone(tmp_path: Any) -> None:
+    """strict=False keeps every place of `into` the warning calls missing: a dict of tensors where
+    the step has a number, a named tuple's own type and members, a name tied in the step that
+    `into` holds as something else."""
+    w = torch.randn(4)
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"x": 5, "nt": ({"w": w}, 3), "embed": w, "head": w, "both": [w, w], "tup": (w, 1)})
+        keep, new, z = torch.zeros(2), torch.full((3,), 7.0), torch.zeros(4)
+        into: dict[str, Any] = {
+            "x": {"a": keep},
+            "nt": _Pair({"w": torch.zeros(4), "new": new}, 0),
+            "embed": None,
+            "head": z,
+            "both": [torch.zeros(4), torch.zeros(4)],
+            "tup": (torch.zeros(4), 0),
+        }
+        await store.load(into=into, strict=False)
+    assert into["x"]["a"] is keep  # the step's 5 does not replace `into`'s tensors
+    assert type(into["nt"]) is _Pair and into["nt"].step == 3 and into["nt"].params["new"] is new
+    assert torch.equal(into["nt"].params["w"], w)
+    assert into["embed"] is None and torch.equal(z, w)  # head read from embed's bytes; embed not added
+    assert torch.equal(into["both"][0], w) and torch.equal(into["both"][1], w)
+    assert torch.equal(into["tup"][0], w) and into["tup"][1] == 1 and type(into["tup"]) is tuple

@@ -265,8 +265,9 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
     saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
     values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple).
     ``partial`` (a load with ``strict=False``): only where ``into`` has the place, a list or tuple
-    only element by element (one of another length is left as it is), and nothing that holds a
-    tensor the load did not read (:data:`UNREAD`)."""
+    only element by element (one of another length is left as it is; a named tuple keeps its
+    type), never a value that holds a tensor the load did not read (:data:`UNREAD`), never over a
+    place of ``into`` that holds tensors."""
     if saved is UNREAD or isinstance(into, torch.Tensor):
         return into
     if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
@@ -285,8 +286,10 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
         return into
     if tuples and same and type(into) is tuple:
         return tuple(update(a, b, partial) for a, b in zip(into, saved, strict=True))
-    if partial and _holds_unread(saved):
-        return into
+    if tuples and same and partial and hasattr(type(into), "_make"):  # a named tuple: its own type kept
+        return type(into)._make(update(a, b, partial) for a, b in zip(into, saved, strict=True))
+    if partial and (_holds(saved, _is_unread) or _holds(into, _is_tensor)):
+        return into  # a value the load did not read, or a place of `into` whose tensors it keeps
     return saved
 
 
@@ -298,11 +301,20 @@ class _Unread:
 UNREAD: Any = _Unread()  # a saved tensor a partial load did not read, in the tree it rebuilds
 
 
-def _holds_unread(value: Any) -> bool:
-    if value is UNREAD:
+def _holds(value: Any, leaf: Callable[[Any], bool]) -> bool:
+    """Whether ``value`` is, or its dicts, lists and tuples hold, a ``leaf``."""
+    if leaf(value):
         return True
     if isinstance(value, Mapping):
-        return any(map(_holds_unread, value.values()))
+        return any(_holds(v, leaf) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(map(_holds_unread, value))
+        return any(_holds(v, leaf) for v in value)
     return False
+
+
+def _is_unread(value: Any) -> bool:
+    return value is UNREAD
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)

@@ -102,7 +102,7 @@ async def _load(
         return await _mapped(sched, folder, m, views, mpath, verify)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
-    dest, targets, nbytes = await sched.call(
+    dest, targets, nbytes, wanted = await sched.call(
         cuda.under,
         streams,
         _targets,
@@ -120,7 +120,7 @@ async def _load(
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
         await _read_passes(sched, folder, targets, passes)
-    state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, None, strict, priority=Priority.LOAD)
+    state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, None, wanted, priority=Priority.LOAD)
     manifest = [m]
     del m
     await _discard(sched, manifest, *by_shard.values(), *targets.values(), by_shard, targets, dest)
@@ -190,7 +190,8 @@ def _dests(
 def _partial(folder: str, keys: tuple[list[str], list[str]]) -> None:
     """A load with ``strict=False`` says what it left alone and what it did not read."""
     if keys[0] or keys[1]:
-        log.warning("%s loaded with strict=False: %s", folder, mismatch(*keys, "`into`"))
+        counts = f"{len(keys[0])} missing, {len(keys[1])} unexpected"
+        log.warning("%s loaded with strict=False (%s tensors): %s", folder, counts, mismatch(*keys, "`into`"))
 
 
 @gil.quiet_gc
@@ -223,7 +224,10 @@ def _targets(
     verify: bool,
     strict: bool = True,
     folder: str = "",
-) -> tuple[dict[str, torch.Tensor], dict[str, list[Target]], int]:
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Target]], int, set[str] | None]:
+    """The tensors to read into by key, the reads by shard, their bytes, and (not ``strict``) the
+    keys of ``into`` among them (:func:`_destinations`)."""
+    wanted = None
     if into is None:  # new tensors, carved shard by shard
         dest: dict[str, torch.Tensor] = {}
         targets: dict[str, list[Target]] = {}
@@ -233,13 +237,13 @@ def _targets(
             tensors, targets[shard] = carved_targets(specs, crcs, repeat("crc32c"), device)
             dest.update(zip(map(_KEY, specs), tensors, strict=True))
     else:
-        dest = _destinations(m, into, devices, strict, folder)
+        dest, wanted = _destinations(m, into, devices, strict, folder)
         targets = {
             shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries if e.spec.key in dest]
             for shard, entries in by_shard.items()
         }
         targets = {shard: ts for shard, ts in targets.items() if ts}
-    return dest, targets, sum(t.spec.nbytes for ts in targets.values() for t in ts)
+    return dest, targets, sum(t.spec.nbytes for ts in targets.values() for t in ts), wanted
 
 
 _SPEC, _CRC, _KEY, _OFFSET = attrgetter("spec"), attrgetter("crc32c"), attrgetter("key"), attrgetter("offset")
@@ -252,11 +256,11 @@ def _finish(
     mpath: str,
     into: Any,
     views: dict[str, list[Target]] | None = None,
-    strict: bool = True,
+    wanted: set[str] | None = None,
 ) -> Any:
-    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there (not
-    ``strict``: where ``into`` has its place). ``views``: the tensors (mapped shards' views) are put
-    in ``dest`` first."""
+    """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there
+    (``wanted``, a load with strict=False: only the tensors of those keys, where ``into`` has their
+    place). ``views``: the tensors (mapped shards' views) are put in ``dest`` first."""
     for targets in (views or {}).values():
         dest.update((t.spec.key, t.tensor) for t in targets)
     for alias, target in m.aliases.items():
@@ -266,8 +270,8 @@ def _finish(
             dest[alias] = dest[target]
         elif not _same_view(dest[alias], dest[target]):
             assign(dest[alias].detach(), dest[target])
-    state = unflatten(m.tree, dest.__getitem__ if strict else lambda k: dest.get(k, UNREAD), mpath)
-    return state if into is None else update(into, state, partial=not strict)
+    state = unflatten(m.tree, dest.__getitem__ if wanted is None else lambda k: dest[k] if k in wanted else UNREAD, mpath)
+    return state if into is None else update(into, state, partial=wanted is not None)
 
 
 def _map_shard(
@@ -330,16 +334,18 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _destinations(
     m: mf.Manifest, into: Any, devices: tuple[str, ...], strict: bool = True, folder: str = ""
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], set[str] | None]:
     """``into``'s tensors to read into, checked against the manifest; not ``strict``: those both
-    have, a tied name ``into`` has read into from the stored tensor it names when ``into`` lacks that."""
+    have (and their keys), a tied name ``into`` has read from the stored tensor it names where
+    ``into`` lacks that one (under that one's key, which the state rebuilt then leaves out)."""
     given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
     _partial(folder, check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict))
     if strict:
-        return given
+        return given, None
     shared = {k: t for k, t in given.items() if k in specs}
+    wanted = set(shared)
     for alias, target in m.aliases.items():
-        if alias in shared and target not in shared:
+        if alias in wanted and target not in shared:
             shared[target] = shared[alias]
-    return shared
+    return shared, wanted

@@ -566,8 +566,9 @@ class TensorStore:
         ``into`` the step lacks as it is (a missing key: a new head) and neither reads nor adds
         what ``into`` lacks (an unexpected key: a dropped layer, a saved value ``into`` has no
         place for); a warning on the ``aiotensor`` logger names both. A name both have must still
-        match in shape and dtype. Under a process group, DCP's partial load does this (it never
-        reads a key ``into`` lacks, strict or not).
+        match in shape and dtype; a place of ``into`` that holds tensors is never replaced by a
+        saved value of another kind. Under a process group, DCP's partial load does this, without
+        the warning (it never reads a key ``into`` lacks, strict or not).
 
         Raises:
             CheckpointNotFoundError: no such committed step, or another process retired it meanwhile.
