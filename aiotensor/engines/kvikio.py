@@ -111,19 +111,22 @@ class KvikioEngine(PosixEngine):
         assert k is not None, "kvikio failed to load"
         return k.defaults
 
+    def _through_cufile(self) -> bool:
+        """Does cuFile move CUDA tensors here (kvikio set up, and ``cufile`` says so for its mode)?
+        Waits for kvikio's set-up."""
+        k = self._kvikio()
+        return k is not None and (self.cufile == "always" or k.mode != "compat")
+
     @property
     def label(self) -> str:
-        if self.mode == "compat" and self.cufile == "auto":
+        if self.mode == "compat" and not self._through_cufile():
             return "kvikio (compat: CUDA tensors through bounce slots)"
         return super().label
 
     def handles_device(self, t: torch.Tensor) -> bool:
-        """:meth:`device_memory` tensors, once kvikio is set up (in a worker thread: waits for it),
-        where cuFile moves them (see ``cufile``)."""
-        if not self.device_memory(t):
-            return False
-        k = self._kvikio()
-        return k is not None and (self.cufile == "always" or k.mode != "compat")
+        """:meth:`device_memory` tensors, where cuFile moves them (:meth:`_through_cufile`: in a
+        worker thread, it waits for kvikio's set-up)."""
+        return self.device_memory(t) and self._through_cufile()
 
     def device_memory(self, t: torch.Tensor) -> bool:
         """Is ``t`` memory cuFile moves: a CUDA tensor whose bytes are its memory?"""

@@ -179,12 +179,14 @@ def _dests(
     given = dict(targets)
     specs = {where[n]: sources.spec_for(n, e.dtype, e.shape) for e in src.entries for n in e.names}
     _partial(folder, check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict))
-    chosen = [
-        (e, next(given[where[n]] for n in e.names if where[n] in given))
-        for e in src.entries
-        if any(where[n] in given for n in e.names)
-    ]
-    return [e for e, _ in chosen], [t for _, t in chosen]
+    entries: list[sources.Entry] = []
+    dests: list[torch.Tensor | None] = []
+    for e in src.entries:  # (not strict: the entries `into` has a tensor for)
+        t = next((given[where[n]] for n in e.names if where[n] in given), None)
+        if t is not None:
+            entries.append(e)
+            dests.append(t)
+    return entries, dests
 
 
 def _partial(folder: str, keys: tuple[list[str], list[str]]) -> None:
