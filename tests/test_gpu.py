@@ -253,3 +253,34 @@ async def test_arenas_and_slots_are_pinned_while_in_use_and_not_after_close(tmp_
         store.staging.release(arena)
         await store.load(1, into={"w": torch.empty(1 << 22, device="cuda")})
     assert not t.is_pinned()
+
+
+@pytest.mark.parametrize("engine", ["posix", "kvikio"])
+async def test_a_partial_resume_into_cuda_tensors_under_a_busy_stream(tmp_path: Any, engine: str) -> None:
+    """``load(into=, strict=False)`` into a CUDA model and optimizer that changed: what both have
+    lands before the consumer stream's next kernel, what only ``into`` has is left as it was, on
+    the default engine and on kvikio's (its "auto" choice of path for CUDA tensors)."""
+    eng = PosixEngine() if engine == "posix" else _kvikio()
+    state = _odd_state(3)
+    w = state["t0"]
+    saved = {"model": {**state, "tied": w}, "optim": {"lr": 0.1, "exp_avg": [torch.ones(5, device="cuda")]}}
+    async with TensorStore(tmp_path, engine=eng) as store:
+        await store.save(1, saved)
+        new = torch.full((7,), 3.0, device="cuda")
+        into: dict[str, Any] = {
+            "model": {k: torch.zeros_like(t) for k, t in state.items() if k != "t1"} | {"tied": torch.zeros_like(w), "new": new},
+            "optim": {"lr": 0.5, "exp_avg": [torch.zeros(5, device="cuda"), torch.zeros(2, device="cuda")]},
+        }
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(LONG)  # type: ignore[no-untyped-call]
+            await store.load(into=into, strict=False)
+            sums = {k: t.double().sum() for k, t in into["model"].items()}  # the consumer's next kernels
+        s.synchronize()
+    for k, t in state.items():
+        if k != "t1":
+            assert torch.equal(into["model"][k], t), k
+            assert sums[k] == t.double().sum(), k
+    assert torch.equal(into["model"]["tied"], w) and into["model"]["new"] is new and new.eq(3).all()
+    assert "t1" not in into["model"] and into["optim"]["lr"] == 0.1
+    assert into["optim"]["exp_avg"][0].eq(1).all() and not into["optim"]["exp_avg"][1].any()
