@@ -86,3 +86,12 @@ def one_rank_group(tmp_path: Any) -> Any:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def cuda_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aiotensor._runtime.cuda.available()`` as on a machine with a GPU that CUDA was not yet
+    initialized on (the answer it kept per process replaced for this test only)."""
+    from aiotensor._runtime import cuda
+
+    monkeypatch.setattr(cuda, "_devices_seen", lambda visible: True)

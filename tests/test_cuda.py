@@ -4,6 +4,7 @@ round trips and staging semantics on a GPU (marked ``gpu``, skipped without CUDA
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import os
 import signal
@@ -244,8 +245,8 @@ def test_record_current_streams_touches_no_device_without_a_context(monkeypatch:
         def record(self, stream: Any) -> None:
             recorded.append(stream)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i in (3, 5), raising=False)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: ("stream of", torch.device(dev)))
@@ -452,13 +453,13 @@ def test_a_pinned_mapping_dropped_unclosed_is_unregistered_before_it_is_unmapped
         assert registered == {} and pinning.pinned_bytes == 0
 
 
-def test_a_child_forked_after_cuda_was_initialized_makes_no_cuda_call(monkeypatch: Any) -> None:
+def test_a_child_forked_after_cuda_was_initialized_makes_no_cuda_call(monkeypatch: Any, cuda_seen: None) -> None:
     """On the first GPU run, CPU-only saves in a child forked by a process that had initialized
     CUDA failed: the store recorded CUDA events (every CUDA call fails in such a child)."""
     from aiotensor._runtime import cuda
     from aiotensor.engines import kvikio_usable
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cuda.available()  # as with a GPU
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     assert not cuda.available() and not kvikio_usable() and Scheduler(PosixEngine()).cuda is None
 
@@ -515,3 +516,33 @@ async def test_a_failed_unpin_is_logged_and_the_clean_up_goes_on(caplog: Any) ->
     pool.close()
     assert pool.mapped_bytes == 0 and pinning.pinned_bytes == 0
     assert caplog.text.count("could not unpin") == 2
+
+
+def test_asking_whether_cuda_is_there_never_initializes_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Scheduler() asks, often on the event loop's thread; torch.cuda.is_available()
+    initializes the driver on its first call in a process (0.19 s of CPU on an H200 machine, a
+    loop held that long by the first store a server made). The answer comes from NVML's count
+    (torch.cuda.device_count), kept per CUDA_VISIBLE_DEVICES."""
+    from aiotensor._runtime import cuda
+
+    def no(*a: Any) -> Any:
+        raise AssertionError("the CUDA driver was initialized")
+
+    counted: list[str | None] = []
+
+    def device_count() -> int:
+        counted.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return 0 if counted[-1] == "" else 2
+
+    monkeypatch.setattr(torch.cuda, "is_available", no)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", no, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+    monkeypatch.setattr(cuda, "_devices_seen", functools.cache(cuda._devices_seen.__wrapped__))  # type: ignore[attr-defined]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert cuda.available() and cuda.available() and Scheduler(PosixEngine()).cuda is not None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not cuda.available() and Scheduler(PosixEngine()).cuda is None
+    assert counted == ["0,1", ""]  # asked once per value
+    # a save of CPU tensors asks for the devices with a context: none before torch initialized CUDA
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", no, raising=False)
+    assert cuda.live_devices() == [] and cuda.record_current_streams() == {} and cuda.caller_streams() == []

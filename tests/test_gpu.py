@@ -221,6 +221,37 @@ def test_a_rank_on_gpu_k_makes_contexts_on_gpu_k_only(tmp_path: Any) -> None:
     assert out.strip() == f"[{k}]"
 
 
+def test_cpu_work_in_a_fresh_process_never_initializes_cuda(tmp_path: Any) -> None:
+    """The first store a process made on a GPU machine held the event loop 0.18 s of CPU
+    (tests/test_loop_blocking on an H200, 2026-11-26): asking ``torch.cuda.is_available()``
+    initializes the driver. Saves and loads of CPU tensors in a fresh process, with the default
+    engine (kvikio where installed), never ask the driver: it is not initialized, by torch or by
+    a driver call of ours, at the end."""
+    out = _child(
+        f"""
+        import anyio, torch, aiotensor
+
+        def boom(*a):
+            raise AssertionError("the CUDA driver was asked")
+
+        torch.cuda.is_available = torch._C._cuda_getDeviceCount = torch._C._cuda_hasPrimaryContext = boom
+        async def main():
+            w = {{"w": torch.randn(1 << 20), "b": torch.arange(7)}}
+            async with aiotensor.TensorStore({str(tmp_path / "s")!r}) as s:
+                await s.save(1, w)
+                assert torch.equal((await s.load(1))["w"], w["w"])
+                await s.load(1, into=w)
+            await aiotensor.save_file(w, {str(tmp_path / "f.safetensors")!r})
+            await aiotensor.load_file({str(tmp_path / "f.safetensors")!r})
+            async for _ in aiotensor.stream({str(tmp_path / "f.safetensors")!r}):
+                pass
+            print(aiotensor._runtime.cuda.available(), torch.cuda.is_initialized())
+        anyio.run(main)
+        """
+    )
+    assert out.strip().splitlines()[-1] == "True False"
+
+
 async def test_a_failed_registration_leaves_no_stale_error_in_its_thread() -> None:
     """cudaHostRegister of memory already registered fails (cudaErrorHostMemoryAlreadyRegistered);
     the error must be cleared, or torch's next kernel launch in that thread reports it."""

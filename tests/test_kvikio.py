@@ -336,7 +336,7 @@ async def test_a_kvikio_that_fails_to_load_leaves_cuda_tensors_to_the_bounce_pat
 def test_kvikio_is_chosen_only_where_cuda_is(kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         assert type(default_engine()) is PosixEngine  # kvikio imports, but there is no CUDA
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(aiotensor._runtime.cuda, "_devices_seen", lambda visible: True)
     eng = default_engine(workers=3, chunk_bytes=1 << 20)
     assert isinstance(eng, KvikioEngine) and eng.mode == "gds"
     assert (kv.values["num_threads"], kv.values["task_size"]) == (3, 1 << 20)
