@@ -39,8 +39,11 @@ INLINE_UNITS = 256
 
 # --- the GIL and the collector (aiotensor._runtime.gil) -----------------------------------------
 # While a save or load runs, the GIL switch interval is at most this (Python's is 5 ms): the loop's
-# thread waits that long at most for a worker in Python code (bench_loop.py).
-SWITCH_INTERVAL_S = 0.001
+# thread waits that long at most for a worker in Python code. 1 ms until 2026-11-26; at 0.5 ms the
+# loop's p99 lag with 20,000 tensors fell from 4.1 to 2.5 ms (a store's load), 2.6 to 1.6
+# (load_into), 3.6 to 3.1 (stream), no slower; 0.2 ms gained little more
+# (bench/results/loop-switch-2026-11-26.log: bench_loop.py, 3 runs of 3 each).
+SWITCH_INTERVAL_S = 0.0005
 # During a long collector pause, a worker collects the young generations this often (bench_loop.py).
 YOUNG_EVERY_S = 5.0
 # Objects made during a pause are moved to the oldest generation unwalked when more than this many

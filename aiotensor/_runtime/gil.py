@@ -187,7 +187,7 @@ def switch_interval(seconds: float | None) -> Iterator[None]:
     A thread that wants the GIL waits a whole switch interval (5 ms by default) before it asks
     the holder to let go, and a worker doing Python work for 20,000 small tensors holds it that
     long every time: the event loop's thread then ran its callbacks 10 ms late at the 99th
-    percentile, with one worker as with four; at 1 ms, 3 ms late, and the save and load were no
+    percentile, with one worker as with four; at 1 ms, 3 ms late (at 0.5 ms, the default now, 1.6-3.1), and no
     slower (``bench/bench_loop.py``). Windows nest and overlap like :func:`paused_gc`; when the
     last ends, the interval the first found comes back, unless someone changed it meanwhile.
     """
