@@ -534,6 +534,9 @@ def test_asking_whether_cuda_is_there_never_initializes_the_driver(monkeypatch: 
         counted.append(os.environ.get("CUDA_VISIBLE_DEVICES"))
         return 0 if counted[-1] == "" else 2
 
+    # as in a process that has not used CUDA yet (earlier tests on a GPU machine have)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", no)
     monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", no, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", device_count)

@@ -58,22 +58,33 @@ def available() -> bool:
     """True where torch sees a CUDA device that this process may use: not in a child forked after
     CUDA was initialized, where every CUDA call fails (a CPU-only save there must not make one).
 
-    Asked without initializing the CUDA driver, since every ``Scheduler()`` asks, often on the
-    event loop's thread: ``torch.cuda.is_available()`` initializes it on its first call in a
-    process (0.19 s of CPU on an H200 machine, measured there 2026-11-26), while
-    ``torch.cuda.device_count()`` asks NVML (0.015 s), as ``is_available`` itself does under
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, and leaves a later fork free to use CUDA. The count is
-    kept per ``CUDA_VISIBLE_DEVICES`` value until CUDA is initialized, which answers at once."""
+    "Sees", not "can start": asked without initializing the CUDA driver, since every
+    ``Scheduler()`` asks, often on the event loop's thread. ``torch.cuda.is_available()``
+    initializes it on its first call in a process (0.19 s of CPU on an H200 machine, measured
+    there 2026-11-26); ``torch.cuda.device_count()`` asks NVML first (0.015 s), as
+    ``is_available`` itself does under ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, and then a later fork
+    stays free to use CUDA. Where NVML cannot answer (no ``libnvidia-ml``, MIG UUIDs in
+    ``CUDA_VISIBLE_DEVICES``) torch falls back to the driver's count, as before. A device NVML
+    sees but the driver cannot start (a driver older than torch's CUDA) counts as seen: what
+    needs CUDA then fails with torch's error, and nothing is asked of CUDA for CPU tensors. The
+    answer is kept per value of the variables that choose the visible devices, until CUDA is
+    initialized, which answers at once."""
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # False in a bad fork
         return True
     if torch.cuda._is_in_bad_fork():
         return False
-    return _devices_seen(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return _devices_seen(tuple(map(os.environ.get, _VISIBLE)))
+
+
+_VISIBLE = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
 @functools.cache
-def _devices_seen(visible: str | None) -> bool:
-    return torch.cuda.device_count() > 0
+def _devices_seen(visible: tuple[str | None, ...]) -> bool:
+    try:
+        return torch.cuda.device_count() > 0
+    except Exception:  # ROCm's device listing can raise where is_available() never did
+        return bool(torch._C._cuda_getDeviceCount() > 0)
 
 
 class EventBridge:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .._runtime import cuda, threads
+from .._runtime import threads
 from .._runtime.scheduler import Scheduler
 from ..errors import DistributedError
 from .handle import SaveHandle
@@ -184,20 +184,29 @@ class Saver:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.opts = StagingOptions(use_pinned_memory=cuda.available(), use_shared_memory=False,
-                                   use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
-        self.stager = DefaultStager(self.opts)
+        self.opts, self.stager = self._stager()
+
+    @staticmethod
+    def _stager() -> tuple[StagingOptions, Any]:
+        """DCP's stager; its copies pinned where this process uses CUDA (torch initialized it; a
+        CPU-only rank on a GPU machine pins nothing, and a driver that fails would fail here)."""
+        opts = StagingOptions(use_pinned_memory=torch.cuda.is_initialized(), use_shared_memory=False,  # type: ignore[no-untyped-call]
+                              use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
+        return opts, DefaultStager(opts)
 
     def stage(self, state: Any, what: str) -> Any:
         """A CPU copy of this rank's part of ``state`` (DCP's stager: DTensor and ShardedTensor kept
         as such). Every rank learns whether every other one could, before anyone starts writing: a
         rank that failed here would otherwise leave the others waiting in DCP's first collective."""
+        if self.opts.use_pinned_memory != torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            self.stager.close()  # CUDA came into use (or a fork left it) since the last save
+            self.opts, self.stager = self._stager()
         try:
             staged, problem = self.stager.stage(state), None
         except Exception as e:
             staged, problem = None, e
         if spent(self.stager):
-            self.stager = DefaultStager(self.opts)
+            self.opts, self.stager = self._stager()
         failed = agree(problem is not None, self.group)
         if problem is not None:
             if len(failed) > 1:
