@@ -241,11 +241,15 @@ def ours(src: str, store: str | None, state: dict[str, torch.Tensor]) -> dict[st
 
         tools["aiotensor store.load()"] = load
 
-        async def load_mapped() -> dict[str, torch.Tensor]:
-            async with aiotensor.TensorStore(store, readonly=True) as s:
-                return await s.load(mmap=True)
+        def store_mapped(verify: bool) -> Tool:
+            async def run() -> dict[str, torch.Tensor]:
+                async with aiotensor.TensorStore(store, readonly=True) as s:
+                    return await s.load(mmap=True, verify=verify)
 
-        tools["aiotensor store.load(mmap)"] = load_mapped
+            return run
+
+        tools["aiotensor store.load(mmap)"] = store_mapped(True)  # every CRC checked: a read of every page
+        tools["aiotensor store.load(mmap, verify=False)"] = store_mapped(False)
     return tools
 
 
@@ -335,7 +339,12 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 OURS = ("aiotensor.stream", "aiotensor.load_file", "aiotensor.load_into", "aiotensor store.load()")
-MAPPED = ("aiotensor.load_file(mmap)", "aiotensor.load_file(mmap, verify=False)", "aiotensor store.load(mmap)")
+MAPPED = (
+    "aiotensor.load_file(mmap)",
+    "aiotensor.load_file(mmap, verify=False)",
+    "aiotensor store.load(mmap)",
+    "aiotensor store.load(mmap, verify=False)",
+)
 NO_COPY = "safetensors mmap (no copy)"
 SAME_JOB = "safetensors pread + copy into the module"  # load_into's job, not a loader: no "fastest copying peer"
 
