@@ -549,3 +549,25 @@ def test_asking_whether_cuda_is_there_never_initializes_the_driver(monkeypatch: 
     # a save of CPU tensors asks for the devices with a context: none before torch initialized CUDA
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", no, raising=False)
     assert cuda.live_devices() == [] and cuda.record_current_streams() == {} and cuda.caller_streams() == []
+
+
+def test_a_load_to_cuda_leaves_initializing_cuda_to_the_worker_that_makes_a_tensor(
+    monkeypatch: pytest.MonkeyPatch, cuda_seen: None, tmp_path: Any
+) -> None:
+    """Before torch initialized CUDA, a load to "cuda" asks nothing of CUDA on the caller's thread
+    (the event loop's): its device is 0, which no thread can have changed without initializing
+    CUDA, and a stream takes that device's default stream."""
+    from aiotensor._io.tensors import check_device
+
+    def no(*a: Any) -> Any:
+        raise AssertionError("CUDA initialized on the caller's thread")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", no)
+    monkeypatch.setattr(torch.cuda, "current_stream", no)
+    sched = Scheduler(PosixEngine())
+    assert check_device(sched, "cuda") == torch.device("cuda", 0) and check_device(sched, "cuda:1").index == 1
+    assert aiotensor.stream(tmp_path / "x.safetensors", device="cuda", scheduler=sched)._s._stream is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert check_device(sched, "cuda") == torch.device("cuda", 3)  # once in use: the caller's device

@@ -197,8 +197,16 @@ def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
     if dev.type not in sched.devices:
         raise ValueError(f"cannot load to {device}: this machine handles {', '.join(sched.devices)} tensors")
     if dev.type == "cuda" and dev.index is None:  # worker threads make the tensors: the caller's current device
-        dev = torch.device("cuda", torch.cuda.current_device())
+        dev = torch.device("cuda", current_device())
     return dev
+
+
+def current_device() -> int:
+    """The caller's current CUDA device, without initializing CUDA on the caller's thread (often
+    the event loop's: 0.3 s there when a server's first CUDA use is a load to "cuda"). Before
+    torch initialized CUDA no thread has chosen a device (``set_device`` initializes it): 0, and
+    the worker that makes the first tensor initializes CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0  # type: ignore[no-untyped-call]
 
 
 async def wait_for_streams(sched: Scheduler, tensors: Iterable[torch.Tensor]) -> None:

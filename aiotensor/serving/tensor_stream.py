@@ -123,8 +123,10 @@ class _Stream:
         engine = engine_for(self.source, scheduler, storage_options)  # an object needs an engine of its own
         self.scheduler = scheduler if scheduler is not None else Scheduler(engine)
         self.device = check_device(self.scheduler, device)
-        # the stream CUDA tensors are made and finished on, in worker threads: the caller's
-        self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        # the stream CUDA tensors are made and finished on, in worker threads: the caller's (its
+        # device's default stream where torch has not initialized CUDA yet: asking would, here)
+        cuda_in_use = self.device.type == "cuda" and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        self._stream = torch.cuda.current_stream(self.device) if cuda_in_use else None
         self.bytes_read = 0
         self._batch_bytes = min(window_bytes, knobs.STREAM_BATCH_BYTES)
         self._batches: list[_Batch] | None = None
