@@ -21,10 +21,10 @@ from ._io.read import close, layout_of, read_tensors, verify_mapped
 from ._io.tensors import (
     Target,
     carved_targets,
-    check_device,
     check_into,
     check_tensor,
     io_bytes,
+    load_device,
     mapped,
     materialize,
     wait_for_streams,
@@ -300,7 +300,7 @@ async def read_file(
     """:func:`load_file` on ``sched`` of a file at a path that is never resolved (links refused),
     unless ``resolve`` (:func:`_opened`); ``keys`` (without ``into``): read only those tensors;
     ``missing_ok``/``unexpected_ok``: as :func:`check_into`."""
-    dev = check_device(sched, device)
+    dev = await load_device(sched, device)
     fd, layout = await _open_layout(sched, path, resolve)
     dest: dict[str, torch.Tensor]
     try:

@@ -551,23 +551,38 @@ def test_asking_whether_cuda_is_there_never_initializes_the_driver(monkeypatch: 
     assert cuda.live_devices() == [] and cuda.record_current_streams() == {} and cuda.caller_streams() == []
 
 
-def test_a_load_to_cuda_leaves_initializing_cuda_to_the_worker_that_makes_a_tensor(
+def test_a_load_to_cuda_as_the_first_cuda_use_initializes_it_in_a_plain_thread(
     monkeypatch: pytest.MonkeyPatch, cuda_seen: None, tmp_path: Any
 ) -> None:
     """Before torch initialized CUDA, a load to "cuda" asks nothing of CUDA on the caller's thread
-    (the event loop's): its device is 0, which no thread can have changed without initializing
-    CUDA, and a stream takes that device's default stream."""
-    from aiotensor._io.tensors import check_device
+    (the event loop's): its device is 0, which no thread can have changed through torch without
+    initializing CUDA; CUDA and that device's context are then made in a plain thread (not a
+    niced worker, whose priority the driver's own threads would inherit), and a stream takes the
+    caller's current stream at its first read."""
+    from aiotensor._io.tensors import check_device, load_device
 
     def no(*a: Any) -> Any:
         raise AssertionError("CUDA initialized on the caller's thread")
 
+    made_in: list[tuple[threading.Thread, Any]] = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", no)
     monkeypatch.setattr(torch.cuda, "current_stream", no)
+    here = threading.current_thread()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: made_in.append((threading.current_thread(), dev)))
     sched = Scheduler(PosixEngine())
     assert check_device(sched, "cuda") == torch.device("cuda", 0) and check_device(sched, "cuda:1").index == 1
     assert aiotensor.stream(tmp_path / "x.safetensors", device="cuda", scheduler=sched)._s._stream is None
+    assert anyio.run(load_device, sched, "cuda:1") == torch.device("cuda", 1)
+    assert [d for _, d in made_in] == [torch.device("cuda", 1)]
+    assert made_in[0][0] is not here and not made_in[0][0].name.startswith("aiotensor")  # anyio's, not a worker
+    # once CUDA is in use: the caller's device and stream, nothing initialized again
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert check_device(sched, "cuda") == torch.device("cuda", 3)  # once in use: the caller's device
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: ("stream of", dev))
+    assert check_device(sched, "cuda") == torch.device("cuda", 3) and anyio.run(load_device, sched, "cuda:2").index == 2
+    assert aiotensor.stream(tmp_path / "x.safetensors", device="cuda", scheduler=sched)._s._stream == (
+        "stream of",
+        torch.device("cuda", 3),
+    )
+    assert len(made_in) == 1

@@ -201,11 +201,21 @@ def check_device(sched: Scheduler, device: str | torch.device) -> torch.device:
     return dev
 
 
+async def load_device(sched: Scheduler, device: str | torch.device) -> torch.device:
+    """:func:`check_device`'s device, with CUDA initialized outside the event loop's thread where
+    this is the process's first CUDA use (:func:`aiotensor._runtime.cuda.initialized`)."""
+    dev = check_device(sched, device)
+    if dev.type == "cuda":
+        await cuda.initialized(dev)
+    return dev
+
+
 def current_device() -> int:
     """The caller's current CUDA device, without initializing CUDA on the caller's thread (often
-    the event loop's: 0.3 s there when a server's first CUDA use is a load to "cuda"). Before
-    torch initialized CUDA no thread has chosen a device (``set_device`` initializes it): 0, and
-    the worker that makes the first tensor initializes CUDA."""
+    the event loop's). Before torch initialized CUDA no thread has chosen a device through torch
+    (``set_device`` and ``with torch.cuda.device(k)`` initialize it): 0. Not seen: a device chosen
+    through another library's runtime calls (CuPy's), or a stream made and set without a device
+    before CUDA was initialized (``torch.cuda.set_stream(torch.cuda.Stream())``)."""
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0  # type: ignore[no-untyped-call]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import assign, check_device, mismatch, writing
+from .._io.tensors import assign, load_device, mismatch, writing
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
@@ -196,7 +196,7 @@ async def _matched(
     path = local_path(source, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
-        dev = check_device(sched, device)
+        dev = await load_device(sched, device)
         known, ties, walk = await sched.run_sync(_module_tensors, module)
         why, optional = walk.loads_own_way, walk.optional
         if why is None and walk.renamed:

@@ -123,8 +123,8 @@ class _Stream:
         engine = engine_for(self.source, scheduler, storage_options)  # an object needs an engine of its own
         self.scheduler = scheduler if scheduler is not None else Scheduler(engine)
         self.device = check_device(self.scheduler, device)
-        # the stream CUDA tensors are made and finished on, in worker threads: the caller's (its
-        # device's default stream where torch has not initialized CUDA yet: asking would, here)
+        # the stream CUDA tensors are made and finished on, in worker threads: the caller's (taken
+        # at the first read where torch has not initialized CUDA yet: asking would, here)
         cuda_in_use = self.device.type == "cuda" and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         self._stream = torch.cuda.current_stream(self.device) if cuda_in_use else None
         self.bytes_read = 0
@@ -158,6 +158,9 @@ class _Stream:
         if self._batches is None:
             sched = self.scheduler
             try:
+                if self.device.type == "cuda" and self._stream is None:  # this process's first CUDA use
+                    await cuda.initialized(self.device)
+                    self._stream = torch.cuda.current_stream(self.device)
                 with sched.operation():
                     _, batches = await sched.call(
                         _planned, sched.engine, self.source, self._keys, self._rows, self._batch_bytes, priority=Priority.LOAD

@@ -14,7 +14,7 @@ import torch
 
 from .. import sources
 from .._io.assemble import read
-from .._io.tensors import check_device
+from .._io.tensors import load_device
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
@@ -52,7 +52,7 @@ async def load_torch(
     """
     path = local_path(path, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
-        dev = check_device(sched, device)
+        dev = await load_device(sched, device)
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         if src.kind != "torch":
             raise UnsafeFileError(

@@ -15,7 +15,7 @@ from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
-from .._io.tensors import Target, assign, carved_targets, check_device, check_into, mapped, mismatch
+from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError
@@ -59,7 +59,7 @@ async def load_checkpoint(
     """
     with sched.operation():  # the whole load
         path = local_path(folder, objects=True)
-        dev = check_device(sched, device)
+        dev = await load_device(sched, device)
         if mmap and (into is not None or dev.type != "cpu" or is_object(path)):
             raise ValueError("mmap=True maps a local step's shards into new CPU tensors: not with into=, another device or a URL")
         return await _load(sched, path, into, verify, dev, atomic, step, progress, mmap, strict)
