@@ -263,7 +263,8 @@ def test_a_first_load_to_the_gpu_initializes_cuda_off_the_event_loop(tmp_path: A
     torch.save({"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(3)}, tmp_path / "ref.pt")
     out = _child(
         f"""
-        import asyncio, os, threading, time, torch, aiotensor
+        import asyncio, os, threading, torch, aiotensor
+        from tests._loop_timing import RUN, timed_callbacks
         ref = torch.load({str(tmp_path / "ref.pt")!r})
         path = {str(tmp_path / "m.safetensors")!r}
 
@@ -274,7 +275,7 @@ def test_a_first_load_to_the_gpu_initializes_cuda_off_the_event_loop(tmp_path: A
 
         asyncio.run(write())
         assert not torch.cuda.is_initialized()
-        slow, loop_thread, run = [], threading.get_ident(), asyncio.events.Handle._run
+        loop_thread, slow = threading.get_ident(), []
         init_in, cuda_init = [], torch._C._cuda_init
 
         def recorded():  # where torch initializes CUDA: a thread, and its nice value
@@ -282,17 +283,6 @@ def test_a_first_load_to_the_gpu_initializes_cuda_off_the_event_loop(tmp_path: A
             return cuda_init()
 
         torch._C._cuda_init = recorded
-
-        def timed(handle):
-            if threading.get_ident() != loop_thread:
-                return run(handle)
-            t, w = time.thread_time(), time.perf_counter()
-            try:
-                return run(handle)
-            finally:
-                used, wall = time.thread_time() - t, time.perf_counter() - w
-                if used > 0.05 or wall > 0.5:  # wall: a wait on the loop (for kvikio's set-up, say)
-                    slow.append(f"{{handle}}: {{used:.3f}} s of CPU in {{wall:.3f}} s")
 
         async def main():
             if {load!r} == "load_file":
@@ -310,9 +300,9 @@ def test_a_first_load_to_the_gpu_initializes_cuda_off_the_event_loop(tmp_path: A
             await aiotensor.load_into(m, path, device="cuda")
             return dict(m.state_dict())
 
-        asyncio.events.Handle._run = timed
+        asyncio.events.Handle._run = timed_callbacks(0.05, 0.5, slow)  # 0.5 s: a wait on the loop (kvikio's set-up)
         got = asyncio.run(main())
-        asyncio.events.Handle._run = run
+        asyncio.events.Handle._run = RUN
         assert all(t.device.type == "cuda" and torch.equal(t.cpu(), ref[k]) for k, t in got.items()), got
         print(torch.cuda.is_initialized(), slow, [(t != loop_thread, n == os.getpriority(os.PRIO_PROCESS, 0)) for t, n in init_in])
         """

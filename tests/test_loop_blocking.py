@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -22,6 +20,8 @@ import torch
 
 from aiotensor import TensorStore, load_file, save_file, stream
 from aiotensor._runtime import gil as _gil
+
+from ._loop_timing import timed_callbacks
 
 # seconds of the loop thread's CPU in one callback: above a full garbage collection walking a
 # 20,000-tensor state (100-220 ms, when it falls on the loop's thread), below the 0.5-1 s that
@@ -55,21 +55,7 @@ def test_no_library_callback_blocks_the_loop(tmp_path: Any, monkeypatch: Any, n:
 
     limit = SLOW if collector else LIBRARY
     slow: list[str] = []
-    loop_thread = threading.get_ident()
-    run = asyncio.events.Handle._run
-
-    def timed(handle: asyncio.Handle) -> None:
-        if threading.get_ident() != loop_thread:  # another loop (a worker's own): not ours to time
-            return run(handle)
-        t, w = time.thread_time(), time.perf_counter()
-        try:
-            return run(handle)
-        finally:
-            used, wall = time.thread_time() - t, time.perf_counter() - w
-            if used > limit or wall > WALL:
-                task = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
-                what = repr(task) if isinstance(task, asyncio.Task) else repr(handle)  # the task names its line
-                slow.append(f"{what} used {used:.3f} s of the loop thread's CPU in {wall:.3f} s")
+    timed = timed_callbacks(limit, WALL, slow)
 
     async def once_per_process() -> None:
         # what a process pays once, not per tensor or byte, is not what this test holds to the
