@@ -345,6 +345,31 @@ async def test_a_hot_swap_switches_whole_or_not_at_all(tmp_path: Any) -> None:
     assert torch.equal(bits(model.weight), bits(new.weight))
 
 
+async def test_verify_false_skips_the_checksums_of_load_into_and_prepare_swap(tmp_path: Any) -> None:
+    """As load_file's and stream's: the checksums are checked unless verify=False, where the
+    bytes as stored are what lands (a corrupt byte too)."""
+    src = torch.nn.Linear(16, 4)
+    await save_file(dict(src.state_dict()), tmp_path / "w.safetensors")
+    data = bytearray((tmp_path / "w.safetensors").read_bytes())
+    data[-1] ^= 0x40  # the last byte of the last tensor (bias or weight, by the header's order)
+    (tmp_path / "w.safetensors").write_bytes(bytes(data))
+    model = torch.nn.Linear(16, 4)
+    with pytest.raises(ChecksumError):
+        await load_into(model, tmp_path / "w.safetensors")
+    with pytest.raises(ChecksumError):
+        await prepare_swap(model, tmp_path / "w.safetensors")
+    for load in ("load_into", "prepare_swap"):
+        model = torch.nn.Linear(16, 4)
+        if load == "load_into":
+            await load_into(model, tmp_path / "w.safetensors", verify=False)
+        else:
+            (await prepare_swap(model, tmp_path / "w.safetensors", verify=False)).apply()
+        differs = [k for k, v in model.state_dict().items() if not torch.equal(bits(v), bits(src.state_dict()[k]))]
+        assert len(differs) == 1, (load, differs)  # the corrupt tensor, as stored; the other exact
+        got = model.state_dict()[differs[0]].reshape(-1)
+        assert torch.equal(bits(got[:-1]), bits(src.state_dict()[differs[0]].reshape(-1)[:-1])), load
+
+
 async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_path: Any, monkeypatch: Any) -> None:
     """The old weights' last references went on the caller's thread, the event loop's: unmapping
     them took 31 ms for 0.47 GB (70 ms a GB) there, every task stalled. Now a worker drops them."""

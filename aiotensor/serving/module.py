@@ -182,6 +182,7 @@ async def _matched(
     window_bytes: int,
     scheduler: Scheduler | None,
     storage_options: Mapping[str, Any] | None,
+    verify: bool = True,
     no_meta: bool = False,
     swap: bool = False,
 ) -> LoadResult:
@@ -212,7 +213,7 @@ async def _matched(
         if why is not None:
             if meta := [k for k, v in known.items() if v.is_meta]:  # its load_state_dict(assign=True) would drop dtypes and ties
                 raise MismatchError(f"{why}, and has tensors on the meta device ({meta[:5]}): materialize it first (to_empty)")
-            got = await read(sched, src.entries, dev)
+            got = await read(sched, src.entries, dev, verify)
             loaded = {n: t for e, t in zip(src.entries, got, strict=True) for n in e.names}
             try:
                 return await sched.call(
@@ -228,7 +229,7 @@ async def _matched(
             cuda.under, streams, _plan, src.entries, known, ties, place, strict, str(source), window_bytes, priority=Priority.LOAD
         )
         for entries, into, fills in batches:
-            got = await read(sched, entries, dev, into=into)
+            got = await read(sched, entries, dev, verify, into=into)
             await sched.call(_each, fn, fills, got, streams, priority=Priority.LOAD)
         # on the meta device, an optional name stays there: missing, as before torch's default fills it
         left = [k for k in left if k not in optional or known[k].is_meta]
@@ -362,6 +363,7 @@ async def load_into(
     *,
     strict: bool = True,
     device: str | torch.device = "cpu",
+    verify: bool = True,
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -376,6 +378,11 @@ async def load_into(
     already on a device are copied where they are), as ``load_state_dict(assign=True)`` would, but
     keeping ties. Buffers the module does not save (``persistent=False``) are not in any file: a
     meta module's stay on the meta device.
+
+    ``verify``: the checksums the source carries (an aiotensor file's or step's CRC-32C, a
+    ``torch.save`` zip's CRC-32) are checked as the bytes arrive; ``False`` skips that, for a
+    source you trust (a warm load of a 0.53 GB file of ours: 9.7 GB/s with, 13.4 without, on the
+    2-core development VM).
 
     ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
     ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
@@ -403,6 +410,7 @@ async def load_into(
         window_bytes=window_bytes,
         scheduler=scheduler,
         storage_options=storage_options,
+        verify=verify,
     )
     _raise_if(strict, f"load_into {source}", got)
     return got
@@ -490,6 +498,7 @@ async def prepare_swap(
     source: str | os.PathLike[str],
     *,
     strict: bool = True,
+    verify: bool = True,
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -501,6 +510,9 @@ async def prepare_swap(
     other shapes, or with ``strict`` other keys: MismatchError), nothing of the new version is
     visible. Tied parameters count as :func:`load_into` counts them; with ``strict=False``, what
     the file lacks keeps its current value after ``apply()``.
+
+    ``verify``: as :func:`load_into`'s; with ``False`` a corrupt file is no longer refused, and
+    its bytes are what ``apply()`` switches to.
 
     ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
     ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
@@ -541,6 +553,7 @@ async def prepare_swap(
         window_bytes=window_bytes,
         scheduler=scheduler,
         storage_options=storage_options,
+        verify=verify,
         no_meta=True,
         swap=True,
     )
