@@ -416,7 +416,10 @@ def _blob(engine: Engine, path: str, offset: int, length: int, what: str) -> ts.
     return ref
 
 
-def selector(keys: Iterable[str] | str | Callable[[str], bool] | None) -> Callable[[str], bool]:
+Keys = Iterable[str] | str | Callable[[str], bool] | None  # what `stream`, `load_into` and `prepare_swap` read
+
+
+def selector(keys: Keys) -> Callable[[str], bool]:
     """``keys``: None (all), a predicate, one name, or names and prefixes (a prefix ends with ``.``)."""
     if keys is None:
         return lambda name: True
@@ -427,7 +430,7 @@ def selector(keys: Iterable[str] | str | Callable[[str], bool] | None) -> Callab
     return lambda name: name in wanted or name.startswith(prefixes)
 
 
-def select(src: Source, keys: Iterable[str] | str | Callable[[str], bool] | None) -> list[tuple[Entry, tuple[str, ...]]]:
+def select(src: Source, keys: Keys) -> list[tuple[Entry, tuple[str, ...]]]:
     """The entries ``keys`` selects, each with the names it is selected under. A name or prefix of
     ``keys`` that selects nothing is an error naming it (a predicate may select nothing).
 

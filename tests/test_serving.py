@@ -370,6 +370,56 @@ async def test_verify_false_skips_the_checksums_of_load_into_and_prepare_swap(tm
         assert torch.equal(bits(got[:-1]), bits(src.state_dict()[differs[0]].reshape(-1)[:-1])), load
 
 
+async def test_keys_load_or_swap_part_of_a_module(tmp_path: Any) -> None:
+    """keys (as stream takes them) select the file's tensors to read and the module's names that
+    count: a new head swapped in alone, one layer reloaded; a name that selects nothing is named."""
+    src = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    await save_file(dict(src.state_dict()), tmp_path / "w.safetensors")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert await load_into(model, tmp_path / "w.safetensors", keys="1.") == ([], [])  # strict: nothing missing
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, (src if k.startswith("1.") else model).state_dict()[k]) and (
+            k.startswith("1.") or torch.equal(v, before[k])
+        )
+    swap = await prepare_swap(model, tmp_path / "w.safetensors", keys=lambda n: n.startswith("2."))
+    head, first = model[2].weight.data_ptr(), model[0].weight.data_ptr()
+    swap.apply()
+    assert torch.equal(model[2].weight, src[2].weight) and model[2].weight.data_ptr() != head
+    assert model[0].weight.data_ptr() == first
+    assert torch.equal(model[0].weight, before["0.weight"])  # not in keys: serving as it was
+    with pytest.raises(MismatchError, match="select nothing for '3.'"):
+        await load_into(model, tmp_path / "w.safetensors", keys=["1.weight", "3."])
+    with pytest.raises(MismatchError, match="the prefix '1.'"):
+        await prepare_swap(model, tmp_path / "w.safetensors", keys="1")
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.mid, self.lm_head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+async def test_keys_name_either_name_of_a_tied_weight(tmp_path: Any) -> None:
+    """A file that keeps one name of a tie (safetensors' save_model keeps one) serves keys naming
+    the other; the tie survives a load and a swap."""
+    from safetensors.torch import save_model
+
+    src = _Tied()
+    save_model(src, str(tmp_path / "t.safetensors"))
+    for keys in ("wte.", "lm_head.weight"):
+        for load in ("load_into", "prepare_swap"):
+            m = _Tied()
+            mid = m.mid.weight.clone()
+            if load == "load_into":
+                assert await load_into(m, tmp_path / "t.safetensors", keys=keys) == ([], [])
+            else:
+                (await prepare_swap(m, tmp_path / "t.safetensors", keys=keys)).apply()
+            assert m.lm_head.weight is m.wte.weight and torch.equal(m.wte.weight, src.wte.weight), (keys, load)
+            assert torch.equal(m.mid.weight, mid), (keys, load)  # not selected: as it was
+
+
 async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_path: Any, monkeypatch: Any) -> None:
     """The old weights' last references went on the caller's thread, the event loop's: unmapping
     them took 31 ms for 0.47 GB (70 ms a GB) there, every task stalled. Now a worker drops them."""

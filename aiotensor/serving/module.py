@@ -10,6 +10,7 @@ name, so a file that stores one of them is complete; and a module built on the `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter, is_
@@ -24,6 +25,7 @@ from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
 from ..location import engine_for, local_path
+from ..sources import Keys
 
 
 class LoadResult(NamedTuple):
@@ -183,6 +185,7 @@ async def _matched(
     scheduler: Scheduler | None,
     storage_options: Mapping[str, Any] | None,
     verify: bool = True,
+    keys: Keys = None,
     no_meta: bool = False,
     swap: bool = False,
 ) -> LoadResult:
@@ -193,12 +196,15 @@ async def _matched(
     neither it nor a name tied to it was loaded; ``strict``: a name the module lacks is an error
     (else it is reported). A module that loads its state its own way (:func:`_walk`) is loaded
     by its ``load_state_dict`` from new tensors of the whole file instead; ``swap``: that is a
-    MismatchError (a swap switches tensors, which would skip it)."""
+    MismatchError (a swap switches tensors, which would skip it). ``keys``: only the file's
+    tensors it selects are read, and only the module's names it selects can be missing."""
     path = local_path(source, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         dev = await load_device(sched, device)
         known, ties, walk = await sched.run_sync(_module_tensors, module)
+        if keys is not None:
+            src, known = await sched.call(_selected, src, known, ties, keys, priority=Priority.LOAD)
         why, optional = walk.loads_own_way, walk.optional
         if why is None and walk.renamed:
             names = {n for e in src.entries for n in e.names}
@@ -239,6 +245,22 @@ async def _matched(
         del src
         await sched.discard(known, ties, batches, held, *(batches[-1] if batches else ()))
     return LoadResult(left, unexpected)
+
+
+def _selected(
+    src: sources.Source, known: dict[str, torch.Tensor], ties: Mapping[str, tuple[str, ...]], keys: Keys
+) -> tuple[sources.Source, dict[str, torch.Tensor]]:
+    """``src`` with only the entries ``keys`` selects, each under its selected names, and the
+    module's tensors under the names it selects (:func:`aiotensor.sources.select`: a name or
+    prefix that selects nothing is a MismatchError). A stored tensor counts under the module's
+    names tied to its own too: a file that keeps one name of a tie (``lm_head.weight`` for
+    ``transformer.wte.weight``) serves ``keys`` naming the other."""
+    if ties:
+        tied = (e._replace(names=tuple(dict.fromkeys(n for a in e.names for n in ties.get(a, (a,))))) for e in src.entries)
+        src = dataclasses.replace(src, entries=tuple(tied))
+    pick = sources.selector(keys)
+    entries = tuple(e._replace(names=names) for e, names in sources.select(src, keys))
+    return dataclasses.replace(src, entries=entries), {k: t for k, t in known.items() if pick(k)}
 
 
 def _load_state_dict(
@@ -363,6 +385,7 @@ async def load_into(
     *,
     strict: bool = True,
     device: str | torch.device = "cpu",
+    keys: Keys = None,
     verify: bool = True,
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
@@ -378,6 +401,11 @@ async def load_into(
     already on a device are copied where they are), as ``load_state_dict(assign=True)`` would, but
     keeping ties. Buffers the module does not save (``persistent=False``) are not in any file: a
     meta module's stay on the meta device.
+
+    ``keys`` loads part of the module: one name, names and prefixes (a prefix ends with ``.``), or
+    a predicate, as :func:`stream` takes them; only the file's tensors it selects are read, and
+    only the module's names it selects count as missing (a name or prefix that selects nothing in
+    the file is a MismatchError).
 
     ``verify``: the checksums the source carries (an aiotensor file's or step's CRC-32C, a
     ``torch.save`` zip's CRC-32) are checked as the bytes arrive; ``False`` skips that, for a
@@ -411,6 +439,7 @@ async def load_into(
         scheduler=scheduler,
         storage_options=storage_options,
         verify=verify,
+        keys=keys,
     )
     _raise_if(strict, f"load_into {source}", got)
     return got
@@ -498,6 +527,7 @@ async def prepare_swap(
     source: str | os.PathLike[str],
     *,
     strict: bool = True,
+    keys: Keys = None,
     verify: bool = True,
     window_bytes: int = knobs.WINDOW_BYTES,
     scheduler: Scheduler | None = None,
@@ -510,6 +540,9 @@ async def prepare_swap(
     other shapes, or with ``strict`` other keys: MismatchError), nothing of the new version is
     visible. Tied parameters count as :func:`load_into` counts them; with ``strict=False``, what
     the file lacks keeps its current value after ``apply()``.
+
+    ``keys``: as :func:`load_into`'s; ``apply()`` then switches only those tensors (a new head, an
+    adapter's layers), the rest keep serving as they are.
 
     ``verify``: as :func:`load_into`'s; with ``False`` a corrupt file is no longer refused, and
     its bytes are what ``apply()`` switches to.
@@ -554,6 +587,7 @@ async def prepare_swap(
         scheduler=scheduler,
         storage_options=storage_options,
         verify=verify,
+        keys=keys,
         no_meta=True,
         swap=True,
     )

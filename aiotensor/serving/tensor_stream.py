@@ -7,7 +7,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from itertools import compress
 from operator import attrgetter, is_not, itemgetter
 from types import TracebackType
@@ -27,7 +27,7 @@ from ..engines import Engine
 from ..errors import MismatchError
 from ..location import engine_for, local_path
 
-Keys = Iterable[str] | str | Callable[[str], bool] | None
+Keys = sources.Keys
 _Batch = tuple[list[Entry], list[tuple[str, ...]], int, list[str]]  # entries, their names, bytes, files
 
 
