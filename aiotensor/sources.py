@@ -419,6 +419,11 @@ def _blob(engine: Engine, path: str, offset: int, length: int, what: str) -> ts.
 Keys = Iterable[str] | str | Callable[[str], bool] | None  # what `stream`, `load_into` and `prepare_swap` read
 
 
+def fixed(keys: Keys) -> Keys:
+    """``keys`` that can be read twice: names given as an iterator or generator, as a tuple."""
+    return keys if keys is None or callable(keys) or isinstance(keys, str) else tuple(keys)
+
+
 def selector(keys: Keys) -> Callable[[str], bool]:
     """``keys``: None (all), a predicate, one name, or names and prefixes (a prefix ends with ``.``)."""
     if keys is None:
@@ -438,6 +443,7 @@ def select(src: Source, keys: Keys) -> list[tuple[Entry, tuple[str, ...]]]:
         MismatchError: naming what selected nothing (and the prefix meant, for a prefix written
             without its dot).
     """
+    keys = fixed(keys)
     if keys is None:  # every entry under every name (20,000 predicate calls cost 15 ms)
         return [(e, e.names) for e in src.entries]
     pick = selector(keys)

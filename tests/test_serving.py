@@ -392,6 +392,11 @@ async def test_keys_load_or_swap_part_of_a_module(tmp_path: Any) -> None:
         await load_into(model, tmp_path / "w.safetensors", keys=["1.weight", "3."])
     with pytest.raises(MismatchError, match="the prefix '1.'"):
         await prepare_swap(model, tmp_path / "w.safetensors", keys="1")
+    # names as a generator (read twice inside); a module that loads its own way (a hook) too
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fresh[0].register_load_state_dict_pre_hook(lambda *a, **k: None)
+    assert await load_into(fresh, tmp_path / "w.safetensors", keys=(k for k in ["1.weight", "1.bias"])) == ([], [])
+    assert torch.equal(fresh[1].weight, src[1].weight) and not torch.equal(fresh[0].weight, src[0].weight)
 
 
 class _Tied(torch.nn.Module):
@@ -403,7 +408,8 @@ class _Tied(torch.nn.Module):
 
 async def test_keys_name_either_name_of_a_tied_weight(tmp_path: Any) -> None:
     """A file that keeps one name of a tie (safetensors' save_model keeps one) serves keys naming
-    the other; the tie survives a load and a swap."""
+    the other; the tie survives a load and a swap. A file that stores both names (a head untied
+    by a fine-tune) serves each name from its own bytes, and only those are read."""
     from safetensors.torch import save_model
 
     src = _Tied()
@@ -418,6 +424,17 @@ async def test_keys_name_either_name_of_a_tied_weight(tmp_path: Any) -> None:
                 (await prepare_swap(m, tmp_path / "t.safetensors", keys=keys)).apply()
             assert m.lm_head.weight is m.wte.weight and torch.equal(m.wte.weight, src.wte.weight), (keys, load)
             assert torch.equal(m.mid.weight, mid), (keys, load)  # not selected: as it was
+    await save_file(
+        {"wte.weight": torch.full((10, 4), 1.0), "lm_head.weight": torch.full((10, 4), 2.0)}, tmp_path / "both.safetensors"
+    )
+    for keys, value in (("lm_head.weight", 2.0), ("wte.", 1.0)):
+        for load in ("load_into", "prepare_swap"):
+            m = _Tied()
+            if load == "load_into":
+                await load_into(m, tmp_path / "both.safetensors", keys=keys)
+            else:
+                (await prepare_swap(m, tmp_path / "both.safetensors", keys=keys)).apply()
+            assert m.lm_head.weight is m.wte.weight and m.wte.weight.eq(value).all(), (keys, load)
 
 
 async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_path: Any, monkeypatch: Any) -> None:

@@ -203,6 +203,7 @@ async def _matched(
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         dev = await load_device(sched, device)
         known, ties, walk = await sched.run_sync(_module_tensors, module)
+        keys = sources.fixed(keys)
         if keys is not None:
             src, known = await sched.call(_selected, src, known, ties, keys, priority=Priority.LOAD)
         why, optional = walk.loads_own_way, walk.optional
@@ -223,7 +224,7 @@ async def _matched(
             loaded = {n: t for e, t in zip(src.entries, got, strict=True) for n in e.names}
             try:
                 return await sched.call(
-                    cuda.under, streams, _load_state_dict, module, loaded, known, ties, priority=Priority.LOAD
+                    cuda.under, streams, _load_state_dict, module, loaded, known, ties, keys, priority=Priority.LOAD
                 )
             finally:
                 held = [src, loaded, got]
@@ -252,12 +253,16 @@ def _selected(
 ) -> tuple[sources.Source, dict[str, torch.Tensor]]:
     """``src`` with only the entries ``keys`` selects, each under its selected names, and the
     module's tensors under the names it selects (:func:`aiotensor.sources.select`: a name or
-    prefix that selects nothing is a MismatchError). A stored tensor counts under the module's
-    names tied to its own too: a file that keeps one name of a tie (``lm_head.weight`` for
-    ``transformer.wte.weight``) serves ``keys`` naming the other."""
+    prefix that selects nothing is a MismatchError). A stored tensor also stands for the module's
+    names tied to its own that the file does not store: a file that keeps one name of a tie
+    (``lm_head.weight`` for ``transformer.wte.weight``) serves ``keys`` naming the other."""
     if ties:
-        tied = (e._replace(names=tuple(dict.fromkeys(n for a in e.names for n in ties.get(a, (a,))))) for e in src.entries)
-        src = dataclasses.replace(src, entries=tuple(tied))
+        stored = {n for e in src.entries for n in e.names}
+
+        def names(e: Entry) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(n for a in e.names for n in ties.get(a, (a,)) if n == a or n not in stored))
+
+        src = dataclasses.replace(src, entries=tuple(e._replace(names=names(e)) for e in src.entries))
     pick = sources.selector(keys)
     entries = tuple(e._replace(names=names) for e, names in sources.select(src, keys))
     return dataclasses.replace(src, entries=entries), {k: t for k, t in known.items() if pick(k)}
@@ -268,10 +273,12 @@ def _load_state_dict(
     loaded: dict[str, torch.Tensor],
     known: Mapping[str, torch.Tensor],
     ties: Mapping[str, tuple[str, ...]],
+    keys: Keys = None,
 ) -> LoadResult:
     """``module.load_state_dict(loaded)`` (its hooks, extra state and overrides run, in this worker
     thread, on the caller's CUDA streams, waited for): an inference module's under
-    ``inference_mode``; a name is missing only if no name tied to it was loaded either. Shapes are
+    ``inference_mode``; a name is missing only if no name tied to it was loaded either, and
+    ``keys`` selects it (extra state included). Shapes are
     load_state_dict's to check (a hook may change them): one that differs is a MismatchError after
     the others were copied, as load_state_dict leaves them."""
     inference = torch.inference_mode() if any(t.is_inference() for t in known.values()) else contextlib.nullcontext()
@@ -283,7 +290,8 @@ def _load_state_dict(
     finally:
         for device in {t.device for t in known.values() if t.is_cuda}:
             torch.cuda.current_stream(device).synchronize()  # the copies read `loaded`, freed next
-    missing = [k for k in got.missing_keys if not any(n in loaded for n in ties.get(k, ()))]
+    pick = sources.selector(keys)
+    missing = [k for k in got.missing_keys if pick(k) and not any(n in loaded for n in ties.get(k, ()))]
     return LoadResult(missing, list(got.unexpected_keys))
 
 
@@ -405,7 +413,8 @@ async def load_into(
     ``keys`` loads part of the module: one name, names and prefixes (a prefix ends with ``.``), or
     a predicate, as :func:`stream` takes them; only the file's tensors it selects are read, and
     only the module's names it selects count as missing (a name or prefix that selects nothing in
-    the file is a MismatchError).
+    the file is a MismatchError). The module's other tensors are left as they are, a meta one
+    on the meta device.
 
     ``verify``: the checksums the source carries (an aiotensor file's or step's CRC-32C, a
     ``torch.save`` zip's CRC-32) are checked as the bytes arrive; ``False`` skips that, for a
