@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aiotensor import load_into, load_torch, stream
-from aiotensor.errors import UnsafeFileError
+from aiotensor.errors import ChecksumError, UnsafeFileError
 
 from .conftest import assert_state_equal
 from .test_newuser import ALL_DTYPES, raw
@@ -198,3 +198,30 @@ async def test_parameter_attributes_that_are_not_new_plain_values_are_unsafe(tmp
     assert (tmp_path / "m.pt").stat().st_size < 10_000
     with pytest.raises(UnsafeFileError, match="attribute"):
         await load_torch(tmp_path / "m.pt")
+
+
+async def test_a_corrupt_storage_is_named_by_the_tensors_over_it(tmp_path: Any) -> None:
+    """A torch.save zip checks a crc32 per storage record ("data/0"), which several tensors may
+    view: the error names them, for every loader, not only the record."""
+    state = {"a.weight": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3)}
+    state["a.view"] = state["a.weight"][2:4]  # the same storage
+    path = tmp_path / "c.pt"
+    torch.save(state, path)
+    data = bytearray(path.read_bytes())
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith("data/0"))
+    data[info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 5] ^= 1
+    path.write_bytes(bytes(data))
+    module = torch.nn.Module()
+    module.register_buffer("b", torch.zeros(3))
+    module.a = torch.nn.Module()
+    module.a.register_buffer("weight", torch.zeros(8, 8))
+    module.a.register_buffer("view", torch.zeros(2, 8))
+
+    async def streamed() -> None:
+        async with stream(path) as s:
+            [_ async for _ in s]
+
+    for load in (lambda: load_torch(path), streamed, lambda: load_into(module, path)):
+        with pytest.raises(ChecksumError, match=r"record '0' \(the bytes of 'a.weight', 'a.view'\) is corrupt") as e:
+            await load()
+        assert e.value.key == "a.weight"

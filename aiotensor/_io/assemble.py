@@ -18,6 +18,7 @@ import torch
 
 from .._runtime import cuda
 from .._runtime.scheduler import Priority, Scheduler
+from ..errors import ChecksumError
 from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import torch_shape
@@ -242,9 +243,26 @@ async def read(
         fd = await open_read(sched, path)
         try:
             await read_tensors(sched, fd, path, targets, Priority.LOAD)
+        except ChecksumError as e:
+            raise named(e, entries, path) from None
         finally:
             await close(sched, fd)
     return await sched.call(end, a, priority=Priority.LOAD)
+
+
+def named(e: ChecksumError, entries: Sequence[Entry], path: str) -> ChecksumError:
+    """``e`` naming the tensors whose bytes failed where its key is a record of the file, not a
+    tensor's name (a torch.save storage, which several tensors may view; a chunk)."""
+    names = [n for x in entries if any(p.span.path == path and p.span.spec.key == e.key for p in x.parts) for n in x.names]
+    if not names or e.key in names:
+        return e
+    was, now = f"tensor {e.key!r}", f"record {e.key!r} (the bytes of {_few(names)})"
+    reason = e.reason.replace(was, now, 1) if e.reason.startswith(was) else f"{e.reason} ({now})"
+    return ChecksumError(reason, e.path, names[0])
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def stored_bytes(entries: Sequence[Entry]) -> int:
@@ -252,4 +270,4 @@ def stored_bytes(entries: Sequence[Entry]) -> int:
     return sum(s.spec.nbytes for s in {p.span for e in entries for p in e.parts})
 
 
-__all__ = ["Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "finish", "prepare", "read", "stored_bytes"]
+__all__ = ["Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "finish", "named", "prepare", "read", "stored_bytes"]
