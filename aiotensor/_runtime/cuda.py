@@ -92,6 +92,7 @@ _VISIBLE = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES
 
 @functools.cache
 def _devices_seen(visible: tuple[str | None, ...]) -> bool:
+    """Does torch count a device (``visible``: the variables' values, this answer's key)."""
     try:
         return torch.cuda.device_count() > 0
     except Exception:  # ROCm's device listing can raise where is_available() never did
