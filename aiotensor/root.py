@@ -13,11 +13,13 @@ else is ever removed. Everything else is *ignored* and reported, never counted a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import re
 import stat
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -59,6 +61,9 @@ class WriterLock:
 
     The kernel drops the lock when its holder dies (even by SIGKILL), so a crash never leaves it held.
     ``flock`` locks belong to an open file, so two stores in one process exclude each other too.
+    A child forked while the lock is held closes its copy of the file at once: it does not hold
+    the lock (its parent does), and the lock still goes when the parent dies, however long a
+    forked helper lives on.
     The file is never removed (removing a lock file races with its next holder), and never written
     unless it is the library's own: a regular file with one link that holds nothing but a pid (a
     hard link to another file would have that file written into, a FIFO would block).
@@ -95,6 +100,7 @@ class WriterLock:
         except OSError:
             pass
         self._fd = fd
+        _held_locks.add(self)
         return True
 
     @property
@@ -116,6 +122,23 @@ class WriterLock:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)  # closing the file drops the flock
+
+
+_held_locks: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    """In a forked child: close the inherited descriptions of the parent's locks (the parent's
+    own stay open, and with them its lock)."""
+    for lock in list(_held_locks):
+        if lock._fd is not None:
+            fd, lock._fd = lock._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def writer_lock(engine: Engine, root: str) -> WriterLock | ObjectLease:

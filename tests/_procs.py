@@ -1,6 +1,7 @@
 """Child processes for the several-processes tests: ``python -m tests._procs ROLE ROOT [N]``.
 
 - ``hold ROOT``: open a writer store, print "locked", hold the lock until killed (or stdin closes).
+- ``hold-and-fork ROOT``: the same, having forked a helper that sleeps a minute; prints "locked PID".
 - ``writer ROOT N``: save steps 1..N with keep_last=2 (each a tensor filled with its step), print "done".
 - ``reader ROOT``: open read-only, then until ROOT/stop exists: refresh, load the newest step and check
   every value; also open and close a second read-only store each round (what an evaluator does).
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import anyio
@@ -28,6 +30,17 @@ def state(step: int) -> dict[str, object]:
 async def hold(root: str) -> None:
     async with TensorStore(root):
         print("locked", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.read)
+
+
+async def hold_and_fork(root: str) -> None:
+    """Hold the lock, and fork a helper (a multiprocessing worker) that outlives this process."""
+    async with TensorStore(root):
+        pid = os.fork()
+        if pid == 0:  # the helper: sleeps (a plain process now, no loop), holding nothing of the store
+            signal.pause()
+            os._exit(0)
+        print(f"locked {pid}", flush=True)
         await anyio.to_thread.run_sync(sys.stdin.read)
 
 
@@ -66,6 +79,8 @@ def main() -> None:
     role, root, *rest = sys.argv[1:]
     if role == "hold":
         anyio.run(hold, root)
+    elif role == "hold-and-fork":
+        anyio.run(hold_and_fork, root)
     elif role == "writer":
         anyio.run(writer, root, int(rest[0]))
     elif role == "reader":

@@ -5,6 +5,7 @@ Multi-process cases use real processes (``tests/_procs.py``), never threads.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -29,6 +30,7 @@ from aiotensor.errors import (
     ManifestError,
     ReadOnlyStoreError,
     StaleStepError,
+    StoreClosedError,
     StoreLockedError,
     UnsafePathError,
 )
@@ -74,6 +76,73 @@ async def test_a_second_writer_process_is_refused_and_a_killed_writer_lets_go(tm
         holder.wait()
         async with TensorStore(tmp_path) as store:
             await store.save(1, w(1))
+
+
+async def test_the_lock_goes_with_its_writer_not_with_a_helper_it_forked(tmp_path: Any) -> None:
+    """A trainer that forked a long-lived helper, then crashed: the helper inherited the lock's
+    open file, and the restarted trainer could not take the lock while the helper lived."""
+    with child("hold-and-fork", tmp_path, stdin=subprocess.PIPE) as holder:
+        assert holder.stdout is not None
+        line = holder.stdout.readline().split()
+        assert line[0] == "locked", line
+        helper = int(line[1])
+        try:
+            with pytest.raises(StoreLockedError):
+                async with TensorStore(tmp_path):
+                    pass
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+            os.kill(helper, 0)  # the helper lives on
+            async with TensorStore(tmp_path, lock_timeout=10) as store:
+                await store.save(1, w(1))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+
+
+def test_a_forked_child_loads_through_its_parents_store_but_never_writes(tmp_path: Any) -> None:
+    """A child forked (outside the event loop, as multiprocessing's workers are) from a writer:
+    it may load through the parent's store, but a save or delete would write beside the parent,
+    which holds the lock: StoreClosedError; its close() leaves the parent's lock and saves alone."""
+    store = TensorStore(tmp_path)
+
+    async def parent_opens() -> None:
+        await store.open()
+        await store.save(1, w(1))
+
+    anyio.run(parent_opens)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+
+            async def child_work() -> None:
+                assert (await store.load(1))["step"] == 1
+                with pytest.raises(StoreClosedError, match="forked"):
+                    store.save(2, w(2))
+                with pytest.raises(StoreClosedError, match="forked"):
+                    await store.delete(1)
+                await store.close()
+
+            anyio.run(child_work)
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    async def parent_goes_on() -> None:
+        await store.save(2, w(2))  # the parent still holds the lock and writes
+        with pytest.raises(StoreLockedError):
+            await TensorStore(tmp_path).open()
+        assert store.steps() == [1, 2]
+        await store.close()
+
+    anyio.run(parent_goes_on)
 
 
 async def test_lock_timeout_waits_for_the_other_writer(tmp_path: Any) -> None:

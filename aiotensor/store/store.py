@@ -53,7 +53,10 @@ class TensorStore:
     Use it as ``async with TensorStore(root) as store``; ``open()`` and ``close()`` may run in
     different tasks. One writer per root holds its lock; any number of ``readonly=True`` stores
     read it and see new commits on :meth:`refresh`. A store collected without ``close()`` lets go
-    of the lock (with a ``ResourceWarning``, as a file does).
+    of the lock (with a ``ResourceWarning``, as a file does). A child forked from the process that
+    opened a writer store (a ``multiprocessing`` worker) may load through it, but not save or
+    delete (StoreClosedError: it would write beside its parent, which holds the lock; open a store
+    in the child); its ``close()`` only forgets the store, which stays its parent's.
 
     Args:
         root: the folder (created by a writer if missing), or ``s3://bucket/prefix`` on an object
@@ -154,6 +157,7 @@ class TensorStore:
             )
             self._mirror = Mirror(self._tier.scheduler, self._tier._steps)
         self._open = False
+        self._pid = os.getpid()  # the process that opened it (a forked child only reads)
         self._unobserved: list[SaveHandle] = []
 
     @property
@@ -218,7 +222,7 @@ class TensorStore:
             with anyio.CancelScope(shield=True):
                 await self._release()
             raise
-        self._open = True
+        self._open, self._pid = True, os.getpid()
         if self._tier is not None and not self.readonly:  # committed here, not there (a crash, the network)
             newest = self._tier.latest()
             for step in self.steps():
@@ -284,6 +288,8 @@ class TensorStore:
         if not self._open:
             return
         self._open = False  # no new saves or loads from here on
+        if self._pid != os.getpid():  # a forked child's copy: the lock, saves and memory are its parent's
+            return
         try:
             if cancel:
                 self._cancel_saves()
@@ -493,6 +499,11 @@ class TensorStore:
         self._check_open()
         if self.readonly:
             raise ReadOnlyStoreError(f"this store of {self.root} was opened with readonly=True: it cannot save or delete")
+        if self._pid != os.getpid():
+            raise StoreClosedError(
+                f"this store of {self.root} was opened by process {self._pid}, which this one was forked from and which "
+                "holds its lock: a forked child may load through it, but to save or delete, open a TensorStore in the child"
+            )
 
     async def delete(self, step: int) -> None:
         """Delete a committed step: renamed away durably (it stops being a checkpoint at once), its
