@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import sources
 from ._io.read import close, layout_of, read_tensors, verify_mapped
 from ._io.tensors import (
     Target,
@@ -233,6 +234,7 @@ async def load_file(
     scheduler: Scheduler | None = None,
     progress: ProgressCallback | None = None,
     mmap: bool = False,
+    keys: sources.Keys = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read a safetensors file (from any writer) into new tensors on ``device``, or in place into
@@ -257,6 +259,10 @@ async def load_file(
     its disk space until they are gone. A tensor at an offset that is not a multiple of its item
     size (other writers may put one there) is copied.
 
+    ``keys`` reads only some tensors into new ones: one name, names and prefixes (a prefix ends
+    with ``.``), or a predicate, as :func:`stream` takes them; the others' bytes are never read
+    (not with ``into=``, whose names choose, nor ``mmap=True``, which reads nothing anyway).
+
     ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
     ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
@@ -265,7 +271,8 @@ async def load_file(
             such), naming the file (and the tensor).
         ChecksumError: a tensor's bytes differ from its recorded crc32c (naming file and tensor).
         MismatchError: ``into`` has other shapes or dtypes than the file, or with ``strict``,
-            other keys (named as missing and unexpected keys).
+            other keys (named as missing and unexpected keys); a name or prefix of ``keys``
+            selects nothing.
         UnsafePathError: not a regular file (a FIFO, a device, a folder).
         OSError: the file cannot be read.
         ValueError: ``device`` is not a device type this machine's scheduler handles.
@@ -273,6 +280,9 @@ async def load_file(
     Cancellation: returns once no worker thread writes into the tensors.
     """
     path = local_path(path, objects=True)
+    keys = sources.fixed(keys)
+    if keys is not None and (into is not None or mmap):
+        raise ValueError("keys= chooses what a load into new tensors reads: not with into= (its names choose) or mmap=True")
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         if mmap:
             if into is not None or torch.device(device).type != "cpu" or is_object(path):
@@ -280,8 +290,9 @@ async def load_file(
             return await map_file(sched, path, verify)
         ok = not strict
         return await read_file(
-            sched, path, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, resolve=True
-        )
+            sched, path, into, device=device, verify=verify, missing_ok=ok, unexpected_ok=ok, progress=progress, resolve=True,
+            select=keys,
+        )  # fmt: skip
 
 
 async def read_file(
@@ -296,14 +307,20 @@ async def read_file(
     unexpected_ok: bool = False,
     progress: ProgressCallback | None = None,
     resolve: bool = False,
+    select: sources.Keys = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`load_file` on ``sched`` of a file at a path that is never resolved (links refused),
     unless ``resolve`` (:func:`_opened`); ``keys`` (without ``into``): read only those tensors;
+    ``select``: ``load_file``'s ``keys`` (names, prefixes, a predicate) to choose them by;
     ``missing_ok``/``unexpected_ok``: as :func:`check_into`."""
     dev = await load_device(sched, device)
     fd, layout = await _open_layout(sched, path, resolve)
     dest: dict[str, torch.Tensor]
     try:
+        if select is not None:
+            pick = sources.selector(select)
+            keys = {s.key for s in layout.tensors if pick(s.key)}
+            sources.check_selected(select, keys, map(_KEY, layout.tensors), path)
         ok = (missing_ok, unexpected_ok)
         # new CUDA tensors allocated on the caller's streams: the allocator ties a block to the stream
         # it was allocated on, and the worker's default stream would let the caller's work race a reuse

@@ -448,19 +448,26 @@ def select(src: Source, keys: Keys) -> list[tuple[Entry, tuple[str, ...]]]:
         return [(e, e.names) for e in src.entries]
     pick = selector(keys)
     chosen = [(e, names) for e in src.entries if (names := tuple(n for n in e.names if pick(n)))]
-    if callable(keys):
-        return chosen
-    wanted = [keys] if isinstance(keys, str) else list(keys)
     found = {n for _, names in chosen for n in names}
+    check_selected(keys, found, (n for e in src.entries for n in e.names), src.path)
+    return chosen
+
+
+def check_selected(keys: Keys, found: set[str], every: Iterable[str], path: str) -> None:
+    """A MismatchError naming each name or prefix of ``keys`` that selected nothing (``found``:
+    the names selected, of ``every`` name there; and the prefix meant, for one written without
+    its dot). A predicate may select nothing."""
+    if keys is None or callable(keys):
+        return
+    wanted = [keys] if isinstance(keys, str) else list(keys)
     missing = [k for k in wanted if not (k in found if not k.endswith(".") else any(n.startswith(k) for n in found))]
     if missing:
-        every = [n for e in src.entries for n in e.names]
+        names = list(every)
         hints = [
-            f"{k!r} (did you mean the prefix {k + '.'!r}?)" if any(n.startswith(k + ".") for n in every) else repr(k)
+            f"{k!r} (did you mean the prefix {k + '.'!r}?)" if any(n.startswith(k + ".") for n in names) else repr(k)
             for k in missing[:5]
         ]
-        raise MismatchError(f"{src.path}: keys select nothing for {', '.join(hints)}")
-    return chosen
+        raise MismatchError(f"{path}: keys select nothing for {', '.join(hints)}")
 
 
 def with_rows(e: Entry, rows: tuple[int, int]) -> Entry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -11,7 +12,7 @@ from safetensors.torch import load_file as st_load
 from safetensors.torch import save_file as st_save
 
 import aiotensor
-from aiotensor.errors import HeaderError, MismatchError, StateError
+from aiotensor.errors import ChecksumError, HeaderError, MismatchError, StateError
 from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal
@@ -185,3 +186,32 @@ async def test_a_failed_block_write_leaves_the_old_file_and_no_temporary(tmp_pat
     assert next(op for op in eng.ops if op[0] == "create")[2] is True  # it was the block path that failed
     assert_state_equal(old, st_load(str(path)))  # the old file, untouched
     assert os.listdir(tmp_path) == ["big.safetensors"]  # the temporary file was removed
+
+
+async def test_load_file_keys_reads_only_what_they_select(tmp_path: Any) -> None:
+    """keys= as stream takes them: names, prefixes, a predicate; the other tensors' bytes are never
+    read (a corrupt one among them goes unnoticed), and a name or prefix that selects nothing is named."""
+    state = {f"layers.{i}.{p}": torch.full((64,), float(i)) for i in range(3) for p in ("w", "b")} | {"head": torch.ones(8)}
+    path = tmp_path / "m.safetensors"
+    await aiotensor.save_file(state, path)
+    got = await aiotensor.load_file(path, keys=["layers.1.", "head"])
+    assert set(got) == {"layers.1.w", "layers.1.b", "head"} and all(torch.equal(got[k], state[k]) for k in got)
+    assert set(await aiotensor.load_file(path, keys=(k for k in ["head"]))) == {"head"}  # a generator
+    assert set(await aiotensor.load_file(path, keys=lambda k: k.endswith(".b"))) == {f"layers.{i}.b" for i in range(3)}
+    assert await aiotensor.load_file(path, keys=lambda k: False) == {}
+    with pytest.raises(MismatchError, match=r"select nothing for 'layers.7.', 'layers' \(did you mean the prefix 'layers.'\?\)"):
+        await aiotensor.load_file(path, keys=["layers.7.", "layers", "head"])
+    with pytest.raises(ValueError, match="keys="):
+        await aiotensor.load_file(path, keys="head", into={"head": torch.zeros(8)})
+    with pytest.raises(ValueError, match="keys="):
+        await aiotensor.load_file(path, keys="head", mmap=True)
+    # a corrupt tensor outside keys is never read; inside, it is refused
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    bad = "layers.2.w"
+    data[8 + n + header[bad]["data_offsets"][0]] ^= 1
+    path.write_bytes(bytes(data))
+    assert set(await aiotensor.load_file(path, keys=lambda k: k != bad)) == set(state) - {bad}
+    with pytest.raises(ChecksumError, match=bad):
+        await aiotensor.load_file(path, keys="layers.2.")
