@@ -19,6 +19,7 @@ import fcntl
 import os
 import re
 import stat
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -84,23 +85,24 @@ class WriterLock:
         Raises:
             UnsafePathError: something other than aiotensor's lock file has its name (left alone).
         """
-        fd = _open_lock(self.path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
-        pid = f"{os.getpid()}\n".encode()
-        try:  # the holder's pid, for the message a second writer gets (informative only)
-            os.pwrite(fd, pid, 0)
-            os.ftruncate(fd, len(pid))
-        except OSError:
-            pass
-        self._fd = fd
-        _held_locks.add(self)
+        with _forking:  # a fork meanwhile would leave the child a copy the hook below cannot see
+            fd = _open_lock(self.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except BaseException:
+                os.close(fd)
+                raise
+            pid = f"{os.getpid()}\n".encode()
+            try:  # the holder's pid, for the message a second writer gets (informative only)
+                os.pwrite(fd, pid, 0)
+                os.ftruncate(fd, len(pid))
+            except OSError:
+                pass
+            self._fd = fd
+            _held_locks.add(self)
         return True
 
     @property
@@ -119,17 +121,21 @@ class WriterLock:
             os.close(fd)
 
     def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)  # closing the file drops the flock
+        with _forking:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                os.close(fd)  # closing the file drops the flock
 
 
 _held_locks: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+_forking = threading.Lock()  # held around taking and letting go of a lock, and around a fork
 
 
 def _let_go_in_child() -> None:
     """In a forked child: close the inherited descriptions of the parent's locks (the parent's
     own stay open, and with them its lock)."""
+    global _forking
+    _forking = threading.Lock()  # the fork happened while the parent's thread held it
     for lock in list(_held_locks):
         if lock._fd is not None:
             fd, lock._fd = lock._fd, None
@@ -138,7 +144,9 @@ def _let_go_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_let_go_in_child)
+    os.register_at_fork(
+        before=lambda: _forking.acquire(), after_in_parent=lambda: _forking.release(), after_in_child=_let_go_in_child
+    )
 
 
 def writer_lock(engine: Engine, root: str) -> WriterLock | ObjectLease:

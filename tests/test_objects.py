@@ -788,3 +788,52 @@ async def test_a_rank_killed_mid_save_into_a_bucket_commits_nothing(s3: Any, run
         assert store.steps() == [1] and torch.equal((await store.load())["w"], full(1))
         await store.save(2, {"w": full(2)})
         assert store.steps() == [1, 2]
+
+
+def test_a_forked_child_never_uses_its_parents_store_on_s3(s3: Any, run: str) -> None:
+    """obstore's client does not survive a fork (its calls hang): a forked child's use of a store
+    on S3 is StoreClosedError at once, and dropping it never touches the parent's lease."""
+    from aiotensor.errors import StoreClosedError
+
+    store = aiotensor.TensorStore(f"s3://bucket/{run}forked")
+
+    async def parent_opens() -> None:
+        await store.open()
+        await store.save(1, {"w": torch.ones(4)})
+
+    anyio.run(parent_opens)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns; killed by the alarm if anything hangs
+        import gc
+        import signal
+
+        signal.alarm(30)
+        code = 1
+        try:
+
+            async def child_work() -> None:
+                with pytest.raises(StoreClosedError, match="fork"):
+                    await store.load(1)
+                with pytest.raises(StoreClosedError, match="fork"):
+                    store.save(2, {"w": torch.ones(4)})
+                await store.close()
+
+            anyio.run(child_work)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        else:
+            code = 0
+        finally:
+            gc.collect()  # the store's __del__ runs here too: it must not release the parent's lease
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+    async def parent_goes_on() -> None:
+        await store.save(2, {"w": torch.full((4,), 2.0)})
+        assert store.steps() == [1, 2]
+        await store.close()
+
+    anyio.run(parent_goes_on)

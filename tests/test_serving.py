@@ -392,6 +392,9 @@ async def test_keys_load_or_swap_part_of_a_module(tmp_path: Any) -> None:
         await load_into(model, tmp_path / "w.safetensors", keys=["1.weight", "3."])
     with pytest.raises(MismatchError, match="the prefix '1.'"):
         await prepare_swap(model, tmp_path / "w.safetensors", keys="1")
+    for nothing in ([], lambda n: False):  # selects nothing: nothing read, nothing handed out
+        async with stream(tmp_path / "w.safetensors", keys=nothing) as s:
+            assert [x async for x in s] == []
     # names as a generator (read twice inside); a module that loads its own way (a hook) too
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     fresh[0].register_load_state_dict_pre_hook(lambda *a, **k: None)

@@ -50,7 +50,7 @@ def _planned(
     spans = [e.parts[0].span for e in entries]
     # units: runs of entries over one span (a storage's views go together), and the bytes of each
     starts = [0, *compress(range(1, len(spans)), map(is_not, spans[1:], spans))] if spans else []
-    ends = [*starts[1:], len(spans)]
+    ends = [*starts[1:], len(spans)] if spans else []
     one = max(map(len, map(_PARTS, entries)), default=1) == 1
     sizes = [
         spans[a].spec.nbytes if one and b - a == 1 else stored_bytes(entries[a:b]) for a, b in zip(starts, ends, strict=True)

@@ -35,7 +35,7 @@ from ..errors import (
     UnsupportedLocationError,
 )
 from ..files import TensorInfo
-from ..location import engine_for, is_folder, local_path
+from ..location import engine_for, is_folder, is_object, local_path
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
@@ -54,9 +54,10 @@ class TensorStore:
     different tasks. One writer per root holds its lock; any number of ``readonly=True`` stores
     read it and see new commits on :meth:`refresh`. A store collected without ``close()`` lets go
     of the lock (with a ``ResourceWarning``, as a file does). A child forked from the process that
-    opened a writer store (a ``multiprocessing`` worker) may load through it, but not save or
-    delete (StoreClosedError: it would write beside its parent, which holds the lock; open a store
-    in the child); its ``close()`` only forgets the store, which stays its parent's.
+    opened a writer store (a ``multiprocessing`` worker) may load through a local one, but not
+    save or delete (StoreClosedError: it would write beside its parent, which holds the lock;
+    open a store in the child), nor use one on object storage at all (its client does not survive
+    a fork); its ``close()`` only forgets the store, which stays its parent's.
 
     Args:
         root: the folder (created by a writer if missing), or ``s3://bucket/prefix`` on an object
@@ -188,6 +189,8 @@ class TensorStore:
         await self.close(cancel=exc is not None)
 
     def __del__(self) -> None:
+        if getattr(self, "_pid", None) != os.getpid():  # a forked child's copy: the lock is its parent's
+            return
         lock = getattr(self, "_lock", None)
         if lock is not None and lock.held:
             warnings.warn(f"TensorStore({self.root!r}) was never closed: its lock is released now", ResourceWarning, 2)
@@ -494,6 +497,11 @@ class TensorStore:
     def _check_open(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
+        if self._pid != os.getpid() and (is_object(self.root) or (self._tier is not None and is_object(self._tier.root))):
+            raise StoreClosedError(
+                f"this store of {self.root} was opened by process {self._pid}, which this one was forked from: its "
+                "object-store client does not survive a fork (its calls would hang); open a TensorStore in the child"
+            )
 
     def _check_writable(self) -> None:
         self._check_open()
