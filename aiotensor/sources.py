@@ -416,7 +416,7 @@ def _blob(engine: Engine, path: str, offset: int, length: int, what: str) -> ts.
     return ref
 
 
-Keys = Iterable[str] | str | Callable[[str], bool] | None  # what `stream`, `load_into` and `prepare_swap` read
+Keys = Iterable[str] | str | Callable[[str], bool] | None  # what `stream`, `load_file`, `load_into`, `prepare_swap` read
 
 
 def fixed(keys: Keys) -> Keys:

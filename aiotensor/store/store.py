@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import torch
@@ -189,7 +189,7 @@ class TensorStore:
         await self.close(cancel=exc is not None)
 
     def __del__(self) -> None:
-        if getattr(self, "_pid", None) != os.getpid():  # a forked child's copy: the lock is its parent's
+        if not hasattr(self, "_pid") or self._forked():  # a forked child's copy: the lock is its parent's
             return
         lock = getattr(self, "_lock", None)
         if lock is not None and lock.held:
@@ -291,7 +291,7 @@ class TensorStore:
         if not self._open:
             return
         self._open = False  # no new saves or loads from here on
-        if self._pid != os.getpid():  # a forked child's copy: the lock, saves and memory are its parent's
+        if self._forked():  # a forked child's copy: the lock, saves and memory are its parent's
             return
         try:
             if cancel:
@@ -497,21 +497,25 @@ class TensorStore:
     def _check_open(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
-        if self._pid != os.getpid() and (is_object(self.root) or (self._tier is not None and is_object(self._tier.root))):
-            raise StoreClosedError(
-                f"this store of {self.root} was opened by process {self._pid}, which this one was forked from: its "
-                "object-store client does not survive a fork (its calls would hang); open a TensorStore in the child"
-            )
+        if self._forked() and (is_object(self.root) or (self._tier is not None and is_object(self._tier.root))):
+            self._refuse_in_child("its object-store client does not survive a fork (its calls would hang)")
 
     def _check_writable(self) -> None:
         self._check_open()
         if self.readonly:
             raise ReadOnlyStoreError(f"this store of {self.root} was opened with readonly=True: it cannot save or delete")
-        if self._pid != os.getpid():
-            raise StoreClosedError(
-                f"this store of {self.root} was opened by process {self._pid}, which this one was forked from and which "
-                "holds its lock: a forked child may load through it, but to save or delete, open a TensorStore in the child"
-            )
+        if self._forked():
+            self._refuse_in_child("it holds the lock; a forked child may load through its store, but not save or delete")
+
+    def _forked(self) -> bool:
+        """Is this a child forked from the process that opened the store (its copy of it)?"""
+        return self._pid != os.getpid()
+
+    def _refuse_in_child(self, why: str) -> NoReturn:
+        raise StoreClosedError(
+            f"this store of {self.root} was opened by process {self._pid}, which this one was forked from: {why}; "
+            "open a TensorStore in the child"
+        )
 
     async def delete(self, step: int) -> None:
         """Delete a committed step: renamed away durably (it stops being a checkpoint at once), its
