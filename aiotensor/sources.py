@@ -431,8 +431,21 @@ def selector(keys: Keys) -> Callable[[str], bool]:
     if callable(keys):
         return keys
     wanted = {keys} if isinstance(keys, str) else set(keys)
-    prefixes = tuple(k for k in wanted if k.endswith("."))
-    return lambda name: name in wanted or name.startswith(prefixes)
+    prefixes = {k for k in wanted if k.endswith(".")}
+    if len(prefixes) <= _FEW_PREFIXES:  # one C call per name
+        first = tuple(prefixes)
+        return lambda name: name in wanted or name.startswith(first)
+    # many (a layer list): a prefix ends with ".", so it can only end at one of the name's own dots
+    return lambda name: name in wanted or not prefixes.isdisjoint(_heads(name))
+
+
+def _heads(name: str) -> list[str]:
+    """Every prefix of ``name`` that ends with a ``.`` of it (``"a.b.c"``: ``"a."``, ``"a.b."``)."""
+    parts = name.split(".")[:-1]
+    return [".".join(parts[: i + 1]) + "." for i in range(len(parts))]
+
+
+_FEW_PREFIXES = 16  # above, startswith over every prefix cost more than the name's own heads
 
 
 def select(src: Source, keys: Keys) -> list[tuple[Entry, tuple[str, ...]]]:
@@ -460,7 +473,11 @@ def check_selected(keys: Keys, found: set[str], every: Iterable[str], path: str)
     if keys is None or callable(keys):
         return
     wanted = [keys] if isinstance(keys, str) else list(keys)
-    missing = [k for k in wanted if not (k in found if not k.endswith(".") else any(n.startswith(k) for n in found))]
+    if sum(k.endswith(".") for k in wanted) <= _FEW_PREFIXES:
+        missing = [k for k in wanted if not (k in found if not k.endswith(".") else any(n.startswith(k) for n in found))]
+    else:  # many prefixes: each looked up among the selected names' own heads, not scanned for
+        heads = {h for n in found for h in _heads(n)}
+        missing = [k for k in wanted if k not in (heads if k.endswith(".") else found)]
     if missing:
         names = list(every)
         hints = [
