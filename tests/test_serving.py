@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -877,3 +878,27 @@ async def test_weight_norm_of_another_name_loads_its_old_names(tmp_path: Any) ->
     assert_state_equal(
         {k: v.detach() for k, v in got.state_dict().items()}, {k: v.detach() for k, v in want.state_dict().items()}
     )
+
+
+def test_many_prefixes_select_what_a_few_do() -> None:
+    """Above a few prefixes, keys= looks each name's own dot-prefixes up in a set: the same
+    selection, and the same prefixes named as selecting nothing, as startswith over all of them."""
+    import random
+
+    from aiotensor import sources
+
+    names = [f"layers.{i}.{p}" for i in range(60) for p in ("w", "b")] + ["a..b", "x.", ".y", "plain", "layers"]
+    pool = [*names, "layers.", "a.", "a..", ".", "x.", "layers.1", "layers.10.", "nope.", *(f"layers.{i}." for i in range(70))]
+    rnd = random.Random(0)
+    for _ in range(200):
+        keys = rnd.sample(pool, rnd.choice([1, 3, 17, 40, 80]))
+        prefixes = tuple(k for k in keys if k.endswith("."))
+        want = {n for n in names if n in keys or n.startswith(prefixes)}
+        pick = sources.selector(keys)
+        assert {n for n in names if pick(n)} == want, keys
+        nothing = [k for k in keys if not (any(n.startswith(k) for n in want) if k.endswith(".") else k in want)]
+        if nothing:
+            with pytest.raises(MismatchError, match=re.escape(repr(nothing[0]))):
+                sources.check_selected(keys, want, names, "f")
+        else:
+            sources.check_selected(keys, want, names, "f")
