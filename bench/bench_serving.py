@@ -12,10 +12,11 @@ copying peers. ``load_into`` is also paired with its own job done by the fastest
 it (a model server's weight-loading loop). Ours:
 ``stream``, ``load_file``, ``load_into`` (a module of the file's shapes), a store's ``load()``
 (one file layouts only; also with ``mmap=True``) and ``load_file(mmap=True)`` with and without verifying the
-checksums.
+checksums; ``load_file`` and a store's ``load()`` also with an engine that reads cold bytes through
+the page cache (``PosixEngine(direct_reads=False)``) where the default reads them with O_DIRECT.
 
 Cold means the files' pages were dropped and ``mincore`` found none left. Limits in the same run:
-fio sequential O_DIRECT reads at several depths and sizes, and a memcpy of the state into fresh
+fio sequential reads at several depths and sizes (O_DIRECT, and two through the page cache), and a memcpy of the state into fresh
 and into touched memory. Every repetition times every tool back to back; a ratio is the fastest
 copying peer's time over ours in the same repetition (> 1: we are faster), and the table gives
 medians.
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_cpu import PeakRSS, Ticker, parser, transformer_state, write_results
 
 import aiotensor
+from aiotensor.engines import PosixEngine
 from aiotensor.testing import evict as evict_pages
 
 Tool = Callable[[], Awaitable[dict[str, torch.Tensor]]]
@@ -65,17 +67,27 @@ def warm(paths: list[str]) -> None:
 
 
 def fio_reads(path: str) -> dict[str, float]:
-    """GB/s of fio sequential O_DIRECT reads of ``path`` (io_uring) at several sizes and depths."""
+    """GB/s of fio sequential reads of ``path`` (io_uring) at several sizes and depths, O_DIRECT
+    and (``buffered``) through the page cache (fio drops the file's cached pages before each)."""
     if shutil.which("fio") is None:
         return {}
     out = {}
-    for bs, depth in (("1M", 1), ("1M", 8), ("1M", 32), ("8M", 8), ("8M", 32), ("8M", 64)):
+    for bs, depth, direct in (
+        ("1M", 1, 1),
+        ("1M", 8, 1),
+        ("1M", 32, 1),
+        ("8M", 8, 1),
+        ("8M", 32, 1),
+        ("8M", 64, 1),
+        ("1M", 8, 0),
+        ("8M", 32, 0),
+    ):
         r = subprocess.run(
-            ["fio", "--name=r", f"--filename={path}", "--rw=read", f"--bs={bs}", f"--iodepth={depth}", "--direct=1",
-             "--ioengine=io_uring", "--readonly", "--output-format=json"],
+            ["fio", "--name=r", f"--filename={path}", "--rw=read", f"--bs={bs}", f"--iodepth={depth}", f"--direct={direct}",
+             "--ioengine=io_uring", "--readonly", "--invalidate=1", "--output-format=json"],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
-        out[f"{bs} x {depth}"] = json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9
+        out[f"{bs} x {depth}" + ("" if direct else " buffered")] = json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9
     return out
 
 
@@ -211,6 +223,16 @@ def ours(src: str, store: str | None, state: dict[str, torch.Tensor]) -> dict[st
             out |= await aiotensor.load_file(f)
         return out
 
+    async def load_file_buffered() -> dict[str, torch.Tensor]:  # cold bytes through the page cache
+        out: dict[str, torch.Tensor] = {}
+        sched = aiotensor.Scheduler(PosixEngine(direct_reads=False))
+        try:
+            for f in files_of(src):
+                out |= await aiotensor.load_file(f, scheduler=sched)
+        finally:
+            sched.close()
+        return out
+
     holder = Holder(state)  # allocated (and touched) once, as a server's module is
 
     async def load_into() -> dict[str, torch.Tensor]:
@@ -229,6 +251,7 @@ def ours(src: str, store: str | None, state: dict[str, torch.Tensor]) -> dict[st
     tools: dict[str, Tool] = {
         "aiotensor.stream": stream,
         "aiotensor.load_file": load_file,
+        "aiotensor.load_file (buffered reads)": load_file_buffered,
         "aiotensor.load_into": load_into,
         "aiotensor.load_file(mmap)": mapped(True),
         "aiotensor.load_file(mmap, verify=False)": mapped(False),
@@ -240,6 +263,12 @@ def ours(src: str, store: str | None, state: dict[str, torch.Tensor]) -> dict[st
                 return await s.load()
 
         tools["aiotensor store.load()"] = load
+
+        async def load_buffered() -> dict[str, torch.Tensor]:
+            async with aiotensor.TensorStore(store, readonly=True, engine=PosixEngine(direct_reads=False)) as s:
+                return await s.load()
+
+        tools["aiotensor store.load() (buffered reads)"] = load_buffered
 
         def store_mapped(verify: bool) -> Tool:
             async def run() -> dict[str, torch.Tensor]:
@@ -338,7 +367,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-OURS = ("aiotensor.stream", "aiotensor.load_file", "aiotensor.load_into", "aiotensor store.load()")
+OURS = (
+    "aiotensor.stream",
+    "aiotensor.load_file",
+    "aiotensor.load_file (buffered reads)",
+    "aiotensor.load_into",
+    "aiotensor store.load()",
+    "aiotensor store.load() (buffered reads)",
+)
 MAPPED = (
     "aiotensor.load_file(mmap)",
     "aiotensor.load_file(mmap, verify=False)",
@@ -355,7 +391,7 @@ def report(res: dict[str, Any]) -> str:
     lines = [
         "# Loads at the limit: aiotensor against the loaders a server would pick instead",
         "",
-        f"Limits, same run: fio O_DIRECT sequential reads (bs x depth, GB/s) {fio}; "
+        f"Limits, same run: fio sequential reads, O_DIRECT unless marked (bs x depth, GB/s) {fio}; "
         f"memcpy into fresh memory {mc['fresh']:.2f} GB/s, into touched memory {mc['touched']:.2f} GB/s.",
         "",
         "Ratio: the fastest copying peer's time over ours, in the same repetition, median (> 1: faster); for the",

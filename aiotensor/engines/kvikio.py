@@ -40,6 +40,7 @@ class KvikioEngine(PosixEngine):
     """Posix I/O for host memory, ``kvikio.CuFile`` for CUDA tensors.
 
     Args:
+        direct, direct_reads: as :class:`~aiotensor.engines.PosixEngine`'s (host memory and bounce slots).
         num_threads: kvikio's thread pool size. The scheduler issues up to ``workers`` calls at
             once and each is one kvikio task (``task_size`` = the scheduler's chunk), so the pool
             needs ``workers`` threads to keep them all moving; fewer serialise them.
@@ -71,10 +72,18 @@ class KvikioEngine(PosixEngine):
 
     name = "kvikio"
 
-    def __init__(self, *, direct: bool = True, num_threads: int = 4, task_size: int = 16 << 20, cufile: str = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        direct: bool = True,
+        direct_reads: bool | None = None,
+        num_threads: int = 4,
+        task_size: int = 16 << 20,
+        cufile: str = "auto",
+    ) -> None:
         if cufile not in ("auto", "always"):
             raise ValueError(f'cufile must be "auto" or "always", got {cufile!r}')
-        super().__init__(direct=direct)
+        super().__init__(direct=direct, direct_reads=direct_reads)
         self.cufile = cufile
         self._settings = (num_threads, task_size)
         self._configured = False

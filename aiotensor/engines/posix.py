@@ -31,12 +31,18 @@ class PosixEngine(Engine):
             2.9 to 3.7 GB/s against 0.5 to 2 GB/s buffered (1.4 GB written and fdatasync'ed, on the
             development VM). Reads take what the page cache holds from it (``mincore``) and the
             rest with O_DIRECT in big pieces: 1.5 to 1.9 GB/s cold against 0.5 to 0.7 buffered.
+        direct_reads: offer :meth:`open_direct` (default: as ``direct``). Which reads a cold file
+            faster depends on the machine: on the GPU machine O_DIRECT (4 x 16 MiB: 1.9 GB/s
+            against 1.6 buffered, ``bench_read_patterns.py``); on the development VM either, from
+            one hour to the next (``bench_serving.py`` measures both). ``False``: every read goes
+            through the page cache, which then holds the file (a second load is warm).
     """
 
     name = "posix"
 
-    def __init__(self, *, direct: bool = True) -> None:
+    def __init__(self, *, direct: bool = True, direct_reads: bool | None = None) -> None:
         self.direct = direct and hasattr(os, "O_DIRECT")
+        self.direct_reads = self.direct if direct_reads is None else direct_reads and hasattr(os, "O_DIRECT")
 
     def open_read(self, path: str) -> int:
         return open_regular(path)
@@ -71,7 +77,7 @@ class PosixEngine(Engine):
         return os.preadv(fd, bufs, offset)
 
     def open_direct(self, fd: int) -> int | None:
-        if not self.direct:
+        if not self.direct_reads:
             return None
         try:  # the open file itself, by its descriptor: no path is looked up again
             return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | _O_CLOEXEC)
