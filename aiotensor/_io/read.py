@@ -5,7 +5,6 @@ contiguous CPU block), verifying their checksums."""
 from __future__ import annotations
 
 import bisect
-import ctypes
 import errno
 import os
 from collections import Counter, deque
@@ -13,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain, islice, repeat
-from operator import attrgetter, gt, itemgetter, sub
+from operator import add, attrgetter, gt, itemgetter, sub
 from typing import Any
 
 import anyio
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime.buffers import PAGE, address, copy_bytes, move, prefault, round_up
+from .._runtime.buffers import PAGE, address, copy_bytes, memory_at, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, annotate_oserror
@@ -224,45 +223,37 @@ def _close_direct(engine: Engine) -> Callable[[tuple[list[_ReadUnit], int, int |
 def _scattered(
     eng: Engine, fd: int, dfd: int | None, targets: Sequence[Target], slot: memoryview, u: _ReadUnit
 ) -> list[int] | None:
-    """Read the gathered unit ``u`` straight into its members' memory, up to 1,024 of them per
-    ``preadv`` (the bytes between them into ``slot``), where the page cache holds it (or it is
+    """Read the gathered unit ``u`` straight into its members' memory, up to 1,024 buffers per
+    ``preadv`` (the bytes between members into ``slot``), where the page cache holds it (or it is
     read buffered anyway): one copy, with the GIL released, where a read into a bounce slot then
     a memmove per member, with the GIL held (:func:`~aiotensor._runtime.buffers.move`), took 34 ms
-    of it per 20,000 tensors of 5 KB. The crcs of ``u``'s parts; None, having read nothing or only
-    what will be read again, where the engine has no ``preadv``, the cache lacks some of it (read
-    with O_DIRECT through the slot), a tensor's size is new past :data:`_MOST_SIZES` of them,
-    members overlap in the file or in memory (two entries into one tied parameter: each is checked
-    as read, through the slot), or a read fails or comes up short (the slot's path then says why,
-    naming the file and the tensor)."""
-    if not eng.scatters:
+    of it per 20,000 tensors of 5 KB. Each member's buffer is a slice of one memoryview over the
+    members' address range, the slices made by C loops (a ctypes array per member, made in a Python
+    loop, cost 2.6 us each: 52 ms of the GIL per 20,000). The crcs of ``u``'s parts; None, having
+    read nothing or only what will be read again, where the engine has no ``preadv``, the cache
+    lacks some of it (read with O_DIRECT through the slot), members overlap in the file or in
+    memory (two entries into one tied parameter: each is checked as read, through the slot), or a
+    read fails or comes up short (the slot's path then says why, naming the file and the tensor)."""
+    if not eng.scatters or not u.members:
         return None
     if dfd is not None and u.nbytes >= knobs.DIRECT_MIN_BYTES and eng.cached(fd, u.offset, u.nbytes) < u.nbytes:
         return None
-    bufs: list[Any] = []
-    mine: dict[int, Any] = {}
-    places: list[tuple[int, int]] = []
-    pos = 0
-    for j, a in u.members:
-        if a < pos:
-            return None
-        if a > pos:  # a gap (at most knobs.CARVE_GAP_BYTES)
-            if a - pos > len(slot):
-                return None
-            bufs.append(slot[: a - pos])
-        t = targets[j]
-        n = t.spec.nbytes
-        array = _BYTES.get(n)
-        if array is None:
-            if len(_BYTES) >= _MOST_SIZES:
-                return None
-            array = _BYTES[n] = ctypes.c_char * n
-        places.append((t.tensor.data_ptr(), n))
-        bufs.append(buf := array.from_address(places[-1][0]))
-        mine[j] = buf
-        pos = a + n
-    places.sort()
+    idx, begins = zip(*u.members, strict=True)  # in file order
+    members = list(map(targets.__getitem__, idx))
+    sizes = list(map(_NBYTES, members))
+    gaps = list(map(sub, begins, chain((0,), map(add, begins, sizes))))  # before each member
+    if min(gaps) < 0 or max(gaps) > len(slot):  # overlapping in the file; a gap past the slot
+        return None
+    ptrs = list(map(torch.Tensor.data_ptr, map(_TENSOR, members)))
+    places = sorted(zip(ptrs, sizes, strict=True))
     if any(map(gt, map(sum, places), map(_FIRST, islice(places, 1, None)))):
         return None
+    lo = places[0][0]
+    memory = memory_at(lo, max(map(sum, places)) - lo)
+    starts = list(map(sub, ptrs, repeat(lo)))
+    mine = list(map(memory.__getitem__, map(slice, starts, map(add, starts, sizes))))
+    # each gap's bytes into the slot, then the member's; no buffer for an empty gap
+    bufs = list(filter(len, chain.from_iterable(zip(map(slot.__getitem__, map(slice, gaps)), mine, strict=True))))
     at = u.offset
     for i in range(0, len(bufs), _IOV_MAX):
         some = bufs[i : i + _IOV_MAX]
@@ -273,14 +264,9 @@ def _scattered(
         if got != sum(map(len, some)):
             return None
         at += got
-    return _crcs(targets, u, None, mine)
+    return _crcs(targets, u, None, dict(zip(idx, mine, strict=True)))
 
 
-# ctypes array types by length (c_char * n makes or finds one: 0.3 us). ctypes keeps every type it
-# makes for the process's life, ~3 KB each (20,000 sizes: 61 MB): past this many sizes, a tensor of
-# a new one is read through the slot
-_BYTES: dict[int, Any] = {}
-_MOST_SIZES = 4096
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)  # Linux: 1024
 
 
@@ -576,7 +562,7 @@ def _combined(
 
 
 _KIND, _PARTS, _CRC, _FIRST = attrgetter("kind"), attrgetter("parts"), attrgetter("crc"), itemgetter(0)
-_TENSOR = attrgetter("tensor")
+_TENSOR, _NBYTES = attrgetter("tensor"), attrgetter("spec.nbytes")
 
 
 async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:

@@ -170,6 +170,18 @@ def address(buf: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def memory_at(addr: int, nbytes: int) -> memoryview:
+    """A writable byte memoryview of the ``nbytes`` at address ``addr`` (no ctypes type made: ctypes
+    keeps each array type it makes for the process's life, ~3 KB each). Nothing checks that the
+    range is memory, or alive: slices of it are what callers hand out, over memory they hold."""
+    return _FROM_MEMORY(addr, nbytes, _PYBUF_WRITE)  # type: ignore[no-any-return]
+
+
+_FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
+_FROM_MEMORY.argtypes, _FROM_MEMORY.restype = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int), ctypes.py_object
+_PYBUF_WRITE = 0x200
+
+
 def same_bytes(a: int, b: int, nbytes: int) -> bool:
     """Are the ``nbytes`` bytes at addresses ``a`` and ``b`` equal (libc's memcmp, GIL released;
     as fast as a copy of them)?"""
