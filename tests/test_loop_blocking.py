@@ -82,6 +82,8 @@ def test_no_library_callback_blocks_the_loop(tmp_path: Any, monkeypatch: Any, n:
                 await h.staged
                 await h
             kept.append(await store.load())
+            kept.append(await store.load(mmap=True))  # the manifest and its entries freed off the loop
+            kept.append(await store.load(mmap=True, verify=False))
             await store.load(into=state)
             await store.refresh()
         await save_file(flat, tmp_path / "f.safetensors")

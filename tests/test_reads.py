@@ -145,16 +145,16 @@ async def test_an_engine_without_direct_reads_reads_cold_files_through_the_cache
     for load in ("new", "into"):
         evict(path)
         sched = aiotensor.Scheduler(PosixEngine(direct_reads=False))
-        into = {k: torch.empty_like(v) for k, v in w.items()} if load == "into" else None
-        equal(await aiotensor.load_file(path, into=into, scheduler=sched), w)
-        assert sched.stats.bytes_direct == 0
         fd = os.open(path, os.O_RDONLY)
         try:
+            into = {k: torch.empty_like(v) for k, v in w.items()} if load == "into" else None
+            equal(await aiotensor.load_file(path, into=into, scheduler=sched), w)
+            assert sched.stats.bytes_direct == 0
             assert sched.engine.open_direct(fd) is None
             assert sched.engine.cached(fd, 0, os.path.getsize(path)) == os.path.getsize(path)
         finally:
             os.close(fd)
-        sched.close()
+            sched.close()
     assert PosixEngine(direct=False).direct_reads is False
     assert PosixEngine(direct=False, direct_reads=True).direct_reads is hasattr(os, "O_DIRECT")
 

@@ -423,6 +423,44 @@ async def test_cancelling_a_load_leaves_no_thread_writing(tmp_path: Any) -> None
         assert_state_equal(snapshot, into)
 
 
+class GatedOpens(FaultyEngine):
+    """Counts the opens of shard files; the second blocks (in its thread) until a test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.shards: list[str] = []
+
+    def open_read(self, path: str) -> int:
+        if os.path.basename(path).startswith("shard-"):
+            self.shards.append(path)
+            if len(self.shards) == 2:
+                self.entered.set()
+                self.gate.wait(10)
+        return super().open_read(path)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+async def test_a_cancelled_load_stops_after_the_shard_in_hand(tmp_path: Any, mmap: bool) -> None:
+    # each shard is opened and checked (or mapped) in a call of its own: a load cancelled while
+    # one is opened opens no other (in one call for all, it went on through all nine)
+    state = {f"t{i}": torch.randn(1 << 12) for i in range(9)}
+    async with TensorStore(tmp_path, shard_bytes=1 << 14) as store:
+        await store.save(1, state)
+    assert len([n for n in os.listdir(tmp_path / "step-000000000001") if n.startswith("shard-")]) == 9
+    eng = GatedOpens()
+    async with TensorStore(tmp_path, engine=eng, readonly=True) as store:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: store.load(1, mmap=mmap))
+                await _wait_thread_event(eng.entered)
+                scope.cancel()
+                threading.Timer(0.2, eng.gate.set).start()
+        assert len(eng.shards) == 2 and eng.open_fds() == []
+        eng.shards.clear()
+        assert_state_equal(await store.load(1, mmap=mmap), state)  # (the gate is open now)
+
+
 async def test_concurrent_saves_and_loads_share_one_scheduler(tmp_path: Any) -> None:
     states = {s: small_state(s) for s in range(1, 7)}
     async with TensorStore(tmp_path, keep_last=3, chunk_bytes=4096) as store:

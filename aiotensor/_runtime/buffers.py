@@ -177,7 +177,7 @@ def memory_at(addr: int, nbytes: int) -> memoryview:
     return _FROM_MEMORY(addr, nbytes, _PYBUF_WRITE)  # type: ignore[no-any-return]
 
 
-_FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
+_FROM_MEMORY = ctypes.pythonapi["PyMemoryView_FromMemory"]  # an object of our own: its types set here alone
 _FROM_MEMORY.argtypes, _FROM_MEMORY.restype = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int), ctypes.py_object
 _PYBUF_WRITE = 0x200
 

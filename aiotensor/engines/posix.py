@@ -26,11 +26,11 @@ class PosixEngine(Engine):
     """Posix I/O. Chunking and parallelism are the scheduler's job.
 
     Args:
-        direct: honour ``create(direct=True)`` with O_DIRECT and offer :meth:`open_direct` (where
-            the file system supports it). Aligned writes from staging arenas skip the page cache:
-            2.9 to 3.7 GB/s against 0.5 to 2 GB/s buffered (1.4 GB written and fdatasync'ed, on the
-            development VM). Reads take what the page cache holds from it (``mincore``) and the
-            rest with O_DIRECT in big pieces: 1.5 to 1.9 GB/s cold against 0.5 to 0.7 buffered.
+        direct: honour ``create(direct=True)`` with O_DIRECT and (unless ``direct_reads`` says
+            otherwise) offer :meth:`open_direct`, where the file system supports it. Aligned
+            writes from staging arenas skip the page cache: 2.9 to 3.7 GB/s against 0.5 to 2 GB/s
+            buffered (1.4 GB written and fdatasync'ed, on the development VM). Reads take what the
+            page cache holds from it (``mincore``) and the rest with O_DIRECT in big pieces.
         direct_reads: offer :meth:`open_direct` (default: as ``direct``). Which reads a cold file
             faster depends on the machine: on the GPU machine O_DIRECT (4 x 16 MiB: 1.9 GB/s
             against 1.6 buffered, ``bench_read_patterns.py``); on the development VM either, from

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -86,8 +86,14 @@ async def _load(
     m, by_shard, views = opened
     del opened
     mpath = os.path.join(folder, _root.MANIFEST)
+    for shard in islice(m.shards, 1, None):  # a call each: a cancelled load stops after the shard in hand
+        got = await sched.call(_open_shard, sched, folder, m, by_shard, shard, mmap, verify, priority=Priority.LOAD)
+        if got is not None:
+            views[shard] = got
     if mmap:
-        return await _mapped(sched, folder, m, views, mpath, verify)
+        manifest = [m]
+        del m
+        return await _mapped(sched, folder, manifest, views, by_shard, mpath, verify)
     # allocating and checking tens of thousands of tensors is Python work: not on the loop thread
     streams = cuda.caller_streams()  # new tensors are allocated, and aliases copied, on the caller's streams
     dest, targets, nbytes, wanted = await sched.call(
@@ -199,11 +205,9 @@ def _state_of(
 def _open_step(
     sched: Scheduler, folder: str, step: int | None, mmap: bool, verify: bool
 ) -> tuple[mf.Manifest, dict[str, list[mf.Entry]], dict[str, list[Target]]] | None:
-    """A step's manifest, its entries by shard, and (``mmap``) each shard's mapped views, in one
-    worker call (each hop to a thread and back costs ~0.1 ms: a mapped load of one shard made
-    seven); None for a step written through DCP. Every shard must hold what the manifest lists
-    for it before anything is allocated: a hostile manifest cannot make us allocate what the
-    files do not hold (:func:`_check_header`). One shard file is open at a time."""
+    """A step's manifest, its entries by shard, and its first shard opened (:func:`_open_shard`;
+    with ``mmap``, its views), in one worker call (each hop to a thread and back costs ~0.1 ms: a
+    mapped load of one shard made seven); None for a step written through DCP."""
     eng = sched.engine
     if _root.is_dcp_step(eng, folder):
         return None
@@ -211,23 +215,34 @@ def _open_step(
     by_shard: dict[str, list[mf.Entry]] = {shard: [] for shard in m.shards}
     for e in m.entries.values():
         by_shard[e.shard].append(e)
-    mpath = os.path.join(folder, _root.MANIFEST)
     views: dict[str, list[Target]] = {}
-    for shard, size in m.shards.items():
-        path = os.path.join(folder, shard)
-        try:
-            fd = eng.open_read(path)
-        except OSError as e:
-            raise annotate_oserror(e, f"opening {path}") from e
-        try:
-            args = (sched, fd, path, size, by_shard[shard], m.headers.get(shard), mpath)
-            if mmap:
-                views[shard] = _map_shard(*args, verify)
-            else:
-                _check_header(*args)
-        finally:
-            eng.close(fd)
+    for shard in islice(m.shards, 1):
+        got = _open_shard(sched, folder, m, by_shard, shard, mmap, verify)
+        if got is not None:
+            views[shard] = got
     return m, by_shard, views
+
+
+def _open_shard(
+    sched: Scheduler, folder: str, m: mf.Manifest, by_shard: dict[str, list[mf.Entry]], shard: str, mmap: bool, verify: bool
+) -> list[Target] | None:
+    """Check that ``shard`` holds what the manifest lists for it (:func:`_check_header`), before
+    anything is allocated: a hostile manifest cannot make us allocate what the files do not hold;
+    with ``mmap``, map it too: its views (:func:`_map_shard`). The file is closed again."""
+    eng = sched.engine
+    path = os.path.join(folder, shard)
+    try:
+        fd = eng.open_read(path)
+    except OSError as e:
+        raise annotate_oserror(e, f"opening {path}") from e
+    try:
+        args = (sched, fd, path, m.shards[shard], by_shard[shard], m.headers.get(shard), os.path.join(folder, _root.MANIFEST))
+        if mmap:
+            return _map_shard(*args, verify)
+        _check_header(*args)
+        return None
+    finally:
+        eng.close(fd)
 
 
 @gil.quiet_gc
@@ -329,18 +344,25 @@ def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list
         raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)
 
 
-async def _mapped(sched: Scheduler, folder: str, m: mf.Manifest, views: dict[str, list[Target]], mpath: str, verify: bool) -> Any:
+async def _mapped(
+    sched: Scheduler,
+    folder: str,
+    manifest: list[mf.Manifest],
+    views: dict[str, list[Target]],
+    by_shard: dict[str, list[mf.Entry]],
+    mpath: str,
+    verify: bool,
+) -> Any:
     """The state of a step whose shards are mapped (``views``): with ``verify``, checksums verified
     by reading the mapped pages, then the state tree rebuilt (in a thread: tens of thousands of
-    tensors are Python work)."""
+    tensors are Python work). ``manifest`` (``[m]``, the caller's reference dropped) and
+    ``by_shard`` are freed in a thread (:func:`_discard`)."""
     if verify:
         for shard, targets in views.items():
             await verify_mapped(sched, os.path.join(folder, shard), targets, Priority.LOAD)
     dest: dict[str, torch.Tensor] = {}
-    state = await sched.call(_finish, m, dest, mpath, None, views, priority=Priority.LOAD)
-    manifest = [m]
-    del m
-    await _discard(sched, manifest, *views.values(), views, dest)
+    state = await sched.call(_finish, manifest[0], dest, mpath, None, views, priority=Priority.LOAD)
+    await _discard(sched, manifest, *views.values(), views, *by_shard.values(), by_shard, dest)
     return state
 
 
