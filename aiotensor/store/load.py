@@ -124,10 +124,17 @@ async def _load(
 async def _discard(sched: Scheduler, manifest: list[mf.Manifest], *containers: list[Any] | dict[Any, Any]) -> None:
     """Free a load's ``containers`` and its manifest (``[m]``, the caller's reference dropped) in a
     thread: tens of thousands of objects for a state of many tensors, the manifest's tensor table
-    a slice at a time (:meth:`Scheduler.discard`)."""
+    a slice at a time (:meth:`Scheduler.discard`); those of at most :data:`_FREE_HERE` tensors here."""
     entries = manifest[0].entries
     assert isinstance(entries, dict)  # (manifest.loads makes one)
+    if len(entries) <= _FREE_HERE:  # what a few hundred tensors make: freed here, no hop to a thread (~0.15 ms)
+        for c in (*containers, entries, manifest):
+            c.clear()
+        return
     await sched.discard(*containers, entries, manifest)
+
+
+_FREE_HERE = 256
 
 
 async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...]) -> None:
