@@ -365,6 +365,17 @@ async def _wait_thread_event(ev: threading.Event) -> None:
             await anyio.sleep(0.005)
 
 
+async def _cancelled_in_a_thread(call: Any, entered: threading.Event, gate: threading.Event) -> None:
+    """Run ``call()`` until one of its threads is held at ``gate`` (``entered`` set), cancel it,
+    and open the gate 0.2 s later; returns when the call has returned."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await _wait_thread_event(entered)
+            scope.cancel()
+            threading.Timer(0.2, gate.set).start()
+
+
 async def test_cancelling_an_awaited_save_removes_its_tmp_dir(tmp_path: Any) -> None:
     eng = GatedEngine()
     eng.gate.set()
@@ -410,12 +421,7 @@ async def test_cancelling_a_load_leaves_no_thread_writing(tmp_path: Any) -> None
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         eng.gate.clear()
         eng.entered.clear()
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: store.load(1, into=into))
-                await _wait_thread_event(eng.entered)
-                scope.cancel()
-                threading.Timer(0.2, eng.gate.set).start()
+        await _cancelled_in_a_thread(lambda: store.load(1, into=into), eng.entered, eng.gate)
         # the load returned only after its threads finished: nothing writes into `into` any more
         assert eng.active == 0 and eng.open_fds() == []
         snapshot = {k: v.clone() for k, v in into.items()}
@@ -450,12 +456,7 @@ async def test_a_cancelled_load_stops_after_the_shard_in_hand(tmp_path: Any, mma
     assert len([n for n in os.listdir(tmp_path / "step-000000000001") if n.startswith("shard-")]) == 9
     eng = GatedOpens()
     async with TensorStore(tmp_path, engine=eng, readonly=True) as store:
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: store.load(1, mmap=mmap))
-                await _wait_thread_event(eng.entered)
-                scope.cancel()
-                threading.Timer(0.2, eng.gate.set).start()
+        await _cancelled_in_a_thread(lambda: store.load(1, mmap=mmap), eng.entered, eng.gate)
         assert len(eng.shards) == 2 and eng.open_fds() == []
         eng.shards.clear()
         assert_state_equal(await store.load(1, mmap=mmap), state)  # (the gate is open now)
