@@ -990,11 +990,11 @@ async def test_a_module_loaded_in_place_keeps_its_parameters_autograd_state(tmp_
 
 async def test_scattered_reads_take_any_number_of_sizes_and_addresses_far_apart(tmp_path: Any, monkeypatch: Any) -> None:
     """A scattered read hands each member a slice of one view over the members' addresses (no
-    ctypes type per size, which ctypes would keep for the process's life): 3,000 sizes are all read
-    straight into their tensors, half of them on the heap and half in one big allocation (a
-    mapping, far from the heap), exactly."""
+    ctypes type per size, which ctypes would keep for the process's life, and made past 4,096
+    sizes no more): 5,000 sizes are all read straight into their tensors, half of them on the heap
+    and half in one big allocation (a mapping, far from the heap), exactly."""
     g = torch.Generator().manual_seed(4)
-    src = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(3000)}  # 3,000 sizes
+    src = {f"t{i}": torch.randn(100 + i, generator=g) for i in range(5000)}  # 5,000 sizes
     path = tmp_path / "sizes.safetensors"
     await aiotensor.save_file(src, path)
     warm(path)
@@ -1016,7 +1016,8 @@ async def test_scattered_reads_take_any_number_of_sizes_and_addresses_far_apart(
             at += v.numel() + 7
         else:
             into[k] = torch.zeros_like(v)
-    assert abs(big.data_ptr() - into["t0"].data_ptr()) > big.nbytes  # two regions: the members' span has a hole
+    if abs(big.data_ptr() - into["t0"].data_ptr()) <= big.nbytes:  # (another allocator: MALLOC_MMAP_MAX_=0, jemalloc)
+        pytest.skip("this allocator placed the big tensor beside the small ones")
     await aiotensor.load_file(path, into=into)
     assert all(torch.equal(into[k], src[k]) for k in src)
     assert sum(scattered) == len(src), scattered

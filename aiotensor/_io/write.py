@@ -45,12 +45,14 @@ async def write_file(
     """
     eng = sched.engine
     if not eng.renames:  # an object store: one PUT of the whole object, from the ranges' memory
-        views = await sched.call(_object_views, ranges, size, priority=priority)
+        views, total = await sched.call(_object_views, ranges, size, priority=priority)
         try:
             await sched.call(eng.put, path, views, priority=priority)
         except OSError as e:
             raise annotate_oserror(e, f"writing {path}") from e
-        sched.stats.bytes_written += sum(len(v) for v in views)
+        sched.stats.bytes_written += total
+        if len(views) > knobs.INLINE_UNITS:  # a view per tensor of 20,000: freed in a thread
+            await sched.discard(views)
         return
     # thousands of ranges (save_file of many small tensors): laid out in a thread
     image = None if size is not None else await sched.call(_image_blocks, sched, ranges, priority=priority)
@@ -176,9 +178,9 @@ def _device_units(off: int, src: torch.Tensor, chunk: int) -> list[_WriteUnit]:
 _Block = tuple[int, int, list[tuple[int, memoryview]]]  # file offset, length (whole pages), (position, bytes)
 
 
-def _object_views(ranges: Sequence[tuple[int, memoryview | torch.Tensor]], size: int | None) -> list[memoryview]:
+def _object_views(ranges: Sequence[tuple[int, memoryview | torch.Tensor]], size: int | None) -> tuple[list[memoryview], int]:
     """The file's bytes in order, as views of the ranges (device memory copied to the host, gaps
-    as zeros), cut at ``size``."""
+    as zeros), cut at ``size``; and their count of bytes (summed here, not on the loop's thread)."""
     views: list[memoryview] = []
     pos = 0
     for off, mv in sorted(ranges, key=lambda r: r[0]):
@@ -192,7 +194,7 @@ def _object_views(ranges: Sequence[tuple[int, memoryview | torch.Tensor]], size:
         pos = off + len(mv)
     if size is not None:
         views, pos = _cut(views, size), size
-    return views
+    return views, sum(map(len, views))
 
 
 def _cut(views: list[memoryview], size: int) -> list[memoryview]:

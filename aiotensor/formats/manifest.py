@@ -65,6 +65,8 @@ class Manifest:
     # file -> crc32c of its safetensors header (8-byte length, JSON, padding): a load that finds it
     # equal needs neither to parse the header nor to rebuild it from the entries to compare
     headers: Mapping[str, int] = field(default_factory=dict)
+    # the bytes of the JSON it was read from (0: made, not read): what freeing it costs, tree and all
+    nbytes: int = field(default=0, compare=False, repr=False)
 
 
 @gil.quiet_gc
@@ -295,7 +297,7 @@ def loads(data: bytes, path: object) -> Manifest:
     ):
         raise bad(f"the state tree and the tensor table do not list the same tensors ({_odd_one(keys, entries, aliases)!r})")
     assert isinstance(step, int)
-    return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused, headers)
+    return Manifest(step, doc["tree"], shards, entries, aliases, digests, reused, headers, len(data))
 
 
 def _odd_one(keys: list[str], entries: Mapping[str, Entry], aliases: Mapping[str, str]) -> str:

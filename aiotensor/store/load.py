@@ -124,17 +124,19 @@ async def _load(
 async def _discard(sched: Scheduler, manifest: list[mf.Manifest], *containers: list[Any] | dict[Any, Any]) -> None:
     """Free a load's ``containers`` and its manifest (``[m]``, the caller's reference dropped) in a
     thread: tens of thousands of objects for a state of many tensors, the manifest's tensor table
-    a slice at a time (:meth:`Scheduler.discard`); those of at most :data:`_FREE_HERE` tensors here."""
+    a slice at a time (:meth:`Scheduler.discard`); those of a manifest of at most :data:`_FREE_HERE`
+    bytes here (a few hundred tensors: a hop to a thread and back cost more, ~0.15 ms). Its size,
+    not its tensors, decides: its tree may hold big values beside few tensors."""
     entries = manifest[0].entries
     assert isinstance(entries, dict)  # (manifest.loads makes one)
-    if len(entries) <= _FREE_HERE:  # what a few hundred tensors make: freed here, no hop to a thread (~0.15 ms)
+    if 0 < manifest[0].nbytes <= _FREE_HERE:
         for c in (*containers, entries, manifest):
             c.clear()
         return
     await sched.discard(*containers, entries, manifest)
 
 
-_FREE_HERE = 256
+_FREE_HERE = 64 * 1024
 
 
 async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...]) -> None:
