@@ -242,15 +242,22 @@ async def read(
     for path, targets in a.targets.items():
         fd = await open_read(sched, path)
         try:
-            await read_tensors(sched, fd, path, targets, Priority.LOAD)
-        except ChecksumError as e:
-            raise named(e, entries, path) from None
+            await read_named(sched, fd, path, targets, entries)
         finally:
             await close(sched, fd)
     return await sched.call(end, a, priority=Priority.LOAD)
 
 
-def named(e: ChecksumError, entries: Sequence[Entry], path: str) -> ChecksumError:
+async def read_named(sched: Scheduler, fd: int, path: str, targets: Sequence[Target], entries: Sequence[Entry]) -> None:
+    """:func:`~aiotensor._io.read.read_tensors` of ``entries``' ``targets`` in the open file
+    ``path``; a ChecksumError names the tensors over the record whose bytes failed (:func:`_named`)."""
+    try:
+        await read_tensors(sched, fd, path, targets, Priority.LOAD)
+    except ChecksumError as e:
+        raise _named(e, entries, path) from None
+
+
+def _named(e: ChecksumError, entries: Sequence[Entry], path: str) -> ChecksumError:
     """``e`` naming the tensors whose bytes failed where its key is a record of the file, not a
     tensor's name (a torch.save storage, which several tensors may view; a chunk)."""
     names = [n for x in entries if any(p.span.path == path and p.span.spec.key == e.key for p in x.parts) for n in x.names]
@@ -270,4 +277,4 @@ def stored_bytes(entries: Sequence[Entry]) -> int:
     return sum(s.spec.nbytes for s in {p.span for e in entries for p in e.parts})
 
 
-__all__ = ["Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "finish", "named", "prepare", "read", "stored_bytes"]
+__all__ = ["Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "finish", "prepare", "read", "read_named", "stored_bytes"]

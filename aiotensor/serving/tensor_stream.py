@@ -18,13 +18,13 @@ import anyio.lowlevel
 import torch
 
 from .. import knobs, sources
-from .._io.assemble import Assembly, DtypeRule, Entry, finish, named, prepare, stored_bytes
-from .._io.read import close, open_read, read_tensors
+from .._io.assemble import Assembly, DtypeRule, Entry, finish, prepare, read_named, stored_bytes
+from .._io.read import close, open_read
 from .._io.tensors import check_device
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
-from ..errors import ChecksumError, MismatchError
+from ..errors import MismatchError
 from ..location import engine_for, local_path
 
 Keys = sources.Keys
@@ -271,10 +271,7 @@ class _Stream:
             with sched.operation():
                 a = await sched.call(_prepare, entries, self.device, self.verify, self._stream, priority=Priority.LOAD, home=True)
                 for path, targets in a.targets.items():
-                    try:
-                        await read_tensors(sched, fds[path], path, targets, Priority.LOAD)
-                    except ChecksumError as e:
-                        raise named(e, entries, path) from None
+                    await read_named(sched, fds[path], path, targets, entries)
                 self.bytes_read += nbytes
                 first = [n[0] for n in names]
                 if a.copies or self.dtype is not None:
