@@ -319,7 +319,7 @@ async def read_file(
     dest: dict[str, torch.Tensor]
     try:
         if select is not None:  # a predicate per tensor, for tens of thousands: not on the loop thread
-            keys = await sched.call(_chosen, layout, select, path, priority=Priority.LOAD)
+            keys = await sched.call(sources.chosen, map(_KEY, layout.tensors), select, path, priority=Priority.LOAD)
         ok = (missing_ok, unexpected_ok)
         # new CUDA tensors allocated on the caller's streams: the allocator ties a block to the stream
         # it was allocated on, and the worker's default stream would let the caller's work race a reuse
@@ -389,14 +389,6 @@ def _targets(
         dest = dict(into)
         targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
     return dest, targets, sum(t.spec.nbytes for t in targets)
-
-
-def _chosen(layout: st.Layout, select: sources.Keys, path: str) -> set[str]:
-    """The names of ``layout``'s tensors ``select`` chooses (:func:`aiotensor.sources.check_selected`)."""
-    pick = sources.selector(select)
-    keys = {s.key for s in layout.tensors if pick(s.key)}
-    sources.check_selected(select, keys, map(_KEY, layout.tensors), path)
-    return keys
 
 
 _KEY = attrgetter("key")

@@ -459,14 +459,23 @@ def select(src: Source, keys: Keys) -> list[tuple[Entry, tuple[str, ...]]]:
     keys = fixed(keys)
     if keys is None:  # every entry under every name (20,000 predicate calls cost 15 ms)
         return [(e, e.names) for e in src.entries]
-    pick = selector(keys)
-    chosen = [(e, names) for e in src.entries if (names := tuple(n for n in e.names if pick(n)))]
-    found = {n for _, names in chosen for n in names}
-    check_selected(keys, found, (n for e in src.entries for n in e.names), src.path)
-    return chosen
+    found = chosen([n for e in src.entries for n in e.names], keys, src.path)
+    return [(e, names) for e in src.entries if (names := tuple(n for n in e.names if n in found))]
 
 
-def check_selected(keys: Keys, found: set[str], every: Iterable[str], path: str) -> None:
+def chosen(names: Iterable[str], keys: Keys, path: str) -> set[str]:
+    """The ``names`` (of the file or step ``path``) that ``keys`` selects.
+
+    Raises:
+        MismatchError: as :func:`select`.
+    """
+    every = list(names)
+    found = set(filter(selector(keys), every))
+    _check_selected(keys, found, every, path)
+    return found
+
+
+def _check_selected(keys: Keys, found: set[str], every: Iterable[str], path: str) -> None:
     """A MismatchError naming each name or prefix of ``keys`` that selected nothing (``found``:
     the names selected, of ``every`` name there; and the prefix meant, for one written without
     its dot). A predicate may select nothing."""

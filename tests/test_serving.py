@@ -899,6 +899,6 @@ def test_many_prefixes_select_what_a_few_do() -> None:
         nothing = [k for k in keys if not (any(n.startswith(k) for n in want) if k.endswith(".") else k in want)]
         if nothing:
             with pytest.raises(MismatchError, match=re.escape(repr(nothing[0]))):
-                sources.check_selected(keys, want, names, "f")
+                sources.chosen(names, keys, "f")
         else:
-            sources.check_selected(keys, want, names, "f")
+            assert sources.chosen(names, keys, "f") == want, keys
