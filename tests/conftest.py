@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import aiotensor
+from aiotensor.formats.dtypes import ITEMSIZE as ST_ITEMSIZE
 from aiotensor.testing import FaultyEngine
 
 try:
@@ -95,3 +97,37 @@ def cuda_seen(monkeypatch: pytest.MonkeyPatch) -> None:
     from aiotensor._runtime import cuda
 
     monkeypatch.setattr(cuda, "_devices_seen", lambda visible: True)
+
+
+_COLUMNS = ("shard", "dtype", "shape", "offset", "nbytes", "crc32c")
+
+
+def manifest_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The tensor table of a manifest as the store writes it (version 3: a string per column) as
+    rows, ``{key: {"shard": file, "dtype", "shape", "offset", "nbytes", "crc32c"}}`` (version 1's
+    entries), for a test to edit and write back with :func:`set_manifest_rows`."""
+    t, files = doc["table"], [s["file"] for s in doc["shards"]]
+    numbers = {c: [int(x) for x in t[c].split()] for c in ("shard", "ndim", "dims", "offset", "crc32c")}
+    dims = iter(numbers["dims"])
+    shapes = [[next(dims) for _ in range(n)] for n in numbers["ndim"]]
+    out = {}
+    for i, (key, dtype) in enumerate(zip(t["keys"], t["dtype"].split(), strict=True)):
+        nbytes = math.prod(shapes[i]) * ST_ITEMSIZE[dtype] // (2 if dtype == "F4" else 1)
+        row = (files[numbers["shard"][i]], dtype, shapes[i], numbers["offset"][i], nbytes, numbers["crc32c"][i])
+        out[key] = dict(zip(_COLUMNS, row, strict=True))
+    return out
+
+
+def set_manifest_rows(doc: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
+    """Write ``rows`` back as ``doc``'s table (``nbytes`` is not written: a tensor's bytes follow from its shape)."""
+    files = {s["file"]: i for i, s in enumerate(doc["shards"])}
+    r = list(rows.values())
+    columns = {
+        "shard": [files[x["shard"]] for x in r],
+        "dtype": [x["dtype"] for x in r],
+        "ndim": [len(x["shape"]) for x in r],
+        "dims": [d for x in r for d in x["shape"]],
+        "offset": [x["offset"] for x in r],
+        "crc32c": [x["crc32c"] for x in r],
+    }
+    doc["table"] = {"keys": list(rows)} | {c: " ".join(map(str, v)) for c, v in columns.items()}

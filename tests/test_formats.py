@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -355,6 +356,113 @@ _ENTRY = {"shard": "shard-00000.safetensors", "dtype": "F32", "shape": [1], "off
 def test_manifest_validation(over: dict[str, object], match: str) -> None:
     with pytest.raises(ManifestError, match=match):
         mf.loads(_manifest(**over), "m.json")
+
+
+_TABLE = {"keys": ["w"], "shard": "0", "dtype": "F32", "ndim": "1", "dims": "1", "offset": "4096", "crc32c": "1"}
+
+
+def _v3(table: object = None, **over: object) -> bytes:
+    """A version 3 manifest (a table, not tensors) of ``_manifest``'s one tensor, with ``over``."""
+    doc = json.loads(_manifest())
+    del doc["tensors"], doc["checksum"]
+    return mf.seal({**doc, "version": 3, "table": _TABLE if table is None else table} | over)
+
+
+def test_a_version_3_table_reads_as_the_same_entries_as_version_1() -> None:
+    assert mf.loads(_v3(), "m.json").entries == mf.loads(_manifest(), "m.json").entries
+    state = {"s": torch.tensor(1.0), "e": torch.zeros(0, 3), "f4": torch.zeros(2, 2, dtype=torch.float4_e2m1fn_x2)}
+    tree, _ = flatten(state)
+    table = {
+        "keys": ["s", "e", "f4"],
+        "shard": "0 0 0",
+        "dtype": "F32 F32 F4",
+        "ndim": "0 2 2",
+        "dims": "0 3 2 4",
+        "offset": "8 12 12",
+        "crc32c": "0 0 0",
+    }
+    m = mf.loads(_v3(table, shards=[{"file": "s", "size": 16}], tree=tree), "m.json")
+    assert [(e.spec.shape, e.spec.nbytes) for e in m.entries.values()] == [((), 4), ((0, 3), 0), ((2, 4), 4)]
+    assert mf.loads(mf.dumps(m), "m.json") == m and b'"version":3' in mf.dumps(m)
+
+
+@pytest.mark.parametrize(
+    "table, match",
+    [
+        ({**_TABLE, "nbytes": "4"}, "table must be an object of keys, shard"),
+        ({**_TABLE, "keys": "w"}, "table must be an object"),
+        ([], "table must be an object"),
+        ({**_TABLE, "offset": [4096]}, "offset must be a string"),
+        ({**_TABLE, "offset": "4096 "}, "offset has 2 values for 1"),
+        ({**_TABLE, "offset": " 4096"}, "offset has 2 values for 1"),
+        ({**_TABLE, "offset": "-4096"}, "offset must be non-negative integers in plain decimal"),
+        ({**_TABLE, "offset": "4_096"}, "offset must be non-negative integers"),
+        ({**_TABLE, "offset": "\t4096"}, "offset must be non-negative integers"),
+        ({**_TABLE, "offset": "+4096"}, "offset must be non-negative integers"),
+        ({**_TABLE, "offset": "04096"}, "offset must be non-negative integers"),
+        ({**_TABLE, "offset": "\u0664096"}, "offset must be non-negative integers"),  # an Arabic-Indic 4: int() takes it
+        ({**_TABLE, "crc32c": "1" * 20}, "crc32c must be non-negative integers"),
+        ({**_TABLE, "dtype": "f32"}, "unknown dtype 'f32'"),
+        ({**_TABLE, "dtype": 32}, "dtype must be a string"),
+        ({**_TABLE, "dtype": "F32 F32"}, r"dtype has 2 values for 1 \(1 tensors\)"),
+        ({**_TABLE, "dims": "1 1"}, r"dims has 2 values for 1 \(1 tensors\)"),
+        ({**_TABLE, "offset": ""}, "offset has 0 values for 1"),
+        (
+            {
+                **_TABLE,
+                "keys": ["w", "w"],
+                "shard": "0 0",
+                "dtype": "F32 F32",
+                "ndim": "1 1",
+                "dims": "1 1",
+                "offset": "4096 4096",
+                "crc32c": "1 1",
+            },
+            "tensor 'w' is listed twice",
+        ),
+        ({**_TABLE, "keys": [7]}, "tensor key 7 is not a string"),
+        ({**_TABLE, "shard": "1"}, "tensor 'w': shard 1 is not the index of one of the 1 shards"),
+        ({**_TABLE, "ndim": "65", "dims": " ".join(["1"] * 65)}, "at most 64 dimensions"),
+        ({**_TABLE, "dtype": "X9"}, "tensor 'w': unknown dtype 'X9'"),
+        ({**_TABLE, "dims": "2"}, "past the end"),
+        ({**_TABLE, "offset": "4097"}, "past the end"),
+        ({**_TABLE, "crc32c": str(2**32)}, "crc32c must be"),
+        ({**_TABLE, "ndim": "2", "dims": "0 " + str(2**70)}, "dims must be non-negative integers"),
+        ({**_TABLE, "ndim": "2", "dims": "4294967296 4294967296"}, "shape"),
+    ],
+)
+def test_a_version_3_table_is_checked_and_names_what_is_wrong(table: object, match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        mf.loads(_v3(table), "m.json")
+
+
+def test_a_version_3_column_is_counted_before_it_is_split() -> None:
+    """A column of many more values than the table has keys is refused before a value is made:
+    split, 16 MB of "1 1 1 ..." would be 8 million strings (~450 MB)."""
+    raw = _v3({**_TABLE, "offset": " ".join(["1"] * (8 << 20))})
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError, match="offset has 8388608 values for 1"):
+            mf.loads(raw, "m.json")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(raw), f"{peak / len(raw):.1f}x the manifest's size"
+
+
+def test_a_manifest_lists_its_tensors_one_way_as_its_version_says() -> None:
+    tensors = json.loads(_manifest())["tensors"]
+    with pytest.raises(ManifestError, match="lists its tensors twice"):
+        mf.loads(_v3(tensors=tensors), "m.json")
+    with pytest.raises(ManifestError, match="a version 2 manifest lists its tensors in tensors"):
+        mf.loads(_v3(version=2), "m.json")
+    with pytest.raises(ManifestError, match="a version 3 manifest lists its tensors in table"):
+        mf.loads(_manifest(version=3), "m.json")
+    doc = json.loads(_v3())
+    table = doc.pop("table")
+    del doc["checksum"]
+    with pytest.raises(ManifestError, match="lists its tensors before its shards"):
+        mf.loads(mf.seal({"table": table} | doc), "m.json")
 
 
 # --- checksums --------------------------------------------------------------------------

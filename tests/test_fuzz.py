@@ -29,7 +29,7 @@ from aiotensor.formats import manifest as mf
 from aiotensor.formats.tree import unflatten
 from aiotensor.store import load as store_load
 
-from .conftest import assert_state_equal
+from .conftest import assert_state_equal, manifest_rows, set_manifest_rows
 
 EXAMPLES = int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -189,10 +189,12 @@ def test_a_manifest_claiming_a_huge_tensor_allocates_nothing(tmp_path: Any) -> N
     doc = json.loads(files["manifest.json"])
     shard = doc["shards"][0]["file"]
     doc["shards"][0]["size"] = (1 << 40) + 4096
-    for entry in doc["tensors"].values():
+    rows = manifest_rows(doc)
+    for entry in rows.values():
         if entry["shard"] == shard:
             entry.update(shape=[1 << 38], nbytes=1 << 40, dtype="F32", offset=4096)
             break
+    set_manifest_rows(doc, rows)
     files["manifest.json"] = mf.seal(doc)
     with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
         load_copy(files)
@@ -205,9 +207,11 @@ def test_a_manifest_pointing_two_tensors_at_the_same_bytes_is_refused(tmp_path: 
     files = original_files()
     doc = json.loads(files["manifest.json"])
     shard = doc["shards"][0]["file"]
-    mine = sorted((e["offset"], k) for k, e in doc["tensors"].items() if e["shard"] == shard)
+    rows = manifest_rows(doc)
+    mine = sorted((e["offset"], k) for k, e in rows.items() if e["shard"] == shard)
     assert len(mine) >= 2
-    doc["tensors"][mine[1][1]]["offset"] = mine[0][0]
+    rows[mine[1][1]]["offset"] = mine[0][0]
+    set_manifest_rows(doc, rows)
     files["manifest.json"] = mf.seal(doc)
     with pytest.raises(ManifestError, match="does not hold the tensors the manifest lists"):
         load_copy(files)
@@ -227,9 +231,11 @@ def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: b
         with monkeypatch.context() as m:
             m.setattr(store_load, "shard_header", lambda specs: pytest.fail("the header was rebuilt"))
             assert_state_equal(load_copy(files), the_state())
-    else:  # a version 1 manifest
+    else:  # a version 1 manifest: no header crcs, its tensors an object of objects
         for s in doc["shards"]:
             del s["header_crc32c"]
+        rows = manifest_rows(doc)
+        doc = {("tensors" if k == "table" else k): (rows if k == "table" else v) for k, v in doc.items()}
         doc["version"] = 1
         files["manifest.json"] = mf.seal(doc)
     assert_state_equal(load_copy(files), the_state())
@@ -242,12 +248,12 @@ def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: b
         load_copy({**files, shard: renamed})
 
 
-@pytest.mark.parametrize("version", [0, 3, True, "2"])
+@pytest.mark.parametrize("version", [0, 4, True, "3"])
 def test_a_manifest_of_another_version_is_refused(version: Any) -> None:
     files = original_files()
     doc = json.loads(files["manifest.json"])
     doc["version"] = version
-    with pytest.raises(ManifestError, match=r"is not supported \(this aiotensor reads 1 and 2\)"):
+    with pytest.raises(ManifestError, match=r"is not supported \(this aiotensor reads 1, 2 and 3\)"):
         mf.loads(mf.seal(doc), "m.json")
     if type(version) is int:  # a listing reads the version from the first bytes
         with pytest.raises(ManifestError, match="is not supported"):

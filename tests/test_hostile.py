@@ -374,8 +374,8 @@ def test_a_dense_manifest_is_listed_in_bounded_memory(tmp_path: Any) -> None:
 def test_manifests_of_many_tiny_tensors_stay_far_from_the_density_rule(tmp_path: Any, layout: str) -> None:
     """The density rule refuses JSON of fewer than 6 bytes per value, before it is parsed. A store's
     manifest of many scalar tensors under short keys must stay well clear of it, or such
-    checkpoints could never be loaded: a columnar tensor table (tried for speed) wrote 5.6-5.8
-    bytes per value for 30,000 of them."""
+    checkpoints could never be loaded: a columnar tensor table of JSON lists (tried for speed)
+    wrote 5.6-5.8 bytes per value for 30,000 of them; version 3's columns are a string each."""
     n = 20_000
     state: Any = (
         [torch.tensor(float(i)) for i in range(n)] if layout == "a list of scalars" else {i: torch.ones(1) for i in range(n)}
@@ -389,7 +389,7 @@ def test_manifests_of_many_tiny_tensors_stay_far_from_the_density_rule(tmp_path:
     got = anyio.run(main)
     raw = (tmp_path / "step-000000000001" / "manifest.json").read_bytes()
     values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-    assert values > 100_000 and len(raw) / values >= 1.5 * st._MIN_BYTES_PER_VALUE, f"{len(raw) / values:.2f} bytes per value"
+    assert len(raw) / values >= 1.5 * st._MIN_BYTES_PER_VALUE, f"{len(raw) / values:.2f} bytes per value"
     assert len(got) == n and torch.equal(got[n - 1], state[n - 1])
 
 

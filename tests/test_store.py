@@ -30,7 +30,7 @@ from aiotensor.errors import (
 )
 from aiotensor.testing import FaultyEngine
 
-from .conftest import assert_state_equal, small_state, tmp_leftovers
+from .conftest import assert_state_equal, manifest_rows, small_state, tmp_leftovers
 
 pytestmark = pytest.mark.anyio
 
@@ -99,8 +99,9 @@ async def test_shards_open_with_safetensors_and_manifest_has_crcs(tmp_path: Any)
         await store.save(3, state)
     folder = tmp_path / "step-000000000003"
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert {t["shard"] for t in manifest["tensors"].values()} == {s["file"] for s in manifest["shards"]}
-    assert len(manifest["shards"]) == 2 and all("crc32c" in t for t in manifest["tensors"].values())
+    rows = manifest_rows(manifest)
+    assert {t["shard"] for t in rows.values()} == {s["file"] for s in manifest["shards"]}
+    assert len(manifest["shards"]) == 2 and all("crc32c" in t for t in rows.values())
     seen = {}
     for s in manifest["shards"]:
         with safe_open(str(folder / s["file"]), "pt") as f:
@@ -221,7 +222,7 @@ async def test_corruption_is_detected_and_named(tmp_path: Any) -> None:
         shard = tmp_path / "step-000000000001" / "shard-00000.safetensors"
         data = bytearray(shard.read_bytes())
         m = json.loads((tmp_path / "step-000000000001" / "manifest.json").read_text())
-        off = m["tensors"]["b"]["offset"] + 100
+        off = manifest_rows(m)["b"]["offset"] + 100
         data[off] ^= 0x10
         shard.write_bytes(bytes(data))
         with pytest.raises(ChecksumError, match=r"shard-00000.safetensors: tensor 'b' is corrupt") as ei:

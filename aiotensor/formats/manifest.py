@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice, repeat
+from operator import add, attrgetter, le
 from typing import Any, NamedTuple
 
 from .._runtime import gil
@@ -19,6 +21,7 @@ from ..errors import ManifestError
 from . import checksum
 from .dtypes import ITEMSIZE, nbytes_of
 from .safetensors import (
+    MAX_DIMS,
     TensorSpec,
     columns,
     counts,
@@ -33,9 +36,12 @@ from .safetensors import (
 from .tree import unflatten
 
 FORMAT = "aiotensor.checkpoint"
-VERSION = 2  # 2: shards record their header's crc32c (header_crc32c), which 1 does not know
-VERSIONS = (1, 2)  # what this aiotensor reads
-_READS = "1 and 2"
+# 2: shards record their header's crc32c (header_crc32c), which 1 does not know; 3: the tensors
+# are a table of columns (``table``), not an object of objects (``tensors``): a third of the text,
+# parsed several times faster (20,000 tensors: ~60 ms of a load's Python work, against ~15)
+VERSION = 3
+VERSIONS = (1, 2, 3)  # what this aiotensor reads
+_READS = "1, 2 and 3"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
 _CHECKSUM_TAIL = re.compile(rb',"checksum":"crc32c:([0-9a-f]{8})"\}\Z')
@@ -76,21 +82,41 @@ def dumps(m: Manifest) -> bytes:
         "version": VERSION,
         "step": m.step,
         "shards": [_shard_doc(m, f, n) for f, n in m.shards.items()],
-        "tensors": {
-            k: {
-                "shard": e.shard,
-                "dtype": e.spec.dtype,
-                "shape": list(e.spec.shape),
-                "offset": e.spec.offset,
-                "nbytes": e.spec.nbytes,
-                "crc32c": e.crc32c,
-            }
-            for k, e in m.entries.items()
-        },
+        "table": _table_doc(m),
         "aliases": dict(m.aliases),
         "tree": m.tree,
     }
     return seal(doc)
+
+
+# version 3's table, as dumps writes it: the keys a JSON list, each other column one string of
+# numbers (or dtype names) with a space between rows; a tensor's dims are ``ndim[i]`` of ``dims``
+_COLUMNS = ("keys", "shard", "dtype", "ndim", "dims", "offset", "crc32c")
+
+
+def _table_doc(m: Manifest) -> dict[str, Any]:
+    """The tensor table of version 3 (:data:`_COLUMNS`): row ``i`` is the tensor ``keys[i]``,
+    ``shard`` indexes ``shards``, a tensor's bytes are its dtype's times its shape's (made column by
+    column, in C loops). One JSON value per column: a list of numbers per column was denser than
+    the density rule allows (``tests/test_hostile.py``), a string is one value, and splits and
+    converts in C."""
+    index = {f: i for i, f in enumerate(m.shards)}
+    entries = list(m.entries.values())
+    specs = list(map(_SPEC, entries))
+    shapes = list(map(_SHAPE, specs))
+    numbers = (
+        map(index.__getitem__, map(_SHARD, entries)),
+        map(_DTYPE, specs),
+        map(len, shapes),
+        chain.from_iterable(shapes),
+        map(_OFFSET, specs),
+        map(_CRC, entries),
+    )
+    return {"keys": list(m.entries)} | {c: " ".join(map(str, n)) for c, n in zip(_COLUMNS[1:], numbers, strict=True)}
+
+
+_SHARD, _SPEC, _CRC = attrgetter("shard"), attrgetter("spec"), attrgetter("crc32c")
+_DTYPE, _SHAPE, _OFFSET = attrgetter("dtype"), attrgetter("shape"), attrgetter("offset")
 
 
 def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
@@ -214,6 +240,80 @@ def _entry(key: str, t: Any, shards: Mapping[str, int], bad: Callable[[str], Man
     return Entry(t["shard"], TensorSpec(key, t["dtype"], tuple(shape), t["offset"], t["nbytes"]), t["crc32c"])
 
 
+@gil.quiet_gc
+def _table(raw: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestError]) -> dict[str, Entry]:
+    """Version 3's tensor table (:func:`_table_doc`), checked column by column in C loops; where a
+    check fails, row by row (:func:`_entry`), which names the tensor and what is wrong."""
+    if not (type(raw) is dict and raw.keys() == set(_COLUMNS) and type(raw["keys"]) is list):
+        raise bad(f"table must be an object of {', '.join(_COLUMNS)}")
+    keys = raw["keys"]
+    cols: dict[str, list[Any]] = {}
+    for c in _COLUMNS[1:]:  # (ndim before dims)
+        text = raw[c]
+        if type(text) is not str:
+            raise bad(f"table: {c} must be a string")
+        want = sum(cols["ndim"]) if c == "dims" else len(keys)
+        if (text.count(" ") + 1 if text else 0) != want:  # counted before anything is made of it
+            raise bad(f"table: {c} has {text.count(' ') + 1 if text else 0} values for {want} ({len(keys)} tensors)")
+        got = (text.split(" ") if text else []) if c == "dtype" else _numbers(text)
+        if got is None:
+            raise bad(f"table: {c} must be non-negative integers in plain decimal, one space between each two")
+        cols[c] = got
+        if c == "ndim" and max(cols[c], default=0) > MAX_DIMS:
+            raise bad(f"tensor {keys[cols[c].index(max(cols[c]))]!r}: shape must have at most {MAX_DIMS} dimensions")
+    shard, dtype, ndim, dims, offset, crc = cols.values()
+    if not _STR.issuperset(map(type, keys)):
+        raise bad(f"table: tensor key {next(k for k in keys if type(k) is not str)!r} is not a string")
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        raise bad(f"tensor {next(k for k in keys if k in seen or seen.add(k))!r} is listed twice")  # type: ignore[func-returns-value]
+    files = list(shards)
+    if max(shard, default=0) >= max(len(files), 1):
+        key, i = next((k, i) for k, i in zip(keys, shard, strict=True) if i >= len(files))
+        raise bad(f"tensor {key!r}: shard {i} is not the index of one of the {len(files)} shards")
+    names = list(map(files.__getitem__, shard))
+    at = iter(dims)
+    shape = list(map(list, map(islice, repeat(at), ndim)))  # each tensor's ndim dims, in turn
+    nbytes = plain_sizes(dtype, shape)
+    if (
+        nbytes is not None
+        and max(crc, default=0) < 2**32
+        and all(map(le, map(add, offset, nbytes), map(shards.__getitem__, names)))
+    ):
+        specs = rows(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
+        return dict(zip(keys, rows(Entry, names, specs, crc), strict=True))
+    sizes = [nbytes_of(d, s) if d in ITEMSIZE and not shape_problem(s, d) else 0 for d, s in zip(dtype, shape, strict=True)]
+    fields = (names, dtype, shape, offset, sizes, crc)
+    return {k: _entry(k, dict(zip(_ORDER, row, strict=True)), shards, bad) for k, *row in zip(keys, *fields, strict=True)}
+
+
+def _numbers(text: str) -> list[int] | None:
+    """The numbers of ``text`` if it is ASCII decimal numbers of at most 19 digits with no leading
+    zeros, one space between each two (or empty); else None. By C calls whose memory does not grow
+    with the count: regular expressions of the same took 200 bytes a number for backtracking, and
+    5 times as long."""
+    if not text:
+        return []
+    shape = text.translate(_ONES)  # every digit but 0 a 1: a leading zero is "00" or "01" after a space
+    if not (
+        text.isascii()
+        and text.replace(" ", "").isdigit()
+        and "  " not in text
+        and text[0] != " "
+        and text[-1] != " "
+        and " 00" not in shape
+        and " 01" not in shape
+        and shape[:2] not in ("00", "01")
+    ):
+        return None
+    tokens = text.split(" ")
+    return list(map(int, tokens)) if max(map(len, tokens)) <= 19 else None
+
+
+_ONES = str.maketrans("23456789", "11111111")
+_STR = frozenset({str})
+
+
 @gil.quiet_gc  # tens of thousands of entries: no collection walks them meanwhile
 def loads(data: bytes, path: object) -> Manifest:
     """Validate a manifest completely before anything is allocated from it.
@@ -238,16 +338,27 @@ def loads(data: bytes, path: object) -> Manifest:
             raise bad(f"{key} must be an object")
         if key == "shards":
             shards.update(_shards(value, bad, digests, reused, headers))
+        if key == "table":  # version 3
+            listed("table")
+            entries.update(_table(value, shards, bad))
+            value = None  # (the lists: freed now)
         doc[key] = value
 
-    def tensor(key: str, t: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
+    def listed(how: str) -> None:
         if "shards" not in doc:
             raise bad("the manifest lists its tensors before its shards")
+        if ("tensors" if how == "table" else "table") in doc:
+            raise bad("the manifest lists its tensors twice (tensors and table)")
+
+    def tensor(key: str, t: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
+        if "tensors" not in doc:  # its first
+            listed("tensors")
+            doc["tensors"] = None
         entries[key] = _entry(key, t, shards, bad)
 
     def many(keys: Sequence[str], objects: Sequence[Any]) -> bool:  # the same, many entries at once
-        cols = columns(objects, _ORDER) if "shards" in doc else None
-        if cols is None:
+        cols = columns(objects, _ORDER) if "shards" in doc and "table" not in doc else None
+        if cols is None:  # (each member's own call says what is wrong)
             return False
         shard, dtype, shape, offset, nbytes, crc = cols
         sizes = plain_sizes(dtype, shape)
@@ -259,6 +370,7 @@ def loads(data: bytes, path: object) -> Manifest:
             return False
         specs = rows(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
         entries.update(zip(keys, rows(Entry, shard, specs, crc), strict=True))
+        doc["tensors"] = None
         return True
 
     aliases: dict[str, str] = {}
@@ -277,6 +389,8 @@ def loads(data: bytes, path: object) -> Manifest:
     version = doc.get("version")
     if not (type(version) is int and version in VERSIONS):
         raise bad(f"manifest version {version!r} is not supported (this aiotensor reads {_READS})")
+    if ("table" in doc) != (version >= 3) or ("tensors" in doc and version >= 3):
+        raise bad(f"a version {version} manifest lists its tensors in {'table' if version >= 3 else 'tensors'}")
     step = doc.get("step")
     if not is_count(step):
         raise bad(f"step must be a non-negative integer, got {step!r}")
