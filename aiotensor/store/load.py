@@ -327,7 +327,7 @@ def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list
     """Check that the shard holds what its manifest entries say (else ManifestError): its size,
     the entries' bytes one after the other from its header's end to its end, and that header the
     one written with them. ``crc``: the crc32c of the header that the manifest records, if it
-    does (version 2).
+    does (version 2 and later).
 
     A header with that crc is the one the store wrote beside these entries: the manifest's seal
     ties the two, so a damaged or swapped shard, or a damaged manifest, is caught. The seal is a
