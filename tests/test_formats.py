@@ -956,3 +956,70 @@ def test_manifest_fragments_agree_with_the_member_walk(entries: list[tuple[str, 
         slow = outcome()
     assert fast == slow
 
+
+# --- JSON values decoded a window at a time (formats/safetensors.scan) -----------------------------
+
+_JSON = hs.recursive(
+    hs.none()
+    | hs.booleans()
+    | hs.integers()
+    | hs.floats(allow_nan=False, allow_infinity=False)
+    | hs.text(alphabet=',[]{}":\\ ab'),
+    lambda inner: (
+        hs.lists(inner, max_size=12) | hs.dictionaries(hs.text(alphabet=',[]{}":\\ ab', max_size=6), inner, max_size=12)
+    ),
+    max_leaves=80,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_JSON, hs.sampled_from([(",", ":"), (", ", ": ")]))
+def test_a_value_decoded_a_window_at_a_time_is_the_one_call_s(value: Any, separators: tuple[str, str]) -> None:
+    """With windows of a few characters, every way through scan (a window's last comma inside a
+    string or a value below, a container's end inside a window, an element longer than a window)
+    gives what one call of the C scanner gives, and ends where it ends."""
+    doc = " " + json.dumps(value, separators=separators) + ' ,"next":[1,2]}'
+    small, window = st._SMALL, st._WINDOW
+    st._SMALL, st._WINDOW = 4, 24
+    try:
+        assert st.scan(doc, 1) == st._DECODE(doc, 1)
+    finally:
+        st._SMALL, st._WINDOW = small, window
+
+
+def test_a_key_twice_in_other_windows_of_one_object_is_a_duplicate() -> None:
+    tree = json.dumps({"dict": {f"k{i}": [i, {"v": i}] for i in range(5000)}})[:-2] + ', "k17": 0}}'  # far from its first
+    head = {"format": mf.FORMAT, "version": 3, "step": 1, "shards": [], "table": _EMPTY_TABLE, "aliases": {}}
+    text = json.dumps(head, separators=(",", ":"))[:-1] + ',"tree":' + tree + ',"checksum":"crc32c:00000000"}'
+    raw = text.encode()
+    raw = raw[: -len('00000000"}')] + b'%08x"}' % _checksum.crc32c(raw)  # sealed
+    with pytest.raises(ManifestError, match="has the key 'k17' twice"):
+        mf.loads(raw, "m.json")
+
+
+_EMPTY_TABLE = {"keys": [], "shard": "", "dtype": "", "ndim": "", "dims": "", "offset": "", "crc32c": ""}
+
+
+def test_a_big_state_tree_is_decoded_in_calls_of_at_most_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call of the C scanner holds the GIL throughout: a tree with a list of a million sample
+    indices, decoded in one call, held it 65-80 ms while the event loop's thread waited. Here every
+    call decodes at most a window's worth of characters, and the tree is the one json.loads reads."""
+    tree = {"dict": {"w": {"tensor": "w"}, "sampler": {"dict": {"indices": {"list": list(range(200_000))}}},
+                     "losses": {"dict": {f"sample-{i}": i * 0.5 for i in range(50_000)}},
+                     "items": {"items": [[i, {"list": [i, "x,y"]}] for i in range(20_000)]}}}  # fmt: skip
+    doc = {"format": mf.FORMAT, "version": 3, "step": 1, "shards": [{"file": "s", "size": 12}], "aliases": {},
+           "table": {**_EMPTY_TABLE, "keys": ["w"], "shard": "0", "dtype": "F32", "ndim": "1", "dims": "1", "offset": "8", "crc32c": "0"},
+           "tree": tree}  # fmt: skip
+    raw = mf.seal(doc)
+    spans: list[int] = []
+    decode = st._DECODE
+
+    def counted(text: str, at: int) -> tuple[Any, int]:
+        value, end = decode(text, at)
+        spans.append(end - at)
+        return value, end
+
+    monkeypatch.setattr(st, "_DECODE", counted)
+    m = mf.loads(raw, "m.json")
+    assert m.tree == json.loads(raw)["tree"]
+    assert len(raw) > 40 * st._WINDOW and max(spans) <= st._WINDOW + 2, f"a call decoded {max(spans)} characters"

@@ -108,20 +108,23 @@ def _walk(obj: Any, parts: list[str]) -> None:
     per = (size - 1) // len(obj)  # values per member
     step = max(1, JSON_CHUNK_VALUES // per) if per <= JSON_CHUNK_VALUES else 0  # members per C call; 0: each member walked
     mapping = isinstance(obj, dict)
-    members = list(obj.items()) if mapping else list(obj)
+    # a slice at a time (a list of a dict's 300,000 items, made in one C call, held the GIL 10 ms)
+    members = iter(obj.items()) if mapping else iter(obj)
     whole = dict if mapping else list  # a slice of members, encoded as its own object or array
     parts.append("{" if mapping else "[")
-    for i in range(0, len(members), step or 1):
-        if i:
+    first = True
+    while some := list(islice(members, step or 1)):
+        if not first:
             parts.append(",")
+        first = False
         if step:
-            parts.append(_encode(whole(members[i : i + step]))[1:-1])
+            parts.append(_encode(whole(some))[1:-1])
         elif mapping:
-            k, v = members[i]
+            ((k, v),) = some
             parts.append(_encode({k: 0})[1:-3] + ":")  # the key as json.dumps writes it (int, float, bool, None too)
             _walk(v, parts)
         else:
-            _walk(members[i], parts)
+            _walk(some[0], parts)
     parts.append("}" if mapping else "]")
 
 
