@@ -7,6 +7,7 @@ import math
 import os
 import struct
 import tracemalloc
+from collections import Counter, OrderedDict
 from typing import Any
 
 import pytest
@@ -1023,3 +1024,67 @@ def test_a_big_state_tree_is_decoded_in_calls_of_at_most_a_window(monkeypatch: p
     m = mf.loads(raw, "m.json")
     assert m.tree == json.loads(raw)["tree"]
     assert len(raw) > 40 * st._WINDOW and max(spans) <= st._WINDOW + 2, f"a call decoded {max(spans)} characters"
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, hs.integers(0, 10_000), hs.sampled_from([",", "]", "}", ",]", ",}", "", " ", "x", '"']))
+def test_a_broken_value_decoded_a_window_at_a_time_is_refused_as_one_call_refuses_it(value: Any, at: int, bad: str) -> None:
+    """Found by review: after a window's cut on a trailing comma (``[1,2,]``), the next window
+    decoded as the empty container, taken for the rest: the one call refuses it, and so must scan."""
+    text = json.dumps(value, separators=(",", ":"))
+    at %= len(text) + 1
+    doc = " " + text[:at] + bad + text[at:] + ' ,"next":[1,2]}'
+    small, window = st._SMALL, st._WINDOW
+    st._SMALL, st._WINDOW = 4, 24
+    try:
+        try:
+            one: Any = st._DECODE(doc, 1)
+        except (ValueError, StopIteration):
+            one = None
+        try:
+            mine: Any = st.scan(doc, 1)
+        except (ValueError, StopIteration):
+            mine = None
+        assert mine == one
+    finally:
+        st._SMALL, st._WINDOW = small, window
+
+
+def test_a_tower_of_nested_arrays_is_decoded_in_bounded_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each nesting level longer than a window tried its windows again (a review found 70 towers of
+    60 levels over 7,000 numbers: 115 times json.loads); what decodes in vain is bounded by what
+    decodes, past 16 windows."""
+    tower = "[" * 60 + ",".join(["1234567"] * 9000) + "]" * 60
+    doc = "[" + ",".join([tower] * 30) + "]"
+    work: list[int] = []
+    decode = st._DECODE
+
+    def counted(text: str, at: int) -> tuple[Any, int]:
+        try:
+            value, end = decode(text, at)
+        except (ValueError, StopIteration):
+            work.append(len(text) - at)  # (a window: tried whole)
+            raise
+        work.append(end - at)
+        return value, end
+
+    monkeypatch.setattr(st, "_DECODE", counted)
+    assert st.scan(doc, 0) == (json.loads(doc), len(doc))
+    assert sum(work) < 6 * len(doc) + 16 * st._WINDOW, f"{sum(work) / len(doc):.1f} characters tried per character"
+
+
+def test_ordered_dicts_nested_as_deep_as_flatten_allows_load() -> None:
+    """Found by review: unflatten counted an OrderedDict (and a Counter) as two levels where flatten
+    counts one, so a state of OrderedDicts nested 33-64 deep saved and could not be loaded."""
+    for kind in (OrderedDict, Counter):
+        state: Any = 5
+        for _ in range(60):
+            state = kind(x=state)
+        tree, _ = flatten(state)
+        got = unflatten(json.loads(json.dumps(tree)), lambda k: None, "m.json")
+        assert flatten(got)[0] == tree and type(got) is kind  # (Counter's == of 60 levels compares 2**60 times)
+    deep: Any = {"list": [1, 2]}  # a plain list one level past the deepest
+    for _ in range(65):
+        deep = {"list": [deep]}
+    with pytest.raises(ManifestError, match="nested too deep"):
+        unflatten(deep, lambda k: None, "m.json")

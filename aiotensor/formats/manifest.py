@@ -255,40 +255,39 @@ def _table(raw: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestErr
     keys = raw["keys"]
     if not _STR.issuperset(map(type, keys)):
         raise bad(f"table: tensor key {next(k for k in keys if type(k) is not str)!r} is not a string")
-    if len(set(keys)) != len(keys):
+    if not _unique(keys):
         seen: set[str] = set()
         raise bad(f"tensor {next(k for k in keys if k in seen or seen.add(k))!r} is listed twice")  # type: ignore[func-returns-value]
     files = list(shards)
-    cols: dict[str, list[Any]] = {}
-    for c in _COLUMNS[1:]:  # (ndim before dims)
-        text = raw[c]
-        if type(text) is not str:
+    texts: list[str] = []
+    for c in _COLUMNS[1:]:
+        if type(raw[c]) is not str:
             raise bad(f"table: {c} must be a string")
-        want = sum(cols["ndim"]) if c == "dims" else len(keys)
-        if (text.count(" ") + 1 if text else 0) != want:  # counted before anything is made of it
-            raise bad(f"table: {c} has {text.count(' ') + 1 if text else 0} values for {want} ({len(keys)} tensors)")
-        got = (text.split(" ") if text else []) if c == "dtype" else _numbers(text)
-        if got is None:
-            raise bad(f"table: {c} must be non-negative integers in plain decimal, one space between each two")
-        cols[c] = got
-        if c == "shard" and max(got, default=0) >= len(files) and got:
-            key, i = next((k, i) for k, i in zip(keys, got, strict=True) if i >= len(files))
-            raise bad(f"tensor {key!r}: shard {i} is not the index of one of the {len(files)} shards")
-        if c == "ndim" and max(got, default=0) > MAX_DIMS:
-            raise bad(f"tensor {_first(keys, got, MAX_DIMS)!r}: shape must have at most {MAX_DIMS} dimensions")
-        if c == "crc32c" and max(got, default=0) >= 2**32:
-            raise bad(f"tensor {_first(keys, got, 2**32 - 1)!r}: crc32c must be below 2**32")
-    shard, dtype, ndim, dims, offset, crc = cols.values()
-    names = list(map(files.__getitem__, shard))
-    at = iter(dims)
-    shape = list(map(list, map(islice, repeat(at), ndim)))  # each tensor's ndim dims, in turn
+        texts.append(raw[c])
+    dtype = texts[1].split(" ") if texts[1] else []
+    if len(dtype) != len(keys):  # (the numbers' columns counted as they are read)
+        raise bad(f"table: dtype has {len(dtype)} values for {len(keys)} ({len(keys)} tensors)")
+    n = len(keys)
+    shard, ndim = _column(texts[0], "shard", n, n, bad), _column(texts[2], "ndim", n, n, bad)
+    if shard and max(shard) >= len(files):
+        i = _first(shard, len(files) - 1)
+        raise bad(f"tensor {keys[i]!r}: shard {shard[i]} is not the index of one of the {len(files)} shards")
+    if max(ndim, default=0) > MAX_DIMS:
+        raise bad(f"tensor {keys[_first(ndim, MAX_DIMS)]!r}: shape must have at most {MAX_DIMS} dimensions")
+    dims = _column(texts[3], "dims", sum(ndim), n, bad)
+    offset, crc = _column(texts[4], "offset", n, n, bad), _column(texts[5], "crc32c", n, n, bad)
+    if max(crc, default=0) >= 2**32:
+        raise bad(f"tensor {keys[_first(crc, 2**32 - 1)]!r}: crc32c must be below 2**32")
+    # column by column, a slice at a time (gil.listed: one C loop over 200,000 rows held the GIL 40 ms)
+    names = gil.listed(map(files.__getitem__, shard))
+    shape = gil.listed(map(list, map(islice, repeat(iter(dims)), ndim)))  # each tensor's ndim dims, in turn
     # dtype's size times the dims' product: 0 for a packed or unknown dtype or a zero-size tensor
-    nbytes = list(map(mul, map(_PLAIN.get, dtype, repeat(0)), map(math.prod, shape)))
+    nbytes = gil.listed(map(mul, map(_PLAIN.get, dtype, repeat(0)), map(math.prod, shape)))
     rest = () if min(nbytes, default=1) > 0 and max(nbytes, default=0) < 2**63 else range(len(keys))
     odd = {i: _row(keys, names, dtype, shape, offset, crc, i, shards, bad) for i in rest if not 0 < nbytes[i] < 2**63}
     for i, e in odd.items():
         nbytes[i] = e.spec.nbytes
-    if not all(map(le, map(add, offset, nbytes), map(shards.__getitem__, names))):
+    if not all(gil.listed(map(le, map(add, offset, nbytes), map(shards.__getitem__, names)))):
         return {k: _row(keys, names, dtype, shape, offset, crc, i, shards, bad) for i, k in enumerate(keys)}
     specs = rows(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
     entries = rows(Entry, names, specs, crc)
@@ -297,9 +296,9 @@ def _table(raw: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestErr
     return dict(zip(keys, entries, strict=True))
 
 
-def _first(keys: list[str], column: list[int], most: int) -> str:
-    """The key of the first row whose value in ``column`` is above ``most`` (for a message)."""
-    return next(k for k, n in zip(keys, column, strict=True) if n > most)
+def _first(column: list[int], most: int) -> int:
+    """The first row whose value in ``column`` is above ``most`` (for a message)."""
+    return next(i for i, x in enumerate(column) if x > most)
 
 
 def _row(
@@ -320,37 +319,57 @@ def _row(
     return _entry(keys[i], dict(zip(_ORDER, (names[i], d, s, offset[i], n, crc[i]), strict=True)), shards, bad)
 
 
+def _column(text: str, name: str, want: int, tensors: int, bad: Callable[[str], ManifestError]) -> list[int]:
+    """The ``want`` numbers of a table's column ``name`` (:func:`_numbers`), counted before any is made."""
+    got = text.count(" ") + 1 if text else 0
+    if got != want:
+        raise bad(f"table: {name} has {got} values for {want} ({tensors} tensors)")
+    numbers = _numbers(text)
+    if numbers is None:
+        raise bad(f"table: {name} must be non-negative integers in plain decimal, one space between each two")
+    return numbers
+
+
+def _unique(keys: list[str]) -> bool:
+    """No key twice (a set made a slice at a time: one of 200,000 keys held the GIL 18 ms)."""
+    seen: set[str] = set()
+    for i in range(0, len(keys), _SLICE):
+        seen.update(keys[i : i + _SLICE])
+    return len(seen) == len(keys)
+
+
 def _numbers(text: str) -> list[int] | None:
     """The numbers of ``text`` if it is ASCII decimal numbers of at most 19 digits with no leading
-    zeros, one space between each two (or empty); else None. By C calls whose memory does not grow
-    with the count (regular expressions of the same took 200 bytes a number for backtracking, and
-    5 times as long), the numbers read by numpy a slice at a time (no string per number: a C loop
-    over 20,000 takes 0.5 ms, where ``map(int, text.split())`` took 2 and 60 bytes a number)."""
-    if not text:
-        return []
-    shape = text.translate(_ONES)  # every digit but 0 a 1: a leading zero is "00" or "01" after a space
-    if not (
-        text.isascii()
-        and text.replace(" ", "").isdigit()
-        and "  " not in text
-        and text[0] != " "
-        and text[-1] != " "
-        and " 00" not in shape
-        and " 01" not in shape
-        and shape[:2] not in ("00", "01")
-        and _LONG not in shape.replace("0", "1")
-    ):
-        return None
+    zeros, one space between each two (or empty); else None. Checked and read a slice of about
+    :data:`_NUMBERS_CHARS` at a time (cut at a space) by C calls whose memory does not grow with
+    the count (regular expressions of the same took 200 bytes a number for backtracking, and 5
+    times as long), the numbers read by numpy (no string per number: 0.5 ms for 20,000, where
+    ``map(int, text.split())`` took 2 and 60 bytes a number)."""
     out: list[int] = []
     at = 0
-    while at < len(text):  # slices of about _NUMBERS_CHARS, cut at a space
+    while at < len(text):
         end = text.find(" ", at + _NUMBERS_CHARS)
         end = len(text) if end < 0 else end
-        out += np.fromstring(text[at:end], dtype=np.uint64, sep=" ").tolist()  # 19 digits fit
+        part = text[at:end]
+        shape = part.translate(_ONES)  # every digit but 0 a 1: a leading zero is "00" or "01" after a space
+        if not (
+            part.isascii()
+            and part.replace(" ", "").isdigit()
+            and "  " not in part
+            and part[0] != " "
+            and part[-1] != " "
+            and " 00" not in shape
+            and " 01" not in shape
+            and shape[:2] not in ("00", "01")
+            and _LONG not in shape.replace("0", "1")
+        ):
+            return None
+        out += np.fromstring(part, dtype=np.uint64, sep=" ").tolist()  # 19 digits fit
         at = end + 1
     return out
 
 
+_SLICE = 16384
 _NUMBERS_CHARS = 256 * 1024
 _PLAIN = {d: n for d, n in ITEMSIZE.items() if d not in PACKED}  # the item sizes of dtypes not packed
 _LONG = "1" * 20  # a number of 20 digits

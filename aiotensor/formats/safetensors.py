@@ -7,7 +7,6 @@ tensors cover the data section exactly (no holes, no overlaps, no trailing bytes
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -253,30 +252,46 @@ def _apply(doc: str, key: str, j: int, fn: Member, scan: Callable[[str, int], tu
     return int(end)
 
 
-def scan(doc: str, i: int) -> tuple[Any, int]:
+def scan(doc: str, i: int, spent: _Spent | None = None) -> tuple[Any, int]:
     """The JSON value at ``doc[i]`` and where it ends, as the C scanner (:data:`_DECODE`) gives
     them, made by calls of it on at most :data:`_WINDOW` characters each: one call holds the GIL
     throughout, and a worker decoding a state tree's list of a million sample indices (7 MB) in
     one held it 65-80 ms, a dict of 300,000 entries 150-170 ms, while the event loop's thread
     waited. An array or object longer than that is decoded a window's worth of its elements at a
-    time (:func:`_elements`); a string is one call (its scan is a copy)."""
-    if doc[i : i + 1] not in ("[", "{"):
+    time (:func:`_elements`); a string is one call (its scan is a copy). Attempts that do not
+    decode are counted (``spent``): past what :class:`_Spent` allows, a value is one call (a
+    tower of nested arrays re-decoded a window per level: 100-800 times ``json.loads``)."""
+    spent = _Spent() if spent is None else spent
+    if doc[i : i + 1] not in ("[", "{") or spent.lost > spent.allowed:
         return _DECODE(doc, i)
     for width in (_SMALL, _WINDOW):  # (a slice of the window's width is made: small values first)
         if len(doc) - i <= width:
             return _DECODE(doc, i)
         try:  # the whole value inside the window (a window's end inside it leaves it unclosed: no value)
             value, end = _DECODE(doc[i : i + width], 0)
-            return value, i + end
         except (StopIteration, ValueError):
-            pass
-    return _elements(doc, i)
+            spent.lost += width
+            continue
+        spent.allowed += _SPEND * end
+        return value, i + end
+    return _elements(doc, i, spent)
 
 
 _SMALL, _WINDOW = 512, 64 * 1024
+_SPEND = 4  # characters of attempts that do not decode, per character decoded
 
 
-def _elements(doc: str, i: int) -> tuple[Any, int]:
+class _Spent:
+    """What a :func:`scan` has decoded in vain (``lost``) and may (``allowed``: 16 windows, enough
+    for the nesting of a real tree's big values, and 4 characters per character decoded)."""
+
+    __slots__ = ("allowed", "lost")
+
+    def __init__(self) -> None:
+        self.allowed, self.lost = 16 * _WINDOW, 0
+
+
+def _elements(doc: str, i: int, spent: _Spent) -> tuple[Any, int]:
     """The array or object at ``doc[i]`` and where it ends, its elements (members) a window at a
     time: from an element's start to the window's last comma, bracketed and decoded in one call.
     That decodes only where the comma is the container's own (one inside a string or a value below
@@ -294,7 +309,7 @@ def _elements(doc: str, i: int) -> tuple[Any, int]:
         had = len(out)
         out.update(some)  # (no key twice in ``some``: one object)
         if len(out) != had + len(some):  # a key of an earlier window: the walk names the first such
-            _members(doc, i, lambda _, j: scan(doc, j)[1])
+            _members(doc, i, lambda _, j: _DECODE(doc, j)[1])
 
     j = _skip(doc, i + 1)
     if doc[j : j + 1] == closer:
@@ -302,12 +317,16 @@ def _elements(doc: str, i: int) -> tuple[Any, int]:
     alone_to = 0  # elements before this are taken one by one (a window's cuts did not decode)
     while True:
         some = None
-        if j >= alone_to:
+        if j >= alone_to and spent.lost <= spent.allowed:
             window = doc[j : j + _WINDOW]
             for cut in _cuts(window):
-                with contextlib.suppress(StopIteration, ValueError):
+                try:
                     some, n = _DECODE(opener + window[:cut] + closer, 0)
-                    break
+                except (StopIteration, ValueError):
+                    spent.lost += cut
+                    continue
+                spent.allowed += _SPEND * n
+                break
             else:
                 alone_to = j + _WINDOW
         if some is not None:
@@ -316,7 +335,7 @@ def _elements(doc: str, i: int) -> tuple[Any, int]:
                 return out, j + n - 1
             j += cut
         elif array:
-            value, j = scan(doc, j)
+            value, j = scan(doc, j, spent)
             add([value])
         else:
             if doc[j : j + 1] != '"':
@@ -325,7 +344,7 @@ def _elements(doc: str, i: int) -> tuple[Any, int]:
             j = _skip(doc, j)
             if doc[j : j + 1] != ":":
                 raise ValueError(f"expected ':' at {j}")
-            value, j = scan(doc, _skip(doc, j + 1))
+            value, j = scan(doc, _skip(doc, j + 1), spent)
             add({key: value})
         j = _skip(doc, j)
         if doc[j : j + 1] == closer:
@@ -333,6 +352,8 @@ def _elements(doc: str, i: int) -> tuple[Any, int]:
         if doc[j : j + 1] != ",":
             raise ValueError(f"expected ',' or '{closer}' at {j}")
         j = _skip(doc, j + 1)
+        if doc[j : j + 1] == closer:  # a comma before the end: refused, as one call refuses it
+            raise ValueError(f"expected a value at {j}")
 
 
 def _cuts(window: str) -> list[int]:
