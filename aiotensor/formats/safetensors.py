@@ -252,19 +252,21 @@ def _apply(doc: str, key: str, j: int, fn: Member, scan: Callable[[str, int], tu
     return int(end)
 
 
-def scan(doc: str, i: int, spent: _Spent | None = None) -> tuple[Any, int]:
+def scan(doc: str, i: int, spent: _Spent | None = None, tried: bool = False) -> tuple[Any, int]:
     """The JSON value at ``doc[i]`` and where it ends, as the C scanner (:data:`_DECODE`) gives
     them, made by calls of it on at most :data:`_WINDOW` characters each: one call holds the GIL
     throughout, and a worker decoding a state tree's list of a million sample indices (7 MB) in
     one held it 65-80 ms, a dict of 300,000 entries 150-170 ms, while the event loop's thread
     waited. An array or object longer than that is decoded a window's worth of its elements at a
-    time (:func:`_elements`); a string is one call (its scan is a copy). Attempts that do not
-    decode are counted (``spent``): past what :class:`_Spent` allows, a value is one call (a
-    tower of nested arrays re-decoded a window per level: 100-800 times ``json.loads``)."""
+    time (:func:`_elements`); a string is one call (its scan is a copy). ``tried``: the window
+    from ``i`` did not decode (its container's cuts failed there), so the value is walked at once.
+    Attempts that do not decode are counted (``spent``): past what :class:`_Spent` allows, a value
+    is one call (a tower of nested arrays re-decoded a window per level: 100-800 times
+    ``json.loads``)."""
     spent = _Spent() if spent is None else spent
     if doc[i : i + 1] not in ("[", "{") or spent.lost > spent.allowed:
         return _DECODE(doc, i)
-    for width in (_SMALL, _WINDOW):  # (a slice of the window's width is made: small values first)
+    for width in () if tried else (_SMALL, _WINDOW):  # (a slice of the window's width is made: small values first)
         if len(doc) - i <= width:
             return _DECODE(doc, i)
         try:  # the whole value inside the window (a window's end inside it leaves it unclosed: no value)
@@ -282,13 +284,14 @@ _SPEND = 4  # characters of attempts that do not decode, per character decoded
 
 
 class _Spent:
-    """What a :func:`scan` has decoded in vain (``lost``) and may (``allowed``: 16 windows, enough
-    for the nesting of a real tree's big values, and 4 characters per character decoded)."""
+    """What a :func:`scan` has decoded in vain (``lost``) and may (``allowed``: 64 windows, a
+    window's cuts at each of 64 levels of big values nested, and 4 characters per character
+    decoded)."""
 
     __slots__ = ("allowed", "lost")
 
     def __init__(self) -> None:
-        self.allowed, self.lost = 16 * _WINDOW, 0
+        self.allowed, self.lost = 64 * _WINDOW, 0
 
 
 def _elements(doc: str, i: int, spent: _Spent) -> tuple[Any, int]:
@@ -316,7 +319,7 @@ def _elements(doc: str, i: int, spent: _Spent) -> tuple[Any, int]:
         return out, j + 1
     alone_to = 0  # elements before this are taken one by one (a window's cuts did not decode)
     while True:
-        some = None
+        some, tried = None, False
         if j >= alone_to and spent.lost <= spent.allowed:
             window = doc[j : j + _WINDOW]
             for cut in _cuts(window):
@@ -328,14 +331,14 @@ def _elements(doc: str, i: int, spent: _Spent) -> tuple[Any, int]:
                 spent.allowed += _SPEND * n
                 break
             else:
-                alone_to = j + _WINDOW
+                alone_to, tried = j + _WINDOW, True
         if some is not None:
             add(some)
             if n != cut + 2:  # its own closing bracket, at n - 2 in the window
                 return out, j + n - 1
             j += cut
         elif array:
-            value, j = scan(doc, j, spent)
+            value, j = scan(doc, j, spent, tried)
             add([value])
         else:
             if doc[j : j + 1] != '"':
@@ -344,7 +347,7 @@ def _elements(doc: str, i: int, spent: _Spent) -> tuple[Any, int]:
             j = _skip(doc, j)
             if doc[j : j + 1] != ":":
                 raise ValueError(f"expected ':' at {j}")
-            value, j = scan(doc, _skip(doc, j + 1), spent)
+            value, j = scan(doc, _skip(doc, j + 1), spent, tried)
             add({key: value})
         j = _skip(doc, j)
         if doc[j : j + 1] == closer:
