@@ -20,6 +20,7 @@ from aiotensor.errors import HeaderError, ManifestError, StateError
 from aiotensor.formats import checksum as _checksum
 from aiotensor.formats import manifest as mf
 from aiotensor.formats import safetensors as st
+from aiotensor.formats import tree as tree_module
 from aiotensor.formats.tree import flatten, unflatten
 
 
@@ -1088,3 +1089,22 @@ def test_ordered_dicts_nested_as_deep_as_flatten_allows_load() -> None:
         deep = {"list": [deep]}
     with pytest.raises(ManifestError, match="nested too deep"):
         unflatten(deep, lambda k: None, "m.json")
+
+
+_SCALAR = hs.none() | hs.booleans() | hs.integers() | hs.floats() | hs.text(max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(_SCALAR, max_size=30) | hs.dictionaries(hs.text(max_size=4) | hs.integers(), _SCALAR, max_size=30), hs.booleans())
+def test_flatten_copies_a_container_of_plain_scalars_as_its_walk_writes_it(value: Any, as_tuple: bool) -> None:
+    """A list or dict of only plain scalars (a sampler's indices, per-sample losses) is copied by C
+    loops, not walked value by value (a million took 0.35 s of a save): the tree is the walk's, nan
+    and inf floats, int keys and all."""
+    value = tuple(value) if as_tuple and isinstance(value, list) else value
+    state = {"v": value, "deeper": {"v": value}}
+    fast = flatten(state)[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree_module, "_flat", lambda obj: False)
+        slow = flatten(state)[0]
+    assert json.dumps(fast) == json.dumps(slow)
+    assert json.dumps(unflatten(json.loads(json.dumps(fast)), lambda k: None)) == json.dumps(unflatten(slow, lambda k: None))

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
-from itertools import chain, islice
-from operator import itemgetter
+from itertools import chain, compress, islice, repeat
+from operator import is_, itemgetter
 from typing import Any, TypeVar
 
 import torch
@@ -88,6 +88,12 @@ class _Flatten:
         if type(obj) is OrderedDict:
             meta = getattr(obj, "_metadata", None)
             return {"odict": [self.walk(dict(obj), path), None if meta is None else self.walk(meta, (*path, _META))]}
+        if len(path) < _MAX_DEPTH and type(obj) in (dict, list, tuple) and _flat(obj):
+            # only plain scalars one level down (a sampler's indices, per-sample losses): copied by
+            # C loops; walked value by value, a list of a million took 0.35 s of a save
+            if type(obj) is dict:
+                return {"dict": _copied(obj, {})}
+            return {"tuple" if type(obj) is tuple else "list": gil.listed(obj)}
         if isinstance(obj, Mapping):
             keys = list(obj.keys())
             for k in keys:
@@ -240,9 +246,28 @@ def _plain(values: Iterable[Any]) -> bool:
     an int, a string, a float)? Checked by C loops a slice at a time: a list of a million sample
     indices walked value by value took 200 ms, twice per load (a C loop over all of it at once
     would hold the GIL ~20 ms)."""
+    return _only(values, _PLAIN)
+
+
+def _flat(obj: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> bool:
+    """Does ``obj`` hold only what a state tree writes as itself: plain scalars (finite floats),
+    under string keys if a dict? (C loops a slice at a time, as :func:`_plain`.)"""
+    if type(obj) is dict and not _only(obj.keys(), _STR):
+        return False
+    values = obj.values() if type(obj) is dict else obj
+    if not _plain(values):
+        return False
+    it = iter(values)  # every float finite (nan and inf are nodes): the floats picked by C loops
+    while chunk := list(islice(it, _SLICE)):
+        if not all(map(math.isfinite, compress(chunk, map(is_, map(type, chunk), repeat(float))))):
+            return False
+    return True
+
+
+def _only(values: Iterable[Any], types: frozenset[type]) -> bool:
     it = iter(values)
     while chunk := list(islice(it, _SLICE)):
-        if not _PLAIN.issuperset(map(type, chunk)):
+        if not types.issuperset(map(type, chunk)):
             return False
     return True
 
