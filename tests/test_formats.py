@@ -1084,7 +1084,7 @@ def test_ordered_dicts_nested_as_deep_as_flatten_allows_load() -> None:
         tree, _ = flatten(state)
         got = unflatten(json.loads(json.dumps(tree)), lambda k: None, "m.json")
         assert flatten(got)[0] == tree and type(got) is kind  # (Counter's == of 60 levels compares 2**60 times)
-    deep: Any = {"list": [1, 2]}  # a plain list one level past the deepest
+    deep: Any = {"list": list(range(tree_module._BULK))}  # a plain list (copied whole) one level past the deepest
     for _ in range(65):
         deep = {"list": [deep]}
     with pytest.raises(ManifestError, match="nested too deep"):
@@ -1102,9 +1102,11 @@ def test_flatten_copies_a_container_of_plain_scalars_as_its_walk_writes_it(value
     and inf floats, int keys and all."""
     value = tuple(value) if as_tuple and isinstance(value, list) else value
     state = {"v": value, "deeper": {"v": value}}
-    fast = flatten(state)[0]
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree_module, "_BULK", 0)  # every container copied where it can be (256 values and more in use)
+        fast = flatten(state)[0]
+        copied = unflatten(json.loads(json.dumps(fast)), lambda k: None)
         mp.setattr(tree_module, "_flat", lambda obj: False)
         slow = flatten(state)[0]
     assert json.dumps(fast) == json.dumps(slow)
-    assert json.dumps(unflatten(json.loads(json.dumps(fast)), lambda k: None)) == json.dumps(unflatten(slow, lambda k: None))
+    assert json.dumps(copied) == json.dumps(unflatten(slow, lambda k: None))  # (walked: fewer than 256 values)

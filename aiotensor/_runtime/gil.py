@@ -79,6 +79,14 @@ def listed(items: Iterable[T]) -> list[T]:
 _LISTED_PER_CALL = 1024
 
 
+def slices(items: Iterable[T], size: int = 4096) -> Iterator[list[T]]:
+    """``items`` as lists of ``size`` (the last shorter), for work done by C loops a slice at a
+    time, as :func:`listed` makes a list: between slices the GIL changes hands."""
+    it = iter(items)
+    while some := list(islice(it, size)):
+        yield some
+
+
 def dumps(obj: Any) -> str:
     """``json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``, byte for
     byte, in C-encoder calls of about :data:`JSON_CHUNK_VALUES` values each."""
@@ -113,7 +121,7 @@ def _walk(obj: Any, parts: list[str]) -> None:
     whole = dict if mapping else list  # a slice of members, encoded as its own object or array
     parts.append("{" if mapping else "[")
     first = True
-    while some := list(islice(members, step or 1)):
+    for some in slices(members, step or 1):
         if not first:
             parts.append(",")
         first = False

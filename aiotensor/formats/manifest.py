@@ -333,8 +333,8 @@ def _column(text: str, name: str, want: int, tensors: int, bad: Callable[[str], 
 def _unique(keys: list[str]) -> bool:
     """No key twice (a set made a slice at a time: one of 200,000 keys held the GIL 18 ms)."""
     seen: set[str] = set()
-    for i in range(0, len(keys), _SLICE):
-        seen.update(keys[i : i + _SLICE])
+    for some in gil.slices(keys, _SLICE):
+        seen.update(some)
     return len(seen) == len(keys)
 
 
