@@ -31,7 +31,7 @@ from ._io.tensors import (
     wait_for_streams,
 )
 from ._io.write import crcs_of, write_file
-from ._runtime import cuda
+from ._runtime import cuda, gil
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
 from .commit import Publication
 from .engines import Engine
@@ -378,11 +378,11 @@ def _targets(
         raise MismatchError(f"{path} holds no tensor {sorted(keys - {s.key for s in layout.tensors})[:5]}")
     if into is None:  # new tensors, carved, in the file's order
         chosen = [s for s in layout.tensors if keys is None or s.key in keys]
-        names = list(map(_KEY, chosen))
+        names = gil.listed(map(_KEY, chosen))
         tensors, targets = carved_targets(
             chosen, repeat(None) if crcs is None else map(crcs.__getitem__, names), repeat("crc32c"), dev
         )
-        dest = dict(zip(names, tensors, strict=True))
+        dest = gil.filled({}, zip(names, tensors, strict=True))
     else:
         specs = {s.key: s for s in layout.tensors}
         check_into(into, specs, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])

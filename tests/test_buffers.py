@@ -7,6 +7,8 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiotensor import knobs
 from aiotensor._runtime import buffers
@@ -176,3 +178,14 @@ def test_move_copies_exactly_nbytes_whether_it_keeps_the_gil_or_not(nbytes: int)
     buffers.move(dst.data_ptr() + 4, src.data_ptr() + 2, nbytes)
     assert torch.equal(dst[4 : 4 + nbytes], src[2 : 2 + nbytes])
     assert not dst[:4].any() and not dst[4 + nbytes :].any()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 64), st.integers(0, 16)), max_size=12))
+def test_disjoint_is_the_pairwise_check(ranges: list[tuple[int, int]]) -> None:
+    """``disjoint`` (numpy, for a unit's 20,000 members) says what comparing every two ranges
+    says: an overlap, or an empty range at another's start, is None; else the span they cover."""
+    addresses, sizes = [a for a, _ in ranges], [n for _, n in ranges]
+    clash = any(a1 == a2 or (a1 < a2 + n2 and a2 < a1 + n1) for i, (a1, n1) in enumerate(ranges) for a2, n2 in ranges[i + 1 :])
+    want = None if clash or not ranges else (min(addresses), max(a + n for a, n in ranges))
+    assert buffers.disjoint(addresses, sizes) == want

@@ -628,6 +628,22 @@ def test_piecewise_json_is_byte_identical_to_json_dumps(obj: Any, chunk: int) ->
         assert _gil.dumps(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+@settings(max_examples=100, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 3000), hs.integers()), max_size=3000), hs.sampled_from([1, 7, 1024]))
+def test_filled_is_update_a_slice_at_a_time(pairs: list[tuple[int, int]], per: int) -> None:
+    """gil.filled makes the dict (the set) that one update makes, later pairs winning, whatever
+    the slices: the keys repeat across them here."""
+    from unittest import mock
+
+    from aiotensor._runtime import gil as _gil
+
+    with mock.patch.object(_gil, "_LISTED_PER_CALL", per):
+        start = {-1: 0}
+        got = _gil.filled(start, iter(pairs))
+        assert got is start and list(got.items()) == list(({-1: 0} | dict(pairs)).items())
+        assert _gil.filled(set(), (k for k, _ in pairs)) == {k for k, _ in pairs}
+
+
 def test_quiet_gc_pauses_the_collector_and_restores_it_nested() -> None:
     import gc
 

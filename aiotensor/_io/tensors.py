@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime import cuda
+from .._runtime import cuda, gil
 from .._runtime.buffers import PAGE, map_copy, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import MismatchError, StateError, annotate_oserror
@@ -272,8 +272,8 @@ def carve(specs: Sequence[st.TensorSpec], device: torch.device) -> list[tuple[to
         run.clear()
 
     # columns, made by C loops: this loop runs once per tensor (tens of thousands)
-    offsets, nbytes = list(map(_OFFSET, specs)), list(map(_NBYTES, specs))
-    items = list(map(_ITEMSIZE, map(SAFETENSORS_TO_TORCH.__getitem__, map(_DTYPE, specs))))
+    offsets, nbytes = gil.listed(map(_OFFSET, specs)), gil.listed(map(_NBYTES, specs))
+    items = gil.listed(map(_ITEMSIZE, map(SAFETENSORS_TO_TORCH.__getitem__, map(_DTYPE, specs))))
     most, block_most = knobs.CARVE_TENSOR_BYTES, knobs.CARVE_BLOCK_BYTES
     start = end = 0  # where the run's first tensor begins and its last ends
     # in file order already, nearly always (a sort of 20,000 is one C call, 2 ms with the GIL held)
@@ -303,7 +303,7 @@ def carved_targets(
     the order of ``specs``, and a target for each, with its checksum to check (``crcs``, None:
     none) of its ``kinds`` (made column by column: tens of thousands of tensors)."""
     made = carve(specs, device)
-    tensors = list(map(_FIRST, made))
+    tensors = gil.listed(map(_FIRST, made))
     return tensors, st.rows(Target, specs, tensors, crcs, kinds, map(_SECOND, made))
 
 

@@ -49,6 +49,7 @@ from ..knobs import JSON_CHUNK_VALUES, PROMOTE_OVER, YOUNG_EVERY_S
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+U = TypeVar("U", bound="set[Any] | dict[Any, Any]")
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 _FEW = 16  # members: see _size
@@ -77,6 +78,15 @@ def listed(items: Iterable[T]) -> list[T]:
 
 
 _LISTED_PER_CALL = 1024
+
+
+def filled(into: U, items: Iterable[Any]) -> U:
+    """``into.update(items)`` (a dict's pairs or a set's members) a slice of
+    :data:`_LISTED_PER_CALL` per C call, as :func:`listed` makes a list (a ``dict(zip(...))`` of
+    20,000 pairs held the GIL 1.3 ms); returns ``into``."""
+    for some in slices(items, _LISTED_PER_CALL):
+        into.update(some)
+    return into
 
 
 def slices(items: Iterable[T], size: int = 4096) -> Iterator[list[T]]:

@@ -293,7 +293,7 @@ def _table(raw: Any, shards: Mapping[str, int], bad: Callable[[str], ManifestErr
     entries = rows(Entry, names, specs, crc)
     for i, e in odd.items():
         entries[i] = e
-    return dict(zip(keys, entries, strict=True))
+    return gil.filled({}, zip(keys, entries, strict=True))
 
 
 def _first(column: list[int], most: int) -> int:
@@ -432,7 +432,7 @@ def loads(data: bytes, path: object) -> Manifest:
         if not all(map(int.__le__, map(int.__add__, offset, nbytes), map(shards.__getitem__, shard))):
             return False
         specs = rows(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
-        entries.update(zip(keys, rows(Entry, shard, specs, crc), strict=True))
+        gil.filled(entries, zip(keys, rows(Entry, shard, specs, crc), strict=True))
         doc["tensors"] = None
         return True
 
@@ -465,7 +465,7 @@ def loads(data: bytes, path: object) -> Manifest:
     # whose one key is "tensor"): each stored tensor and alias once, and no other
     keys: list[str] = []
     unflatten(doc["tree"], keys.append, path)
-    named = set(keys)
+    named: set[str] = gil.filled(set(), keys)
     if (
         len(named) != len(keys)
         or len(keys) != len(entries) + len(aliases)

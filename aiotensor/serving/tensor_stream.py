@@ -138,6 +138,7 @@ class _Stream:
         self._run_bytes = 0  # the window's bytes that batch gives back once it is all taken
         self._failed = False
         self._ahead = 0  # bytes in _ready and in flight
+        self._flying = 0  # tensors in flight
         self._changed = anyio.Event()  # set, and replaced, when something changed that a waiter wants
         self._waiting = False  # anyone waiting on _changed (a new Event per tensor cost 13 us)
         self._reader: anyio.CancelScope | None = None
@@ -236,8 +237,13 @@ class _Stream:
                             await self._next_change()
                         if self._closed or self._failed:
                             break
+                        # batches of many small tensors are Python work: two of them at once share the GIL
+                        # with the loop's thread, which waited for it three times as long (bench_loop.py)
+                        while self._flying and self._flying + len(entries) > knobs.STREAM_TENSORS_IN_FLIGHT:
+                            await self._next_change()
                         await slots.acquire()
                         self._ahead += nbytes
+                        self._flying += len(entries)
                         try:
                             for path in files:
                                 if path not in fds:
@@ -285,6 +291,7 @@ class _Stream:
             self._ready[batch] = _pairs(names, got)
         finally:
             slots.release()
+            self._flying -= len(entries)
         self._notify()
 
     async def _next_change(self) -> None:

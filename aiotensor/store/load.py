@@ -272,10 +272,10 @@ def _targets(
         dest: dict[str, torch.Tensor] = {}
         targets: dict[str, list[Target]] = {}
         for shard, entries in by_shard.items():  # column by column, in C loops (tens of thousands)
-            specs = list(map(_SPEC, entries))
+            specs = gil.listed(map(_SPEC, entries))
             crcs = map(_CRC, entries) if verify else repeat(None)
             tensors, targets[shard] = carved_targets(specs, crcs, repeat("crc32c"), device)
-            dest.update(zip(map(_KEY, specs), tensors, strict=True))
+            gil.filled(dest, zip(map(_KEY, specs), tensors, strict=True))
     else:
         dest, wanted = _destinations(m, into, devices, strict, folder)
         targets = {
