@@ -123,7 +123,9 @@ def plan_save(
         shards.append(ShardPlan(f"shard-{i:05d}.safetensors", header, layout, arena, candidate, prev))
         arena += round_up(layout.file_size)
     nbytes = sum(s.nbytes for sh in shards for s in sh.layout.tensors)
-    return SavePlan(tree, tuple(shards), aliases, arena, nbytes), {k: t for k, _, t in stored}
+    sources = {k: t for k, _, t in stored}
+    gil.emptied(seen, by_key, tensors, stored, left, maybe)  # (freed on return: one C call, ~3 ms per 20,000)
+    return SavePlan(tree, tuple(shards), aliases, arena, nbytes), sources
 
 
 def shard_header(specs: Sequence[st.TensorSpec]) -> bytes:

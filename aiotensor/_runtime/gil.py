@@ -89,6 +89,30 @@ def filled(into: U, items: Iterable[Any]) -> U:
     return into
 
 
+def emptied(*containers: list[Any] | dict[Any, Any]) -> None:
+    """Empty ``containers`` a slice at a time, freeing each slice in one call with the GIL held: the
+    slice doubles while one is freed in under :data:`_FREE_FAST_S` and halves when one takes four
+    times that, since what a member holds is unknown (a target, or a stream's batch of 512 entries
+    and their specs). Emptying a list of 20,000 targets in one call held the GIL 2-3 ms, the event
+    loop's thread waiting; a stream's 40 batches, 7 ms; a save plan's 20,000 tensor identities,
+    ~3 ms, where its function returned."""
+    for c in containers:
+        n = 1
+        while c:
+            t = time.perf_counter()
+            if isinstance(c, dict):
+                gone = [c.popitem() for _ in range(min(len(c), n))]
+            else:
+                gone = c[-n:]
+                del c[-n:]
+            del gone
+            took = time.perf_counter() - t
+            n = 2 * n if took < _FREE_FAST_S else max(1, n // 2) if took > 4 * _FREE_FAST_S else n
+
+
+_FREE_FAST_S = 0.00025
+
+
 def slices(items: Iterable[T], size: int = 4096) -> Iterator[list[T]]:
     """``items`` as lists of ``size`` (the last shorter), for work done by C loops a slice at a
     time, as :func:`listed` makes a list: between slices the GIL changes hands."""

@@ -12,7 +12,6 @@ import enum
 import functools
 import heapq
 import itertools
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -248,7 +247,7 @@ class Scheduler:
         not the caller's has ended (a stream's close): with Python's 5 ms switch interval the loop's
         thread waited up to that long for the freeing worker. Cancellation: as for :meth:`run_sync`."""
         with self.operation():
-            await self.run_sync(_clear, containers)
+            await self.run_sync(gil.emptied, *containers)
 
     def discard_later(self, *containers: list[Any] | dict[Any, Any], then: Callable[[], object] | None = None) -> None:
         """:meth:`discard`, not awaited: ``containers`` are emptied in a worker thread, then
@@ -357,32 +356,9 @@ def batched(
 
 
 def _clear_then(containers: tuple[list[Any] | dict[Any, Any], ...], then: Callable[[], object] | None) -> None:
-    _clear(containers)
+    gil.emptied(*containers)
     if then is not None:
         then()
-
-
-def _clear(containers: tuple[list[Any] | dict[Any, Any], ...]) -> None:
-    """Empty ``containers`` a slice at a time, freeing each slice in one call with the GIL held: the
-    slice doubles while one is freed in under :data:`_FREE_FAST_S` and halves when one takes four
-    times that, since what a member holds is unknown (a target, or a stream's batch of 512 entries
-    and their specs). Emptying a list of 20,000 targets in one call held the GIL 2-3 ms, the event
-    loop's thread waiting; a stream's 40 batches, 7 ms."""
-    for c in containers:
-        n = 1
-        while c:
-            t = time.perf_counter()
-            if isinstance(c, dict):
-                gone = [c.popitem() for _ in range(min(len(c), n))]
-            else:
-                gone = c[-n:]
-                del c[-n:]
-            del gone
-            took = time.perf_counter() - t
-            n = 2 * n if took < _FREE_FAST_S else max(1, n // 2) if took > 4 * _FREE_FAST_S else n
-
-
-_FREE_FAST_S = 0.00025
 
 
 def _concat(results: list[list[T]]) -> list[T]:
