@@ -8,7 +8,13 @@ The serving paths are timed too: ``aiotensor.stream`` of the safetensors file (e
 and ``aiotensor.load_into`` a module of those parameters. What a load returns is kept until the
 ticker stops, then freed in a thread: freeing 20,000 tensors is the caller's work, whoever made them.
 
-    python bench/bench_loop.py [--tensors 20000] [--reps 3] [--dir /tmp/aiotensor-bench-loop]
+``--where``: at each tick of aiotensor's rows later than 2 ms, where every busy worker thread stands
+(its two innermost frames), counted and printed, most often first. The thread that held the GIL
+let it go at the first check after its long call, so it stands just past that call (or in the
+line that freed what a function held as it returned): how the C loops over 20,000 items that held
+the GIL 1-5 ms each were found.
+
+    python bench/bench_loop.py [--tensors 20000] [--reps 3] [--dir /tmp/aiotensor-bench-loop] [--where]
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,9 +46,35 @@ def small_state(n: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i // 4}.p{i % 4}": torch.randn(64, generator=g) for i in range(n)}
 
 
-async def with_ticker(fn: Callable[[], Awaitable[Any]]) -> tuple[float, float, float]:
+class WhereTicker(Ticker):
+    """A :class:`Ticker` that counts, at each tick later than 2 ms, where the busy worker threads stand."""
+
+    def __init__(self, seen: Counter[str]) -> None:
+        super().__init__()
+        self.seen, self.loop_thread = seen, threading.get_ident()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lags.append(time.perf_counter() - t - 0.001)
+            if self.lags[-1] > 0.002:
+                for tid, frame in sys._current_frames().items():
+                    where = []
+                    while frame is not None and len(where) < 2:
+                        where.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
+                        frame = frame.f_back
+                    if tid != self.loop_thread and not any(w.startswith(IDLE) for w in where):
+                        self.seen[" < ".join(where)] += 1
+
+
+IDLE = ("threads.py", "threading.py", "queue.py", "_asyncio.py")  # a worker waiting for work
+WHERE: Counter[str] | None = None  # --where
+
+
+async def with_ticker(fn: Callable[[], Awaitable[Any]], where: bool = False) -> tuple[float, float, float]:
     """Seconds ``fn`` took, and the ticker's worst and p99 lag (ms) meanwhile."""
-    ticker, stop = Ticker(), asyncio.Event()
+    ticker, stop = (WhereTicker(WHERE) if where and WHERE is not None else Ticker()), asyncio.Event()
     task = asyncio.create_task(ticker.run(stop))
     await asyncio.sleep(0.01)
     kept: list[Any] = []
@@ -96,8 +130,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 held.append(time.perf_counter() - t)
                 await h
 
-            s = await with_ticker(save)
-            ld = await with_ticker(store.load)
+            s = await with_ticker(save, where=bool(rep))
+            ld = await with_ticker(store.load, where=bool(rep))
             if rep:
                 add("aiotensor", s[0], ld[0], s[1], s[2], ld[1], ld[2], held[0] * 1e3)
 
@@ -121,11 +155,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             ld = await with_ticker(lambda: asyncio.to_thread(st_load, q))
             if rep:
                 add("safetensors (to_thread)", s[0], ld[0], s[1], s[2], ld[1], ld[2], float("nan"))
-            ld = await with_ticker(lambda: streamed(q))
+            ld = await with_ticker(lambda: streamed(q), where=bool(rep))
             nan = float("nan")
             if rep:
                 add("aiotensor.stream (of that file)", nan, ld[0], nan, nan, ld[1], ld[2], nan)
-            ld = await with_ticker(lambda: aiotensor.load_into(module, q))
+            ld = await with_ticker(lambda: aiotensor.load_into(module, q), where=bool(rep))
             if rep:
                 add("aiotensor.load_into (a module)", nan, ld[0], nan, nan, ld[1], ld[2], nan)
     res["rows"] = {k: [statistics.median(c) for c in zip(*v, strict=True)] for k, v in rows.items()}
@@ -162,10 +196,16 @@ def report(res: dict[str, Any]) -> str:
 def main() -> None:
     p = parser(__doc__, "loop")
     p.add_argument("--tensors", type=int, default=20_000)
+    p.add_argument("--where", action="store_true", help="where worker threads stand at ticks later than 2 ms")
     a = p.parse_args()
+    global WHERE
+    WHERE = Counter() if a.where else None
     res = asyncio.run(run(a))
     text = report(res)
     print(text)
+    if WHERE is not None:
+        print("Where the busy worker threads stood at aiotensor's ticks later than 2 ms (count, innermost frame first):")
+        print("\n".join(f"{n:5d}  {w}" for w, n in WHERE.most_common(15)))
     write_results(a.out, f"loop-{a.tensors}", text, res)
 
 
