@@ -116,11 +116,12 @@ WINDOW_BYTES = 256 * MiB
 # bounds the batches of many small tensors (bench_loop.py: 20,000 tensors).
 STREAM_BATCH_BYTES = 64 * MiB
 STREAM_BATCH_TENSORS = 512
-# A stream reads batches while it holds at most this many tensors in flight (and at most a batch
-# per worker): batches of many small tensors are Python work, and more of them at once shared the
-# GIL with the loop's thread, which then waited for it more than 2 ms 2-3 times as often (20,000
-# tensors of 256 bytes: 8% of 1 ms ticks against 3%, in the same time; a 0.5 GB file of 10,000
-# tensors of 50 KB read as fast).
-STREAM_TENSORS_IN_FLIGHT = 2 * STREAM_BATCH_TENSORS
+# A stream of a local file reads batches while at most this many batches' worth of tensors
+# (STREAM_BATCH_TENSORS each) are in flight, one batch at least (and a batch per worker at most):
+# batches of many small tensors are Python work, and more of them at once shared the GIL with the
+# loop's thread, which then waited for it more than 2 ms 2-3 times as often (20,000 tensors of 256
+# bytes: 8% of 1 ms ticks against 3%, in the same time; a 0.5 GB file of 10,000 tensors of 50 KB
+# read as fast). An object store's batches are not held back (their reads wait on latency).
+STREAM_BATCHES_IN_FLIGHT = 2
 # A consumer whose next tensors are already read lets other tasks run at least this often.
 YIELD_S = 0.0005

@@ -276,37 +276,46 @@ async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwh
     assert any(1 < k < n for k in seen), seen[:5]
 
 
-@pytest.mark.parametrize("cap", [1, 48])
-async def test_a_stream_keeps_at_most_its_tensors_in_flight(tmp_path: Any, monkeypatch: Any, cap: int) -> None:
-    """Batches of many small tensors are read while at most STREAM_TENSORS_IN_FLIGHT tensors are
-    (one batch at least, however small the cap); every tensor still comes, in order."""
+@pytest.mark.parametrize("batches", [1, 3])
+async def test_a_stream_keeps_at_most_its_batches_of_tensors_in_flight(tmp_path: Any, monkeypatch: Any, batches: int) -> None:
+    """A local file's batches are read while at most STREAM_BATCHES_IN_FLIGHT batches' worth of
+    tensors are in flight, and that many are: each read waits until that many are in flight (or
+    2 s went by), so a cap not kept shows more, a stricter one fewer; every tensor still comes,
+    in order."""
+    import threading
+
     from aiotensor.serving import tensor_stream
 
     n, batch = 400, 16
     w = {f"t{i}": torch.full((3,), float(i)) for i in range(n)}
     await save_file(w, tmp_path / "m.safetensors")
     monkeypatch.setattr(knobs, "STREAM_BATCH_TENSORS", batch)
-    monkeypatch.setattr(knobs, "STREAM_TENSORS_IN_FLIGHT", cap)
-    flying, most = [0], [0]
+    monkeypatch.setattr(knobs, "STREAM_BATCHES_IN_FLIGHT", batches)
+    lock, flying, most = threading.Lock(), [0], [0]
     prepare, read_named = tensor_stream._prepare, tensor_stream.read_named
 
-    def counted(entries: Any, *args: Any) -> Any:  # in a worker thread; the loop's thread awaits it
-        flying[0] += len(entries)
-        most[0] = max(most[0], flying[0])
+    def counted(entries: Any, *args: Any) -> Any:  # in a worker thread
+        with lock:
+            flying[0] += len(entries)
+            most[0] = max(most[0], flying[0])
         return prepare(entries, *args)
 
-    async def done(sched: Any, fd: int, path: str, targets: Any, entries: Any) -> None:
+    async def held(sched: Any, fd: int, path: str, targets: Any, entries: Any) -> None:
+        with anyio.move_on_after(2):
+            while most[0] < batches * batch:
+                await anyio.sleep(0.005)
         try:
             await read_named(sched, fd, path, targets, entries)
         finally:
-            flying[0] -= len(entries)
+            with lock:
+                flying[0] -= len(entries)
 
     monkeypatch.setattr(tensor_stream, "_prepare", counted)
-    monkeypatch.setattr(tensor_stream, "read_named", done)
+    monkeypatch.setattr(tensor_stream, "read_named", held)
     async with stream(tmp_path / "m.safetensors", scheduler=aiotensor.Scheduler(workers=4)) as s:
         got = [(name, t) async for name, t in s]
     assert [k for k, _ in got] == list(w) and all(torch.equal(t, w[k]) for k, t in got)
-    assert batch <= most[0] <= max(cap // batch, 1) * batch, most[0]
+    assert most[0] == batches * batch, most[0]
 
 
 async def test_a_file_that_cannot_be_opened_any_more_is_an_error_not_an_early_end(tmp_path: Any) -> None:

@@ -228,19 +228,22 @@ class _Stream:
         assert self._reader_done is not None and self._batches is not None
         fds: dict[str, int] = {}
         slots = anyio.Semaphore(self.scheduler.workers)
+        # batches of many small tensors are Python work, and more than two at once shared the GIL with
+        # the loop's thread, which then waited for it far more often (knobs): from a local file, at most
+        # that many tensors are in flight (one batch at least); an object store's reads wait on latency
+        local = self.scheduler.engine.read_bytes is None
+        most = knobs.STREAM_BATCHES_IN_FLIGHT * knobs.STREAM_BATCH_TENSORS if local else 1 << 62
         try:
             with anyio.CancelScope() as scope:
                 self._reader = scope
                 async with anyio.create_task_group() as tg:
                     for batch, (entries, names, nbytes, files) in enumerate(self._batches):
-                        while self._ahead and self._ahead + nbytes > self.window_bytes:
+                        while (self._ahead and self._ahead + nbytes > self.window_bytes) or (
+                            self._flying and self._flying + len(entries) > most
+                        ):
                             await self._next_change()
                         if self._closed or self._failed:
                             break
-                        # batches of many small tensors are Python work: two of them at once share the GIL
-                        # with the loop's thread, which waited for it three times as long (bench_loop.py)
-                        while self._flying and self._flying + len(entries) > knobs.STREAM_TENSORS_IN_FLIGHT:
-                            await self._next_change()
                         await slots.acquire()
                         self._ahead += nbytes
                         self._flying += len(entries)
