@@ -645,6 +645,29 @@ def test_new_tensors_of_one_file_are_planned_as_the_entry_by_entry_path_plans_th
     assert all(t.crc is not None for t in got) == verify
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_reads_into_given_tensors_are_planned_as_the_entry_by_entry_path_plans_them(tmp_path: Any, verify: bool) -> None:
+    """prepare's column-by-column path for a load into a module (every entry one span of one
+    file, every destination given) lists the reads its entry-by-entry path lists (taken here by
+    one more entry without a destination): each span into its own destination, a tie's span twice."""
+    from aiotensor._io.assemble import prepare
+
+    g = torch.Generator().manual_seed(4)
+    path = str(tmp_path / "m.safetensors")
+    anyio.run(aiotensor.save_file, {f"t{i}": torch.randn(1 + i % 5, 2, generator=g) for i in range(50)}, path)
+    entries = list(sources.resolve(PosixEngine(), path).entries)
+    entries.append(Entry(("tie",), entries[3].dtype, entries[3].shape, entries[3].parts))  # a tie: its span again
+    dests = [torch.empty(e.shape, dtype=e.dtype) for e in entries]
+    cpu = torch.device("cpu")
+    fast = prepare(entries, cpu, verify, into=dests)
+    slow = prepare([*entries, entries[0]], cpu, verify, into=[*dests, None])
+    assert all(o is d for o, d in zip(fast.out, dests, strict=True)) and len(fast.out) == len(dests)
+    got, want = fast.targets[path], slow.targets[path][:-1]
+    assert [(t.spec, t.crc, t.kind, t.block) for t in got] == [(t.spec, t.crc, t.kind, t.block) for t in want]
+    assert all(t.tensor is d for t, d in zip(got, dests, strict=True)) and len(got) == len(dests)
+    assert all(t.crc is not None for t in got) == verify
+
+
 def test_a_whole_span_two_entries_share_is_read_once_into_one_tensor(tmp_path: Any) -> None:
     """Two entries over one whole span (a DCP metadata file may point two items at one stored
     tensor) get one tensor, read once, as the entry-by-entry path always gave them."""
@@ -1021,3 +1044,51 @@ async def test_scattered_reads_take_any_number_of_sizes_and_addresses_far_apart(
     await aiotensor.load_file(path, into=into)
     assert all(torch.equal(into[k], src[k]) for k in src)
     assert sum(scattered) == len(src), scattered
+
+
+def _gathered_one_by_one(targets: list[Target], chosen: list[int], most: int) -> list[Any]:
+    """read._gathered as it was, a Python loop over the tensors: the reference its numpy version keeps."""
+    out: list[Any] = []
+    group: list[int] = []
+
+    def flush() -> None:
+        if group:
+            lo = targets[group[0]].spec.offset
+            hi = max(targets[j].spec.offset + targets[j].spec.nbytes for j in group)
+            at = [(j, targets[j].spec.offset - lo) for j in group]
+            parts = tuple((j, a, a + targets[j].spec.nbytes) for j, a in at if targets[j].crc is not None)
+            out.append(read._ReadUnit(lo, None, hi - lo, parts, members=tuple(at)))
+            group.clear()
+
+    end = 0
+    for i in sorted(chosen, key=lambda i: targets[i].spec.offset):
+        s = targets[i].spec
+        if group and (s.offset - end > knobs.CARVE_GAP_BYTES or s.offset + s.nbytes - targets[group[0]].spec.offset > most):
+            flush()
+        group.append(i)
+        end = max(end, s.offset + s.nbytes) if len(group) > 1 else s.offset + s.nbytes
+    flush()
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    hs.lists(hs.tuples(hs.integers(0, 3), hs.integers(0, 300), hs.integers(1, 200), hs.booleans()), min_size=1, max_size=60),
+    hs.integers(1, 1200),
+    hs.randoms(use_true_random=False),
+)
+def test_gathered_units_are_the_one_by_one_walks(layout: list[tuple[int, int, int, bool]], most: int, rnd: Any) -> None:
+    """Small tensors grouped into reads by numpy make the units the loop over each tensor made:
+    ties (the same offset), overlaps, gaps past CARVE_GAP_BYTES (shrunk to 100 here), reads of at
+    most ``most`` bytes, tensors with and without a crc, in and out of file order."""
+    from unittest import mock
+
+    targets, at = [], 0
+    for kind, gap, n, crc in layout:
+        at = at + gap if kind else max(0, at - gap)  # forward, or back onto earlier bytes
+        targets.append(Target(TensorSpec(f"t{len(targets)}", "U8", (n,), at, n), torch.empty(0), 7 if crc else None))
+    chosen = list(range(len(targets)))
+    rnd.shuffle(chosen)
+    chosen = chosen[: rnd.randint(1, len(chosen))]
+    with mock.patch.object(knobs, "CARVE_GAP_BYTES", 100):
+        assert read._gathered(targets, chosen, most) == _gathered_one_by_one(targets, chosen, most)

@@ -11,8 +11,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, repeat
-from operator import add, attrgetter, itemgetter, sub
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, is_not, itemgetter, sub
 from typing import Any
 
 import anyio
@@ -376,8 +376,8 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     units: list[_ReadUnit] = []
     host = _read_piece(sched, odirect)
     blocks: dict[Block, list[int]] = {}
-    small: list[int] = []  # read together, then copied out (knobs.GATHER_TENSOR_BYTES)
     gather = knobs.GATHER_TENSOR_BYTES if sched.engine.read_bytes is None else knobs.CARVE_TENSOR_BYTES
+    small: list[int] = []  # read together, then copied out (knobs.GATHER_TENSOR_BYTES)
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
@@ -417,28 +417,36 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
 def _gathered(targets: Sequence[Target], chosen: list[int], most: int) -> list[_ReadUnit]:
     """Small tensors read together: neighbours in the file (at most :data:`knobs.CARVE_GAP_BYTES`
     apart, e.g. a torch.save zip's storages, between which lie their entries' headers) in reads
-    of at most ``most`` bytes (:func:`_scattered` into each, or through a bounce slot)."""
+    of at most ``most`` bytes (:func:`_scattered` into each, or through a bounce slot). A unit's
+    end is found by numpy over the tensors within ``most`` bytes of its start, its members listed
+    by C loops (a loop over 20,000 tensors cost 15 ms)."""
+    if not chosen:
+        return []
+    specs = gil.listed(map(_SPEC, map(targets.__getitem__, chosen)))
+    first = np.asarray(gil.listed(map(_OFFSET, specs)), dtype=np.int64)
+    order = np.argsort(first, kind="stable")  # (stable: as sorted() orders ties)
+    idx = np.asarray(chosen, dtype=np.int64)[order]
+    first, end = first[order], first[order] + np.asarray(gil.listed(map(_BYTES, specs)), dtype=np.int64)[order]
     out: list[_ReadUnit] = []
-    group: list[int] = []
-
-    def flush() -> None:
-        if group:
-            lo = targets[group[0]].spec.offset
-            hi = max(targets[j].spec.offset + targets[j].spec.nbytes for j in group)
-            at = [(j, targets[j].spec.offset - lo) for j in group]
-            parts = tuple((j, a, a + targets[j].spec.nbytes) for j, a in at if targets[j].crc is not None)
-            out.append(_ReadUnit(lo, None, hi - lo, parts, members=tuple(at)))
-            group.clear()
-
-    end = 0
-    for i in sorted(chosen, key=lambda i: targets[i].spec.offset):
-        s = targets[i].spec
-        if group and (s.offset - end > knobs.CARVE_GAP_BYTES or s.offset + s.nbytes - targets[group[0]].spec.offset > most):
-            flush()
-        group.append(i)
-        end = max(end, s.offset + s.nbytes) if len(group) > 1 else s.offset + s.nbytes
-    flush()
+    a, n = 0, len(chosen)
+    while a < n:
+        w = int(np.searchsorted(first, first[a] + most, side="right"))  # past it, a tensor ends beyond most
+        ends = np.maximum.accumulate(end[a:w])  # where the unit ends, with each tensor from its first
+        cut = np.flatnonzero((first[a + 1 : w] - ends[:-1] > knobs.CARVE_GAP_BYTES) | (end[a + 1 : w] - first[a] > most))
+        b = a + 1 + int(cut[0]) if cut.size else w
+        lo = int(first[a])
+        members = idx[a:b].tolist()
+        at = (first[a:b] - lo).tolist()
+        till = (end[a:b] - lo).tolist()
+        checked = gil.listed(map(is_not, map(_CRC, map(targets.__getitem__, members)), repeat(None)))
+        parts = gil.listed(compress(zip(members, at, till, strict=True), checked))
+        placed = tuple(gil.listed(zip(members, at, strict=True)))
+        out.append(_ReadUnit(lo, None, int(ends[b - 1 - a]) - lo, tuple(parts), members=placed))
+        a = b
     return out
+
+
+_SPEC, _OFFSET, _BYTES = attrgetter("spec"), attrgetter("offset"), attrgetter("nbytes")
 
 
 def _block_units(block: Block, members: list[tuple[int, Target]], piece: int, odirect: bool) -> list[_ReadUnit]:
