@@ -1076,11 +1076,15 @@ def _gathered_one_by_one(targets: list[Target], chosen: list[int], most: int) ->
     hs.lists(hs.tuples(hs.integers(0, 3), hs.integers(0, 300), hs.integers(1, 200), hs.booleans()), min_size=1, max_size=60),
     hs.integers(1, 1200),
     hs.randoms(use_true_random=False),
+    hs.sampled_from([1, 2, 16]),
 )
-def test_gathered_units_are_the_one_by_one_walks(layout: list[tuple[int, int, int, bool]], most: int, rnd: Any) -> None:
-    """Small tensors grouped into reads by numpy make the units the loop over each tensor made:
-    ties (the same offset), overlaps, gaps past CARVE_GAP_BYTES (shrunk to 100 here), reads of at
-    most ``most`` bytes, tensors with and without a crc, in and out of file order."""
+def test_gathered_units_are_the_one_by_one_walks(
+    layout: list[tuple[int, int, int, bool]], most: int, rnd: Any, walk: int
+) -> None:
+    """Small tensors grouped into reads (walked one by one, then by numpy past ``walk`` tensors)
+    make the units the loop over each tensor made: ties (the same offset), overlaps, gaps past
+    CARVE_GAP_BYTES (shrunk to 100 here), reads of at most ``most`` bytes, tensors with and without
+    a crc, in and out of file order."""
     from unittest import mock
 
     targets, at = [], 0
@@ -1090,5 +1094,17 @@ def test_gathered_units_are_the_one_by_one_walks(layout: list[tuple[int, int, in
     chosen = list(range(len(targets)))
     rnd.shuffle(chosen)
     chosen = chosen[: rnd.randint(1, len(chosen))]
-    with mock.patch.object(knobs, "CARVE_GAP_BYTES", 100):
+    with mock.patch.object(knobs, "CARVE_GAP_BYTES", 100), mock.patch.object(read, "_WALK", walk):
         assert read._gathered(targets, chosen, most) == _gathered_one_by_one(targets, chosen, most)
+
+
+@pytest.mark.parametrize("walk", [1, 16])
+def test_a_read_ends_past_its_furthest_tensor_not_its_last(monkeypatch: Any, walk: int) -> None:
+    """A tensor that overlaps an earlier, longer one does not end the read early: the next
+    tensor's gap is measured from the furthest end so far (as the one-by-one loop measures it)."""
+    monkeypatch.setattr(knobs, "CARVE_GAP_BYTES", 100)
+    monkeypatch.setattr(read, "_WALK", walk)
+    spans = [(0, 200), (10, 10), (150, 10)]  # the third is 130 bytes past the second's end, inside the first
+    targets = [Target(TensorSpec(f"t{i}", "U8", (n,), at, n), torch.empty(0), None) for i, (at, n) in enumerate(spans)]
+    got = read._gathered(targets, [0, 1, 2], 1 << 20)
+    assert got == _gathered_one_by_one(targets, [0, 1, 2], 1 << 20) and len(got) == 1 and got[0].nbytes == 200
