@@ -376,8 +376,8 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     units: list[_ReadUnit] = []
     host = _read_piece(sched, odirect)
     blocks: dict[Block, list[int]] = {}
-    gather = knobs.GATHER_TENSOR_BYTES if sched.engine.read_bytes is None else knobs.CARVE_TENSOR_BYTES
     small: list[int] = []  # read together, then copied out (knobs.GATHER_TENSOR_BYTES)
+    gather = knobs.GATHER_TENSOR_BYTES if sched.engine.read_bytes is None else knobs.CARVE_TENSOR_BYTES
     for i, t in enumerate(targets):
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
@@ -424,19 +424,21 @@ def _gathered(targets: Sequence[Target], chosen: list[int], most: int) -> list[_
     tensor: a model's biases between its big weights are that)."""
     if not chosen:
         return []
-    specs = gil.listed(map(_SPEC, map(targets.__getitem__, chosen)))
-    first = np.asarray(gil.listed(map(_OFFSET, specs)), dtype=np.int64)
+    mine = gil.listed(map(targets.__getitem__, chosen))
+    first = np.asarray(gil.listed(map(_OFFSET_OF, mine)), dtype=np.int64)
     order = np.argsort(first, kind="stable")  # (stable: as sorted() orders ties)
-    first, end = first[order], first[order] + np.asarray(gil.listed(map(_BYTES, specs)), dtype=np.int64)[order]
+    first, end = first[order], first[order] + np.asarray(gil.listed(map(_NBYTES, mine)), dtype=np.int64)[order]
     starts, ends, idx = first.tolist(), end.tolist(), np.asarray(chosen, dtype=np.int64)[order].tolist()
     gap, n = knobs.CARVE_GAP_BYTES, len(chosen)
     out: list[_ReadUnit] = []
     a = 0
     while a < n:
-        b, hi = a + 1, ends[a]  # the read's tensors [a, b), its end
-        while b < n and b - a < _WALK and starts[b] - hi <= gap and ends[b] - starts[a] <= most:
+        b, hi, long = a + 1, ends[a], False  # the read's tensors [a, b), its end
+        while b < n and starts[b] - hi <= gap and ends[b] - starts[a] <= most:  # tensor b joins it
+            if b - a == _WALK:
+                long = True
+                break
             hi, b = max(hi, ends[b]), b + 1
-        long = b < n and b - a == _WALK and starts[b] - hi <= gap and ends[b] - starts[a] <= most
         lo = starts[a]
         if long:  # past w, a tensor ends beyond most; its end, with each tensor, from its first
             w = int(np.searchsorted(first, lo + most, side="right"))
@@ -457,7 +459,6 @@ def _gathered(targets: Sequence[Target], chosen: list[int], most: int) -> list[_
 
 
 _WALK = 16
-_SPEC, _OFFSET, _BYTES = attrgetter("spec"), attrgetter("offset"), attrgetter("nbytes")
 
 
 def _block_units(block: Block, members: list[tuple[int, Target]], piece: int, odirect: bool) -> list[_ReadUnit]:
@@ -590,7 +591,7 @@ def _combined(
 
 
 _KIND, _PARTS, _CRC, _FIRST, _SECOND = attrgetter("kind"), attrgetter("parts"), attrgetter("crc"), itemgetter(0), itemgetter(1)
-_TENSOR, _NBYTES = attrgetter("tensor"), attrgetter("spec.nbytes")
+_TENSOR, _NBYTES, _OFFSET_OF = attrgetter("tensor"), attrgetter("spec.nbytes"), attrgetter("spec.offset")
 
 
 async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:
