@@ -128,7 +128,7 @@ async def read_tensors(sched: Scheduler, fd: int, path: str, targets: Sequence[T
     Cancellation: returns only once no thread writes into any target tensor.
     """
     await wait_for_streams(sched, map(_TENSOR, targets))
-    total = sum(t.spec.nbytes for t in targets)
+    total = sum(map(_NBYTES, targets))
     if total <= sched.batch_bytes:
         # what one worker call would read anyway (a stream's batch, a small file): planned, read
         # and checked in that one call; each hop to a thread and back costs ~0.1 ms of the loop's

@@ -245,8 +245,6 @@ class _Stream:
                         if self._closed or self._failed:
                             break
                         await slots.acquire()
-                        self._ahead += nbytes
-                        self._flying += len(entries)
                         try:
                             for path in files:
                                 if path not in fds:
@@ -256,6 +254,8 @@ class _Stream:
                             self._failed = True
                             self._ready[batch] = e
                             break
+                        self._ahead += nbytes
+                        self._flying += len(entries)
                         tg.start_soon(self._read_batch, batch, entries, names, nbytes, fds, slots)
         finally:
             with anyio.CancelScope(shield=True):
@@ -282,7 +282,7 @@ class _Stream:
                 for path, targets in a.targets.items():
                     await read_named(sched, fds[path], path, targets, entries)
                 self.bytes_read += nbytes
-                first = [n[0] for n in names]
+                first = list(map(_FIRST, names))
                 if a.copies or self.dtype is not None:
                     got = await sched.call(_finish, a, first, self.dtype, self._stream, priority=Priority.LOAD)
                 else:  # nothing to finish: no hop to a thread
