@@ -533,6 +533,8 @@ def test_a_manifest_lists_its_tensors_one_way_as_its_version_says() -> None:
     tensors = json.loads(_manifest())["tensors"]
     with pytest.raises(ManifestError, match="lists its tensors twice"):
         mf.loads(_v3(tensors=tensors), "m.json")
+    with pytest.raises(ManifestError, match="lists its tensors twice"):  # an empty object lists them too
+        mf.loads(_v3(tensors={}), "m.json")
     with pytest.raises(ManifestError, match="a version 2 manifest lists its tensors in tensors"):
         mf.loads(_v3(version=2), "m.json")
     with pytest.raises(ManifestError, match="a version 3 manifest lists its tensors in table"):
@@ -542,11 +544,15 @@ def test_a_manifest_lists_its_tensors_one_way_as_its_version_says() -> None:
     del doc["checksum"]
     with pytest.raises(ManifestError, match="lists its tensors before its shards"):
         mf.loads(mf.seal({"table": table} | doc), "m.json")
-    with pytest.raises(ManifestError, match="lists its tensors twice"):  # tensors, then table
-        mf.loads(
-            mf.seal({k: v for k, v in doc.items() if k != "tree"} | {"tensors": tensors, "table": table, "tree": doc["tree"]}),
-            "m.json",
-        )
+    for listed in (tensors, {}):
+        with pytest.raises(ManifestError, match="lists its tensors twice"):  # tensors, then table
+            mf.loads(
+                mf.seal({k: v for k, v in doc.items() if k != "tree"} | {"tensors": listed, "table": table, "tree": doc["tree"]}),
+                "m.json",
+            )
+    empty = json.loads(_manifest()) | {"tensors": {}, "tree": {"dict": {}}}  # version 2 of an empty state: loads
+    del empty["checksum"]
+    assert mf.loads(mf.seal(empty), "m.json").entries == {}
 
 
 # --- checksums --------------------------------------------------------------------------

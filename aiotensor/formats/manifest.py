@@ -25,6 +25,7 @@ from . import checksum
 from .dtypes import ITEMSIZE, PACKED, nbytes_of
 from .safetensors import (
     MAX_DIMS,
+    NESTED,
     TensorSpec,
     columns,
     counts,
@@ -397,8 +398,11 @@ def loads(data: bytes, path: object) -> Manifest:
     headers: dict[str, int] = {}
 
     def member(key: str, value: Any) -> None:
-        if key in ("tensors", "aliases"):
+        if key in ("tensors", "aliases") and value is not NESTED:
             raise bad(f"{key} must be an object")
+        if key == "tensors":  # its members follow (an empty object too lists the tensors)
+            listed("tensors")
+            value = None
         if key == "shards":
             shards.update(_shards(value, bad, digests, reused, headers))
         if key == "table":  # version 3
@@ -414,9 +418,6 @@ def loads(data: bytes, path: object) -> Manifest:
             raise bad("the manifest lists its tensors twice (tensors and table)")
 
     def tensor(key: str, t: Any) -> None:  # each entry checked as it is parsed: a bad one stops the parse
-        if "tensors" not in doc:  # its first
-            listed("tensors")
-            doc["tensors"] = None
         entries[key] = _entry(key, t, shards, bad)
 
     def many(keys: Sequence[str], objects: Sequence[Any]) -> bool:  # the same, many entries at once
@@ -433,7 +434,6 @@ def loads(data: bytes, path: object) -> Manifest:
             return False
         specs = rows(TensorSpec, keys, dtype, map(tuple, shape), offset, nbytes)
         gil.filled(entries, zip(keys, rows(Entry, shard, specs, crc), strict=True))
-        doc["tensors"] = None
         return True
 
     aliases: dict[str, str] = {}

@@ -197,6 +197,7 @@ _DECODE: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
     object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
 ).scan_once  # type: ignore[attr-defined]
 Member = Callable[[str, Any], None]
+NESTED: Any = object()  # parse_members' value of a nested object, whose members go one by one
 
 
 def parse_members(
@@ -209,8 +210,9 @@ def parse_members(
     bulk: Mapping[str | None, Bulk] | None = None,
 ) -> None:
     """Parse UTF-8 JSON that must be an object with unique keys, one member at a time:
-    ``member(key, value)`` for each, and for a key of ``nested``, ``nested[key](k, v)`` for each
-    member of its value (an object), which is never held whole. What a member makes of its value
+    ``member(key, value)`` for each; for a key of ``nested`` whose value is an object,
+    ``member(key, NESTED)``, then ``nested[key](k, v)`` for each member of that object, which is
+    never held whole. What a member makes of its value
     is all that stays: a member that is not what it must be stops the parse at once, so parsing
     memory stays within a small multiple of the text's size (with the density rule of
     :func:`loads_json_object`). ``bulk[key]`` (``bulk[None]``: the document's own members) may take
@@ -240,6 +242,7 @@ def _member(
 ) -> int:
     inner = nested.get(key)
     if inner is not None and doc[j : j + 1] == "{":
+        member(key, NESTED)  # (an empty object calls nothing below)
         return _members(doc, j, lambda k, i: _apply(doc, k, i, inner, scan), inner, bulk.get(key))
     return _apply(doc, key, j, member, scan)
 
