@@ -379,6 +379,8 @@ def _index_files(engine: Engine, index: str) -> list[str]:
     if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
         raise ManifestError("weight_map must map tensor names to file names", index)
     files = list(dict.fromkeys(weight_map.values()))
+    if not files:  # (else "no model.safetensors.index.json", which is there)
+        raise ManifestError("weight_map is empty: the index names no tensor and no shard", index)
     for f in files:
         if os.path.basename(f) != f or f in ("", ".", "..") or f.startswith(".") or not _encodable(f):
             raise ManifestError(f"shard {f!r} is not a plain file name inside the folder", index)

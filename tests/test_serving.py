@@ -64,11 +64,32 @@ async def test_stream_a_sharded_hugging_face_folder(tmp_path: Any) -> None:
     got = await collect(stream(tmp_path, dtype=torch.float16))
     assert set(got) == set(w) and all(t.dtype == torch.float16 for t in got.values())
     assert all(torch.equal(got[k], w[k].half()) for k in w)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": {}}))
+    with pytest.raises(ManifestError, match="weight_map is empty"):
+        await collect(stream(tmp_path))
     for bad in ("../outside.safetensors", "a\x00b.safetensors", "\ud800.safetensors"):  # (NUL, surrogate: raw errors)
         index["weight_map"][keys[0]] = bad
         (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
         with pytest.raises(ManifestError, match="plain file name"):
             await collect(stream(tmp_path))
+
+
+async def test_a_stream_dtype_converts_floats_keeps_packed_fp4_and_refuses_a_string(tmp_path: Any) -> None:
+    """An NVFP4 checkpoint: packed 4-bit weights (torch cannot convert them) beside fp8 scales and
+    fp32 norms. ``dtype=torch.bfloat16`` converts the floats and leaves the packed weights as they
+    are; a dtype given as a string is a TypeError when the stream is made, not a RuntimeError about
+    a device halfway through."""
+    fp4 = torch.randint(0, 255, (4, 8), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    state = {"w": fp4, "scale": torch.rand(4, 1).to(torch.float8_e4m3fn), "norm": torch.rand(8), "ids": torch.arange(3)}
+    st_save(state, str(tmp_path / "m.safetensors"))
+    got = await collect(stream(tmp_path / "m.safetensors", dtype=torch.bfloat16))
+    assert {k: t.dtype for k, t in got.items()} == {
+        "w": torch.float4_e2m1fn_x2, "scale": torch.bfloat16, "norm": torch.bfloat16, "ids": torch.int64
+    }  # fmt: skip
+    assert torch.equal(got["w"].view(torch.uint8), fp4.view(torch.uint8))
+    assert torch.equal(got["scale"], state["scale"].to(torch.bfloat16)) and torch.equal(got["norm"], state["norm"].bfloat16())
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        stream(tmp_path / "m.safetensors", dtype="bfloat16")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("index", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])

@@ -225,3 +225,59 @@ async def test_a_corrupt_storage_is_named_by_the_tensors_over_it(tmp_path: Any) 
         with pytest.raises(ChecksumError, match=r"record '0' \(the bytes of 'a.weight', 'a.view'\) is corrupt") as e:
             await load()
         assert e.value.key == "a.weight"
+
+
+async def test_a_file_saved_without_crc32_loads_as_torch_load_loads_it(tmp_path: Any) -> None:
+    """``torch.serialization.set_crc32_options(False)`` (faster saves) leaves every CRC-32 of the zip
+    at 0: there is nothing to check, and every loader reads it as torch.load does. One flipped CRC
+    in an otherwise checked file is still an error."""
+    model = torch.nn.Linear(4, 3)
+    path = tmp_path / "nocrc.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(model.state_dict(), path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert all(i.CRC == 0 for i in zipfile.ZipFile(path).infolist())
+    want = torch.load(path, weights_only=True)
+    for verify in (True, False):
+        assert_state_equal(await load_torch(path, verify=verify), want)
+    async with stream(path) as s:
+        assert_state_equal({n: t async for n, t in s}, want)
+    fresh = torch.nn.Linear(4, 3)
+    await load_into(fresh, path)
+    assert_state_equal(fresh.state_dict(), want)
+    checked = tmp_path / "checked.pt"
+    torch.save(model.state_dict(), checked)
+    data = bytearray(checked.read_bytes())
+    with zipfile.ZipFile(checked) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+        central = z.start_dir  # the central directory, whose headers hold the CRC-32 that readers check
+    at = data.index(info.orig_filename.encode(), central) - 46 + 16  # (the name at 46, the CRC-32 at 16)
+    data[at : at + 4] = b"\0\0\0\0"
+    checked.write_bytes(bytes(data))
+    with pytest.raises(UnsafeFileError, match="Bad CRC-32 for file '.*data.pkl'"):
+        await load_torch(checked)
+
+
+async def test_a_big_endian_torch_save_file_is_refused_not_read_byte_swapped(tmp_path: Any) -> None:
+    """torch.save on a big-endian host (s390x) records ``byteorder`` "big" and writes its storages so;
+    torch.load swaps their bytes. aiotensor refuses such a file rather than hand out swapped values."""
+    little = tmp_path / "le.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, little)
+    big = tmp_path / "be.pt"
+    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(big, "w") as z:
+        for i in zin.infolist():
+            data = zin.read(i.filename)
+            if i.filename.endswith("/byteorder"):
+                data = b"big"
+            if i.filename.endswith("/data/0"):
+                data = torch.arange(4, dtype=torch.float32).numpy().astype(">f4").tobytes()
+            z.writestr(i.filename, data)
+    assert torch.equal(torch.load(big, weights_only=True)["w"], torch.arange(4.0))
+    with pytest.raises(UnsafeFileError, match="big-endian"):
+        await load_torch(big)
+    async with stream(big) as s:
+        with pytest.raises(UnsafeFileError, match="big-endian"):
+            [_ async for _ in s]
+    assert_state_equal(await load_torch(little), {"w": torch.arange(4.0)})

@@ -21,7 +21,7 @@ from .._runtime.scheduler import Priority, Scheduler
 from ..errors import ChecksumError
 from ..formats import safetensors as st
 from ..formats import torchsave as ts
-from ..formats.dtypes import torch_shape
+from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, torch_shape
 from .read import close, open_read, read_tensors
 from .tensors import Block, Target, assign, carve, carved_targets
 
@@ -75,13 +75,23 @@ DtypeRule = torch.dtype | Callable[[str, torch.dtype], torch.dtype | None] | Non
 
 def cast_to(rule: DtypeRule, name: str, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype ``rule`` converts a tensor ``name`` of ``dtype`` to, or None. A dtype converts
-    floating-point tensors only, as ``nn.Module.to(dtype)`` and ``from_pretrained(dtype=)`` do; a
-    callable decides for each tensor."""
+    floating-point tensors only, as ``nn.Module.to(dtype)`` and ``from_pretrained(dtype=)`` do,
+    but not packed ones (two 4-bit values a byte, which torch cannot convert: an NVFP4 checkpoint's
+    weights stay packed beside its scales); a callable decides for each tensor."""
     if rule is None:
         return None
     if callable(rule) and not isinstance(rule, torch.dtype):
         return rule(name, dtype)
-    return rule if dtype.is_floating_point and dtype != rule else None
+    return rule if dtype.is_floating_point and dtype != rule and dtype not in _PACKED else None
+
+
+_PACKED = frozenset(SAFETENSORS_TO_TORCH[k] for k in PACKED if k in SAFETENSORS_TO_TORCH)
+
+
+def check_rule(rule: object) -> None:
+    """Raises TypeError unless ``rule`` is a :data:`DtypeRule` (a dtype given as a string, say)."""
+    if not (rule is None or isinstance(rule, torch.dtype) or callable(rule)):
+        raise TypeError(f"dtype must be a torch.dtype, a callable (name, dtype) -> dtype or None, or None; got {rule!r}")
 
 
 @dataclass
@@ -291,4 +301,7 @@ def stored_bytes(entries: Sequence[Entry]) -> int:
     return sum(s.spec.nbytes for s in {p.span for e in entries for p in e.parts})
 
 
-__all__ = ["Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "finish", "prepare", "read", "read_named", "stored_bytes"]
+__all__ = [
+    "Assembly", "DtypeRule", "Entry", "Part", "Span", "cast_to", "check_rule", "finish", "prepare", "read", "read_named",
+    "stored_bytes",
+]  # fmt: skip

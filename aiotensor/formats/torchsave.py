@@ -16,6 +16,7 @@ import math
 import pickle
 import struct
 import zipfile
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,13 +52,14 @@ _LEGACY_STORAGES = {
 @dataclass(frozen=True)
 class Storage:
     """A storage's zip entry: ``offset`` (absolute, in the file) and ``nbytes``; ``dtype`` as pickled;
-    ``crc32`` the zip's CRC-32 of its bytes (torch.load never checks it; aiotensor does)."""
+    ``crc32`` the zip's CRC-32 of its bytes (torch.load never checks it; aiotensor does), None
+    where the file records none (``torch.serialization.set_crc32_options(False)``)."""
 
     key: str
     dtype: torch.dtype | None  # None: an UntypedStorage (bytes), typed by the tensor that uses it
     offset: int
     nbytes: int
-    crc32: int = 0
+    crc32: int | None = 0
 
     def __setstate__(self, state: Any) -> None:
         _no_build(self)
@@ -102,9 +104,9 @@ class TensorRef:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, storages: dict[str, tuple[int, int, int]], path: object) -> None:
+    def __init__(self, data: bytes, storages: dict[str, tuple[int, int, int | None]], path: object) -> None:
         super().__init__(io.BytesIO(data))
-        self.storages = storages  # key -> (file offset, nbytes, crc32) of its zip entry
+        self.storages = storages  # key -> (file offset, nbytes, crc32 or None) of its zip entry
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
@@ -312,16 +314,20 @@ _ZIP_ERRORS = (
 
 def _entries(
     z: zipfile.ZipFile, f: io.BufferedIOBase, size: int, path: object, prefetch: Prefetch | None
-) -> tuple[bytes, dict[str, tuple[int, int, int]]]:
+) -> tuple[bytes, dict[str, tuple[int, int, int | None]]]:
     """``data.pkl`` (read, its CRC checked) and each storage's (offset, bytes, CRC-32), every entry
     stored, not encrypted, its local header naming it (``prefetch``: the local headers are read
-    ahead in batches, one round trip each on an object store instead of one per storage)."""
+    ahead in batches, one round trip each on an object store instead of one per storage). A file
+    whose every CRC-32 is 0 records none (torch.save after ``set_crc32_options(False)``; torch's
+    ``version`` record alone has a CRC-32 that is not 0): nothing is checked, CRC-32 None. A
+    big-endian file (its ``byteorder`` record: torch.load swaps each storage's bytes) is refused."""
     infos = z.infolist()
     pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
     if len(pkl) != 1:
         raise UnsafeFileError("no single <name>/data.pkl: not a torch.save zip", path)
     prefix = pkl[0].filename[: -len("data.pkl")]
-    storages: dict[str, tuple[int, int, int]] = {}
+    storages: dict[str, tuple[int, int, int | None]] = {}
+    unchecked = all(info.CRC == 0 for info in infos)
     for i, info in enumerate(infos):
         if prefetch is not None and i % _PREFETCH_BATCH == 0:
             batch = infos[i : i + _PREFETCH_BATCH]
@@ -331,10 +337,25 @@ def _entries(
         if info.flag_bits & 0x1:
             raise UnsafeFileError(f"entry {info.filename!r} is encrypted", path)
         if info.filename.startswith(prefix + "data/"):
-            storages[info.filename[len(prefix) + 5 :]] = (_data_offset(f, info, size, path), info.file_size, info.CRC)
+            crc = None if unchecked else info.CRC
+            storages[info.filename[len(prefix) + 5 :]] = (_data_offset(f, info, size, path), info.file_size, crc)
     if pkl[0].file_size > MAX_PICKLE_BYTES:
         raise UnsafeFileError(f"data.pkl is {pkl[0].file_size} bytes, over the {MAX_PICKLE_BYTES} byte cap", path)
-    return z.read(pkl[0]), storages
+    order = [i for i in infos if i.filename == prefix + "byteorder"]
+    if order and (mark := _record(f, order[0], size, path, unchecked)) != b"little":
+        raise UnsafeFileError(f"a big-endian torch.save file (byteorder {mark[:16]!r}): torch.load swaps its bytes", path)
+    return _record(f, pkl[0], size, path, unchecked), storages
+
+
+def _record(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int, path: object, unchecked: bool) -> bytes:
+    """The bytes of a stored entry, its CRC-32 checked unless ``unchecked``."""
+    f.seek(_data_offset(f, info, size, path))
+    data = f.read(info.file_size)
+    if len(data) != info.file_size:
+        raise UnsafeFileError(f"entry {info.filename!r} runs past the end of the file", path)
+    if not unchecked and zlib.crc32(data) != info.CRC:
+        raise UnsafeFileError(f"a malformed zip (BadZipFile: Bad CRC-32 for file {info.filename!r})", path)
+    return data
 
 
 def _data_offset(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int, path: object) -> int:

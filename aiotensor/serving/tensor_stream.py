@@ -18,7 +18,7 @@ import anyio.lowlevel
 import torch
 
 from .. import knobs, sources
-from .._io.assemble import Assembly, DtypeRule, Entry, finish, prepare, read_named, stored_bytes
+from .._io.assemble import Assembly, DtypeRule, Entry, check_rule, finish, prepare, read_named, stored_bytes
 from .._io.read import close, open_read
 from .._io.tensors import check_device
 from .._runtime import cuda, threads
@@ -113,6 +113,7 @@ class _Stream:
         source, device, dtype, keys, rows, window_bytes, verify, scheduler, storage_options = args
         if window_bytes < 1:
             raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
+        check_rule(dtype)
         self.source = local_path(source, objects=True)
         self.dtype = dtype
         self.window_bytes = window_bytes
@@ -334,8 +335,9 @@ class TensorStream:
     predicate; the bytes of other tensors are never read, and a name or prefix that selects nothing
     is an error. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of that tensor (a
     tensor-parallel shard; its checksum covers the whole tensor, so a row slice is not verified).
-    ``dtype`` converts floating-point tensors as they arrive, as ``nn.Module.to(dtype)`` does
-    (``dtype=lambda name, d: torch.bfloat16`` converts every tensor; return None to keep one).
+    ``dtype`` converts floating-point tensors as they arrive, as ``nn.Module.to(dtype)`` does,
+    packed 4-bit ones excepted (``dtype=lambda name, d: torch.bfloat16`` converts every tensor;
+    return None to keep one; anything else is a TypeError, raised here).
     Tensors of a torch.save file that share a storage come as views of it, as ``torch.load`` makes
     them. Several streams may share one ``scheduler`` (loads run before saves on it).
 
