@@ -13,6 +13,7 @@ import sys
 import warnings
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,6 +32,31 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 def state() -> dict[str, Any]:
     return {"model": {"w": torch.randn(16, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}, "step": 3, "names": ["a", "b"]}
+
+
+def test_a_dcp_step_loaded_into_a_fresh_optimizer_takes_its_saved_moments(tmp_path: Any) -> None:
+    """As a store's own steps (test_store's fresh optimizer test): an empty dict of ``into`` takes
+    the saved tensors under it. DCP keeps a dict's keys as strings (its metadata names them so),
+    so the state's keys come back as ``"0"``, ``"1"``: torch's ``set_optimizer_state_dict`` is the
+    distributed way to hand such a state to an optimizer."""
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    dcp.save(
+        {"model": model.state_dict(), "optim": opt.state_dict()}, storage_writer=AiotensorWriter(tmp_path / "step-000000000001")
+    )
+    fresh = torch.nn.Linear(8, 4)
+    into = {"model": fresh.state_dict(), "optim": torch.optim.AdamW(fresh.parameters()).state_dict()}
+
+    async def load() -> None:
+        async with TensorStore(tmp_path, readonly=True) as store:
+            await store.load(into=into)
+
+    anyio.run(load)
+    assert_state_equal(fresh.state_dict(), model.state_dict())
+    for i, p in enumerate(model.parameters()):
+        assert_state_equal(into["optim"]["state"][str(i)], opt.state[p])
 
 
 def test_dcp_save_and_load_through_aiotensor_in_one_process(tmp_path: Any) -> None:

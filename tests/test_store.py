@@ -691,6 +691,43 @@ async def test_a_partial_resume_loads_what_both_have(tmp_path: Any, caplog: pyte
     assert "strict=False" in caplog.text and "new_head" in caplog.text and "layer1" in caplog.text
 
 
+@pytest.mark.parametrize("strict", [True, False])
+async def test_a_resume_into_a_fresh_optimizer_takes_its_saved_moments(tmp_path: Any, strict: bool) -> None:
+    """A fresh optimizer's ``state_dict()`` has an empty ``state`` until its first step: a load into
+    it puts the saved moments there as new tensors (as it puts the saved settings), so
+    ``load_state_dict`` restores them; strict=False used to skip them with a warning and AdamW
+    resumed with zero moments. Where ``into``'s dict is not empty, a saved tensor it lacks is
+    still unexpected."""
+    torch.manual_seed(0)
+    model, opt = _adamw_trained()
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1})
+        fresh = torch.nn.Linear(8, 4)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+        into = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "step": -1}
+        await store.load(into=into, strict=strict)
+        fresh_opt.load_state_dict(into["optim"])
+        assert into["step"] == 1 and fresh_opt.param_groups[0]["lr"] == 3e-4
+        assert_state_equal(fresh.state_dict(), model.state_dict())
+        for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+            assert_state_equal(fresh_opt.state[q], opt.state[p])
+        got = await store.load(into={"model": {}, "optim": {}, "step": 0}, strict=strict)  # empty: the saved values whole
+        assert_state_equal(got["model"], model.state_dict())
+        other = torch.nn.Sequential(torch.nn.Linear(8, 4))
+        with pytest.raises(MismatchError, match="unexpected keys"):
+            await store.load(into={"model": other.state_dict(), "optim": {}, "step": 0})
+
+
+def _adamw_trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 async def test_a_partial_resume_still_refuses_a_shape_or_dtype_that_differs(tmp_path: Any) -> None:
     async with TensorStore(tmp_path) as store:
         await store.save(1, {"w": torch.ones(4, 4), "b": torch.ones(4)})

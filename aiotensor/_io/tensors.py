@@ -8,7 +8,7 @@ copy is done) and run in worker threads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter, itemgetter, le
@@ -153,13 +153,15 @@ def check_into(
     *,
     missing_ok: bool = False,
     unexpected_ok: bool = False,
+    new: Collection[str] = (),
 ) -> tuple[list[str], list[str]]:
     """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
     and shape on a device this machine handles; else MismatchError (StateError for the device).
     The words are ``load_state_dict``'s, ``into`` in the module's place: a key of ``into`` that
     ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
-    is unexpected (``unexpected_ok``: not read). Returns the missing and unexpected keys let pass."""
-    missing, unexpected = sorted(set(given) - set(specs)), sorted(set(specs) - set(given))
+    is unexpected (``unexpected_ok``: not read), unless it is one of ``new`` (read into a new
+    tensor). Returns the missing and unexpected keys let pass."""
+    missing, unexpected = sorted(set(given) - set(specs)), sorted(set(specs) - set(given) - set(new))
     refused = ([] if missing_ok else missing), ([] if unexpected_ok else unexpected)
     if refused[0] or refused[1]:
         raise MismatchError(f"`into` does not match {where}: {mismatch(*refused, '`into`')}")

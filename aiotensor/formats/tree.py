@@ -313,21 +313,40 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
     return out
 
 
+def under_empty(saved: Any, into: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """The leaves of ``saved`` (a state tree rebuilt with place-holder leaves) that lie under a dict
+    ``into`` holds empty at the same place, such as a fresh optimizer's ``state`` before its first
+    step: a load puts the saved values there, new tensors included (:func:`update`)."""
+    out: list[Any] = []
+    todo: list[tuple[Any, Any]] = [(saved, into)]
+    while todo:
+        mine, theirs = todo.pop()
+        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+            if theirs:
+                todo += [(v, theirs[k]) for k, v in mine.items() if k in theirs]
+            else:
+                out += [leaf for _, leaf in leaves(mine, is_leaf)]
+        elif isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
+            todo += zip(mine, theirs, strict=False)  # (a list of another length: its first places)
+    return out
+
+
 def update(into: Any, saved: Any, partial: bool = False) -> Any:
     """Every value of ``saved`` put into ``into``'s own containers (a load's ``into=`` gets every
     saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
     values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple).
-    ``partial`` (a load with ``strict=False``): only where ``into`` has the place, a list or tuple
-    only element by element (one of another length is left as it is; a named tuple keeps its
-    type), never a value that holds a tensor the load did not read (:data:`UNREAD`), never over a
-    place of ``into`` that holds tensors."""
+    ``partial`` (a load with ``strict=False``): only where ``into`` has the place (or a dict of
+    ``into`` is empty: :func:`under_empty`), a list or tuple only element by element (one of another
+    length is left as it is; a named tuple keeps its type), never a value that holds a tensor the
+    load did not read (:data:`UNREAD`), never over a place of ``into`` that holds tensors."""
     if saved is UNREAD or isinstance(into, torch.Tensor):
         return into
     if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
+        empty = not into
         for k, v in saved.items():
             if k in into:
                 into[k] = update(into[k], v, partial)
-            elif not partial:
+            elif not partial or (empty and not _holds(v, _is_unread)):
                 into[k] = v
         return into
     lists, tuples = isinstance(into, list) and isinstance(saved, list), isinstance(into, tuple) and isinstance(saved, tuple)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Mapping
 from itertools import chain, islice, repeat
 from operator import attrgetter
 from typing import Any
@@ -15,13 +16,13 @@ from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
-from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch
+from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch, new_tensor
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError, annotate_oserror
 from ..formats import manifest as mf
 from ..formats import safetensors as st
-from ..formats.tree import UNREAD, flatten, leaves, matched, unflatten, update
+from ..formats.tree import UNREAD, flatten, leaves, matched, under_empty, unflatten, update
 from ..location import is_object, local_path
 
 log = logging.getLogger("aiotensor")
@@ -177,19 +178,48 @@ def _dests(
     """The entries of ``src`` to read and ``into``'s tensor for each, checked against it (keys,
     dtypes, shapes); not ``strict``: those ``into`` has (:func:`_partial`)."""
     assert src.state is not None
-    where = {leaf.name: key for key, leaf in leaves(src.state(_Leaf), lambda x: isinstance(x, _Leaf))}
+    saved = src.state(_Leaf)
+    where = {leaf.name: key for key, leaf in leaves(saved, _is_leaf)}
     _, targets = flatten(into)
     given = dict(targets)
     specs = {where[n]: sources.spec_for(n, e.dtype, e.shape) for e in src.entries for n in e.names}
-    _partial(folder, check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict))
+    new = _checked(folder, lambda: saved, into, given, specs, devices, strict, where.__getitem__)
     entries: list[sources.Entry] = []
     dests: list[torch.Tensor | None] = []
-    for e in src.entries:  # (not strict: the entries `into` has a tensor for)
+    for e in src.entries:  # (not strict: the entries `into` has a tensor for, or a new one)
         t = next((given[where[n]] for n in e.names if where[n] in given), None)
-        if t is not None:
+        if t is not None or where[e.names[0]] in new:
             entries.append(e)
             dests.append(t)
     return entries, dests
+
+
+def _checked(
+    folder: str,
+    saved: Callable[[], Any],
+    into: Any,
+    given: Mapping[str, torch.Tensor],
+    specs: Mapping[str, st.TensorSpec],
+    devices: tuple[str, ...],
+    strict: bool,
+    key: Callable[[str], str],
+) -> set[str]:
+    """``into``'s tensors (``given``) checked against the checkpoint's (``specs``: keys, dtypes,
+    shapes; not ``strict``: a warning names what either lacks); returns the saved tensors ``into``
+    lacks that lie under a dict it holds empty (a fresh optimizer's ``state``, before its first
+    step; :func:`~aiotensor.formats.tree.under_empty`): each is read into a new tensor and put
+    there, as the saved values beside it are, strict or not. ``saved()``: the saved state with
+    :class:`_Leaf` leaves (``key(leaf.name)``: its key), made only where ``into`` lacks a tensor."""
+    new = set()
+    if not set(specs) <= set(given):
+        new = {key(leaf.name) for leaf in under_empty(saved(), into, _is_leaf)} - set(given)
+    left = check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new)
+    _partial(folder, left)
+    return new
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, _Leaf)
 
 
 def _partial(folder: str, keys: tuple[list[str], list[str]]) -> None:
@@ -277,7 +307,7 @@ def _targets(
             tensors, targets[shard] = carved_targets(specs, crcs, repeat("crc32c"), device)
             gil.filled(dest, zip(map(_KEY, specs), tensors, strict=True))
     else:
-        dest, wanted = _destinations(m, into, devices, strict, folder)
+        dest, wanted = _destinations(m, into, device, devices, strict, folder)
         targets = {
             shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries if e.spec.key in dest]
             for shard, entries in by_shard.items()
@@ -380,18 +410,20 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _destinations(
-    m: mf.Manifest, into: Any, devices: tuple[str, ...], strict: bool = True, folder: str = ""
+    m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...], strict: bool = True, folder: str = ""
 ) -> tuple[dict[str, torch.Tensor], set[str] | None]:
-    """``into``'s tensors to read into, checked against the manifest; not ``strict``: those both
-    have (and their keys), a tied name ``into`` has read from the stored tensor it names where
-    ``into`` lacks that one (under that one's key, which the state rebuilt then leaves out)."""
+    """``into``'s tensors to read into, checked against the manifest, and new ones on ``device``
+    where ``into`` holds an empty dict (:func:`_new`); not ``strict``: those both have (and their
+    keys), a tied name ``into`` has read from the stored tensor it names where ``into`` lacks that
+    one (under that one's key, which the state rebuilt then leaves out)."""
     given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-    _partial(folder, check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict))
+    new = _checked(folder, lambda: unflatten(m.tree, _Leaf), into, given, specs, devices, strict, str)
+    made = {k: new_tensor(m.entries[k].spec, device) for k in new if k in m.entries}
     if strict:
-        return given, None
-    shared = {k: t for k, t in given.items() if k in specs}
-    wanted = set(shared)
+        return given | made, None
+    shared = {k: t for k, t in given.items() if k in specs} | made
+    wanted = set(shared) | {a for a in new if m.aliases.get(a) in shared}
     for alias, target in m.aliases.items():
         if alias in wanted and target not in shared:
             shared[target] = shared[alias]
