@@ -11,7 +11,7 @@ Every error the library raises on purpose is an :class:`AiotensorError`::
     │   └── ChecksumError                  tensor bytes differ from the recorded crc32c
     ├── StateError (TypeError)             a state_dict that cannot be saved (leaf type, device, layout)
     ├── MismatchError (ValueError)         ``load(into=...)`` target has another shape/dtype/key set
-    ├── UnsupportedLocationError (ValueError)  a URL (``s3://...``) where this version reads local paths only
+    ├── UnsupportedLocationError (ValueError)  a URL aiotensor does not serve there (``gs://...``, ``s3:/bucket``)
     ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
     ├── CheckpointExistsError (FileExistsError)   the step is already committed or being saved
     ├── StaleStepError (ValueError)        retention would delete the step at once (newer steps exist)
@@ -102,9 +102,10 @@ class MismatchError(AiotensorError, ValueError):
 
 
 class UnsupportedLocationError(AiotensorError, ValueError):
-    """A URL with a scheme this library does not serve (``s3://``, ``gs://``, ``http://``...) where a
-    path was expected: refused before anything is created (a local folder named ``s3:`` would
-    otherwise be made in the working directory)."""
+    """A URL this library does not serve there (``gs://``, ``http://``, ``S3://``..., ``s3://`` where an
+    API takes local paths only), or one mistyped (``s3:/bucket``), where a path was expected:
+    refused before anything is created (a local folder named ``s3:`` would otherwise be made in the
+    working directory)."""
 
 
 class CheckpointNotFoundError(AiotensorError, LookupError, FileNotFoundError):

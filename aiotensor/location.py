@@ -26,6 +26,10 @@ from .errors import UnsupportedLocationError
 # RFC 3986 scheme, then "://": what object stores, fsspec and HTTP name; a Windows drive ("C:\\")
 # or a plain name with a colon ("run:1/") is not a URL
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+# a storage URL's scheme and a colon without its "//" ("s3:/bucket/run", "s3:bucket"): a typo, taken
+# as a relative path it made a local folder "s3:" (write "./s3:..." for a folder so named; "s3:"
+# alone is a name)
+_MISTYPED = re.compile(r"(s3|s3a|gs|gcs|az|abfss?|adl|azure|oss|r2|hf|hdfs|https?|s?ftp|file):(?!//)(?=.)", re.IGNORECASE)
 
 
 def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: bool = False) -> str:
@@ -39,10 +43,19 @@ def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: boo
     if not isinstance(p, str):
         raise TypeError(f"{what} must be a str or os.PathLike[str], got {type(p).__name__}")
     m = _URL.match(p)
+    served = "local paths and s3:// URLs" if objects else "local paths"
     if m is not None and not (objects and is_object(p)):
+        scheme = m.group(1)
+        hint = " (the scheme in lowercase: s3://)" if objects and scheme.lower() == "s3" else ""
         raise UnsupportedLocationError(
-            f"{what} {p!r} is a URL ({m.group(1)}://): this version of aiotensor reads and writes local paths only "
-            "(a local folder of that name would be made instead); mount the storage, or copy the files to a local folder"
+            f"{what} {p!r} is a URL ({scheme}://): aiotensor serves {served} here{hint}; a local folder of that name "
+            "would be made instead. Mount the storage, or copy the files to a local folder"
+        )
+    m = _MISTYPED.match(p)
+    if m is not None:
+        raise UnsupportedLocationError(
+            f"{what} {p!r} looks like a mistyped URL ({m.group(1)}: without //): aiotensor serves {served} here, and "
+            f"would make a local folder {m.group(0)!r}. Write {m.group(1).lower()}://..., or ./{p} for a local path so named"
         )
     return p
 

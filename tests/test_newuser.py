@@ -245,7 +245,9 @@ async def test_the_final_step_can_be_forced_and_drain_reports_skips(tmp_path: An
 
 
 # s3:// is served (tests/test_objects.py); every other scheme is refused
-URLS = ["gs://b/w.safetensors", "https://host/w.safetensors", "file:///tmp/x", "s4://bucket/run1/"]
+URLS = ["gs://b/w.safetensors", "https://host/w.safetensors", "file:///tmp/x", "s4://bucket/run1/", "S3://bucket/run1/"]
+# a storage scheme without its "//": made a local folder "s3:" (helper-25's trial)
+MISTYPED = ["s3:/bucket/run1", "s3:bucket/w.safetensors", "gs:/b/w.safetensors"]
 
 
 async def _enter(cm: Any) -> None:
@@ -254,7 +256,7 @@ async def _enter(cm: Any) -> None:
             pass
 
 
-@pytest.mark.parametrize("url", URLS)
+@pytest.mark.parametrize("url", URLS + MISTYPED)
 async def test_a_url_is_refused_before_anything_is_made(url: str, tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
     """A URL taken as a relative path made a folder named ``s3:`` in the working directory, and a
     save seemed to reach the bucket: every entry point refuses it, naming the scheme."""
@@ -286,8 +288,11 @@ async def test_a_url_is_refused_before_anything_is_made(url: str, tmp_path: Any,
     for args in (["ls", url], ["convert", "x.safetensors", url]):
         with pytest.raises(SystemExit) as exit_:  # the CLI says it as a usage error
             main(args)
-        assert exit_.value.code == 2 and "is a URL" in capsys.readouterr().err
+        assert exit_.value.code == 2 and ("is a URL" if url in URLS else "mistyped URL") in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+    if url in MISTYPED:  # a local folder so named stays reachable
+        async with TensorStore(f"./{url}") as store:
+            await store.save(1, state)
 
 
 @pytest.mark.parametrize("name", ["run:1", "C:\\ckpt", "a/b:c", "s3:"])
