@@ -232,7 +232,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     head = f"{a.path}: {src.kind}, {len(tensors)} tensors, {_human(total)}" + (
         f", step {src.step}" if src.step is not None else ""
     )
-    print(head + (f", {len(values)} other values" if values else ""))
+    print(head + (f", {_count(len(values), 'other value')}" if values else ""))
     width = max((len(k) for k in tensors), default=0)
     for name, t in tensors.items():
         tied = f"  (= {t['tied_to']})" if "tied_to" in t else ""
@@ -241,6 +241,10 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 VERIFIED, BAD, UNVERIFIABLE = 0, 1, 3
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -276,6 +280,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     for line in bad:
         print(f"BAD  {line}")
     if bad:
+        print(f"BAD  {a.path}: {_count(len(bad), 'problem')}; {len(checked)} of {_count(len(paths), 'source')} read whole")
         return BAD
     files = sum(len(s.files) for s in checked)
     count = sum(len(e.names) for s in checked for e in s.entries)
@@ -363,7 +368,7 @@ async def convert(
             what = to
     count = sum(len(e.names) for e in info.entries)
     values = _values(info)
-    kept = f"{what}, {count} tensors" + (f" and {len(values)} other values" if to != "safetensors" and values else "")
+    kept = f"{what}, {count} tensors" + (f" and {_count(len(values), 'other value')}" if to != "safetensors" and values else "")
     if dropped:
         more = " ..." if len(dropped) > 8 else ""
         kept += f"; dropped {len(dropped)} values safetensors cannot hold: {', '.join(dropped[:8])}{more}"
@@ -458,7 +463,7 @@ def parser() -> argparse.ArgumentParser:
     ins.add_argument("path", type=_where)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(fn=cmd_inspect)
-    ver = sub.add_parser("verify", help="re-read everything and check structure and every checksum (exit 1 if bad)",
+    ver = sub.add_parser("verify", help="re-read all, check every checksum (exit 0 all checked, 3 some files carry none, 1 bad)",
                          epilog="example: aiotensor verify ckpts/ && python train.py --resume")  # fmt: skip
     ver.add_argument("path", type=_where)
     ver.set_defaults(fn=cmd_verify)

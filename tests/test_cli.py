@@ -65,6 +65,7 @@ def test_verify_names_the_bad_tensor_and_file(files: dict[str, Any], capsys: Any
     assert main(["verify", str(files["root"] / "ckpts")]) == 1
     out = capsys.readouterr().out
     assert "BAD" in out and "ChecksumError" in out and "shard-00000" in out and "layers.3.w" in out
+    assert out.splitlines()[-1].endswith("ckpts: 1 problem; 1 of 2 sources read whole"), out  # and a count
 
 
 def test_bad_input_and_usage(tmp_path: Any, capsys: Any) -> None:
