@@ -172,13 +172,13 @@ def cmd_ls(a: argparse.Namespace) -> int:
         mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
         count = sum(len(e.names) for e in src.entries)
-        linked = _reused_bytes(engine, src.path) if src.step is not None else 0
+        written, linked = _shard_bytes(engine, src.path) if src.step is not None else (0, 0)
         rows.append(
             {
                 "step": step,
                 "time": when,
                 "bytes": src.stored_bytes,
-                "written": src.stored_bytes - linked,
+                "written": written,
                 "reused": linked,
                 "tensors": count,
                 "state": "committed",
@@ -201,12 +201,14 @@ def cmd_ls(a: argparse.Namespace) -> int:
     return 0
 
 
-def _reused_bytes(engine: Engine, folder: str) -> int:
-    """The tensor bytes of a step's shards that are an earlier step's files (incremental saves)."""
+def _shard_bytes(engine: Engine, folder: str) -> tuple[int, int]:
+    """The bytes of a step's shard files written for it and those that are an earlier step's files
+    (incremental saves), as its save's ``handle.bytes_written`` and ``bytes_reused`` counted them."""
     if not engine.exists(os.path.join(folder, _root.MANIFEST)):
-        return 0  # a DCP step
+        return 0, 0  # a DCP step
     m = _root.read_manifest(engine, folder)
-    return sum(e.spec.nbytes for e in m.entries.values() if e.shard in m.reused)
+    reused = sum(size for shard, size in m.shards.items() if shard in m.reused)
+    return sum(m.shards.values()) - reused, reused
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
