@@ -172,7 +172,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
         mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
         count = sum(len(e.names) for e in src.entries)
-        written, linked = _shard_bytes(engine, src.path) if src.step is not None else (0, 0)
+        written, linked = _shard_bytes(engine, src.path) or (src.stored_bytes, 0)
         rows.append(
             {
                 "step": step,
@@ -201,11 +201,12 @@ def cmd_ls(a: argparse.Namespace) -> int:
     return 0
 
 
-def _shard_bytes(engine: Engine, folder: str) -> tuple[int, int]:
+def _shard_bytes(engine: Engine, folder: str) -> tuple[int, int] | None:
     """The bytes of a step's shard files written for it and those that are an earlier step's files
-    (incremental saves), as its save's ``handle.bytes_written`` and ``bytes_reused`` counted them."""
+    (incremental saves), as its save's ``handle.bytes_written`` and ``bytes_reused`` counted them;
+    None for a DCP step (no manifest: nothing reused)."""
     if not engine.exists(os.path.join(folder, _root.MANIFEST)):
-        return 0, 0  # a DCP step
+        return None
     m = _root.read_manifest(engine, folder)
     reused = sum(size for shard, size in m.shards.items() if shard in m.reused)
     return sum(m.shards.values()) - reused, reused

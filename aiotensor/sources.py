@@ -202,8 +202,10 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
             _set_element(out, d.places.get(fqn, (fqn,)), values[fqn] if fqn in values else get(fqn))
         return out
 
-    # DCP's own files: each tensor blob a zip, its CRC-32s checked; a value's pickled bytes carry none
-    return Source("dcp", folder, tuple(entries), tuple(files.values()), aiotensor or not d.values, None, state)
+    # DCP's own files: each tensor blob a zip, its CRC-32s checked (none where torch saved it without); a
+    # value's pickled bytes carry none
+    checksummed = (aiotensor or not d.values) and all(p.span.crc is not None for e in entries for p in e.parts)
+    return Source("dcp", folder, tuple(entries), tuple(files.values()), checksummed, None, state)
 
 
 def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:
@@ -324,8 +326,9 @@ def _torch_file(engine: Engine, path: str) -> Source:
         entries.append(Entry(names, ref.dtype, ref.size, (Part(span, ref),), ref.requires_grad))
     entries.sort(key=lambda e: e.parts[0].span.spec.offset)
     by_ref = {id(ref): names[0] for names, ref in refs}
+    checksummed = all(span.crc is not None for span in spans.values())  # (saved with set_crc32_options(False): none)
     return Source(
-        "torch", path, tuple(entries), (path,), True, None, lambda get: ts.rebuild(tree, lambda ref: get(by_ref[id(ref)]))
+        "torch", path, tuple(entries), (path,), checksummed, None, lambda get: ts.rebuild(tree, lambda ref: get(by_ref[id(ref)]))
     )
 
 

@@ -57,6 +57,9 @@ def test_a_dcp_step_loaded_into_a_fresh_optimizer_takes_its_saved_moments(tmp_pa
     assert_state_equal(fresh.state_dict(), model.state_dict())
     for i, p in enumerate(model.parameters()):
         assert_state_equal(into["optim"]["state"][str(i)], opt.state[p])
+    r = subprocess.run([sys.executable, "-m", "aiotensor", "ls", "--json", str(tmp_path)], capture_output=True, text=True)
+    [row] = json.loads(r.stdout)["entries"]  # a DCP step: every byte written for it, none reused
+    assert row["written"] == row["bytes"] > 0 and row["reused"] == 0
 
 
 def test_dcp_save_and_load_through_aiotensor_in_one_process(tmp_path: Any) -> None:

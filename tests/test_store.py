@@ -716,6 +716,14 @@ async def test_a_resume_into_a_fresh_optimizer_takes_its_saved_moments(tmp_path:
         other = torch.nn.Sequential(torch.nn.Linear(8, 4))
         with pytest.raises(MismatchError, match="unexpected keys"):
             await store.load(into={"model": other.state_dict(), "optim": {}, "step": 0})
+        w = torch.randn(4)
+        await store.save(2, {"a": {"w": torch.ones(3)}, "b": {"w": torch.full((3,), 2.0)}, "model": {"emb": w}, "opt": {"x": w}})
+        one = {}  # one empty dict at two places: filled at the first, so the second's tensors have no place
+        with pytest.raises(MismatchError, match="unexpected keys.*b.w"):
+            await store.load(into={"a": one, "b": one, "model": {"emb": torch.zeros(4)}, "opt": {"x": torch.zeros(4)}})
+        # a tied name under an empty dict reads the stored tensor it names, though `into` lacks that one
+        got = await store.load(into={"opt": {}}, strict=False)
+        assert torch.equal(got["opt"]["x"], w) and set(got) == {"opt"}
 
 
 def _adamw_trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -247,6 +247,9 @@ async def test_a_file_saved_without_crc32_loads_as_torch_load_loads_it(tmp_path:
     fresh = torch.nn.Linear(4, 3)
     await load_into(fresh, path)
     assert_state_equal(fresh.state_dict(), want)
+    from aiotensor.cli import main  # nothing was checked: verify says so (exit 3), never "OK"
+
+    assert await anyio.to_thread.run_sync(main, ["verify", str(path)]) == 3
     checked = tmp_path / "checked.pt"
     torch.save(model.state_dict(), checked)
     data = bytearray(checked.read_bytes())
@@ -281,3 +284,9 @@ async def test_a_big_endian_torch_save_file_is_refused_not_read_byte_swapped(tmp
         with pytest.raises(UnsafeFileError, match="big-endian"):
             [_ async for _ in s]
     assert_state_equal(await load_torch(little), {"w": torch.arange(4.0)})
+    odd = tmp_path / "odd.pt"  # a record of 100 MB read whole was memory spent on a refusal
+    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(odd, "w") as z:
+        for i in zin.infolist():
+            z.writestr(i.filename, b"little" + b" " * 100 if i.filename.endswith("/byteorder") else zin.read(i.filename))
+    with pytest.raises(UnsafeFileError, match="neither little nor big"):
+        await load_torch(odd)

@@ -318,9 +318,10 @@ def _entries(
     """``data.pkl`` (read, its CRC checked) and each storage's (offset, bytes, CRC-32), every entry
     stored, not encrypted, its local header naming it (``prefetch``: the local headers are read
     ahead in batches, one round trip each on an object store instead of one per storage). A file
-    whose every CRC-32 is 0 records none (torch.save after ``set_crc32_options(False)``; torch's
-    ``version`` record alone has a CRC-32 that is not 0): nothing is checked, CRC-32 None. A
-    big-endian file (its ``byteorder`` record: torch.load swaps each storage's bytes) is refused."""
+    whose every CRC-32 is 0 records none (torch.save after ``set_crc32_options(False)``; one saved
+    with them always has one that is not 0, its ``version`` record's): nothing is checked, CRC-32
+    None. A big-endian file (its ``byteorder`` record: torch.load swaps each storage's bytes) is
+    refused, as is a ``byteorder`` record that is neither."""
     infos = z.infolist()
     pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
     if len(pkl) != 1:
@@ -342,8 +343,12 @@ def _entries(
     if pkl[0].file_size > MAX_PICKLE_BYTES:
         raise UnsafeFileError(f"data.pkl is {pkl[0].file_size} bytes, over the {MAX_PICKLE_BYTES} byte cap", path)
     order = [i for i in infos if i.filename == prefix + "byteorder"]
-    if order and (mark := _record(f, order[0], size, path, unchecked)) != b"little":
-        raise UnsafeFileError(f"a big-endian torch.save file (byteorder {mark[:16]!r}): torch.load swaps its bytes", path)
+    if order:
+        mark = _record(f, order[0], size, path, unchecked) if order[0].file_size <= 16 else None
+        if mark == b"big":
+            raise UnsafeFileError("a big-endian torch.save file (its byteorder record): torch.load swaps its bytes", path)
+        if mark != b"little":
+            raise UnsafeFileError(f"its byteorder record is neither little nor big ({order[0].file_size} bytes)", path)
     return _record(f, pkl[0], size, path, unchecked), storages
 
 

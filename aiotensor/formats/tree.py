@@ -313,21 +313,27 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
     return out
 
 
-def under_empty(saved: Any, into: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
-    """The leaves of ``saved`` (a state tree rebuilt with place-holder leaves) that lie under a dict
-    ``into`` holds empty at the same place, such as a fresh optimizer's ``state`` before its first
-    step: a load puts the saved values there, new tensors included (:func:`update`)."""
+def under_empty(saved: Callable[[], Any], into: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """The leaves of ``saved()`` (the saved state tree rebuilt with place-holder leaves; made only
+    where ``into`` holds an empty dict) that lie under a dict ``into`` holds empty at the same
+    place, such as a fresh optimizer's ``state`` before its first step: a load puts the saved values
+    there, new tensors included (:func:`update`). One empty dict at two places of ``into`` counts
+    at its first (it is not empty once the load filled it)."""
+    if not _holds(into, lambda x: isinstance(x, Mapping) and not x, tensors=False):
+        return []
     out: list[Any] = []
-    todo: list[tuple[Any, Any]] = [(saved, into)]
+    seen: set[int] = set()
+    todo: list[tuple[Any, Any]] = [(saved(), into)]
     while todo:
         mine, theirs = todo.pop()
         if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
             if theirs:
-                todo += [(v, theirs[k]) for k, v in mine.items() if k in theirs]
-            else:
+                todo += [(v, theirs[k]) for k, v in reversed(list(mine.items())) if k in theirs]
+            elif id(theirs) not in seen:
+                seen.add(id(theirs))
                 out += [leaf for _, leaf in leaves(mine, is_leaf)]
         elif isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
-            todo += zip(mine, theirs, strict=False)  # (a list of another length: its first places)
+            todo += reversed(list(zip(mine, theirs, strict=False)))  # (a list of another length: its first places)
     return out
 
 
@@ -373,14 +379,17 @@ class _Unread:
 UNREAD: Any = _Unread()  # a saved tensor a partial load did not read, in the tree it rebuilds
 
 
-def _holds(value: Any, leaf: Callable[[Any], bool]) -> bool:
-    """Whether ``value`` is, or its dicts, lists and tuples hold, a ``leaf``."""
+def _holds(value: Any, leaf: Callable[[Any], bool], tensors: bool = True) -> bool:
+    """Whether ``value`` is, or its dicts, lists and tuples hold, a ``leaf`` (without ``tensors``:
+    the values of a dict that are all tensors, a model's state_dict, are not asked one by one)."""
     if leaf(value):
         return True
     if isinstance(value, Mapping):
-        return any(_holds(v, leaf) for v in value.values())
+        if not tensors and all(map(isinstance, value.values(), repeat(torch.Tensor))):
+            return False
+        return any(_holds(v, leaf, tensors) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds(v, leaf) for v in value)
+        return any(_holds(v, leaf, tensors) for v in value)
     return False
 
 

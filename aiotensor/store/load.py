@@ -188,7 +188,7 @@ def _dests(
     dests: list[torch.Tensor | None] = []
     for e in src.entries:  # (not strict: the entries `into` has a tensor for, or a new one)
         t = next((given[where[n]] for n in e.names if where[n] in given), None)
-        if t is not None or where[e.names[0]] in new:
+        if t is not None or any(where[n] in new for n in e.names):
             entries.append(e)
             dests.append(t)
     return entries, dests
@@ -211,8 +211,8 @@ def _checked(
     there, as the saved values beside it are, strict or not. ``saved()``: the saved state with
     :class:`_Leaf` leaves (``key(leaf.name)``: its key), made only where ``into`` lacks a tensor."""
     new = set()
-    if not set(specs) <= set(given):
-        new = {key(leaf.name) for leaf in under_empty(saved(), into, _is_leaf)} - set(given)
+    if not specs.keys() <= given.keys():
+        new = {key(leaf.name) for leaf in under_empty(saved, into, _is_leaf)} - given.keys()
     left = check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new)
     _partial(folder, left)
     return new
@@ -413,13 +413,15 @@ def _destinations(
     m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...], strict: bool = True, folder: str = ""
 ) -> tuple[dict[str, torch.Tensor], set[str] | None]:
     """``into``'s tensors to read into, checked against the manifest, and new ones on ``device``
-    where ``into`` holds an empty dict (:func:`_new`); not ``strict``: those both have (and their
+    where ``into`` holds an empty dict (:func:`_checked`); not ``strict``: those both have (and their
     keys), a tied name ``into`` has read from the stored tensor it names where ``into`` lacks that
     one (under that one's key, which the state rebuilt then leaves out)."""
     given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
     new = _checked(folder, lambda: unflatten(m.tree, _Leaf), into, given, specs, devices, strict, str)
-    made = {k: new_tensor(m.entries[k].spec, device) for k in new if k in m.entries}
+    # a tied name among them reads the stored tensor it names, new too where `into` lacks that one
+    stored = {m.aliases.get(k, k) for k in new} - given.keys()
+    made = {k: new_tensor(m.entries[k].spec, device) for k in stored}
     if strict:
         return given | made, None
     shared = {k: t for k, t in given.items() if k in specs} | made
