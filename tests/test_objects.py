@@ -185,6 +185,15 @@ async def test_missing_objects_and_buckets_are_clear_errors_without_secrets(s3: 
         await aiotensor.load_file("s3:///w.safetensors")
 
 
+def test_no_credentials_at_all_says_so() -> None:
+    """Without keys the S3 client asks the cloud's metadata service for some; where that refuses
+    (any machine off a cloud) the error was an OSError about a PUT to 169.254.169.254."""
+    e = ObjectEngine._fail(
+        RuntimeError("Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token in 1.6ms - 403 Forbidden")
+    )
+    assert isinstance(e, PermissionError) and "no S3 credentials" in str(e) and "AWS_ACCESS_KEY_ID" in str(e)
+
+
 async def test_an_object_replaced_while_it_is_read_fails_the_read(s3: Any, tmp_path: Any) -> None:
     """Every range is asked of the version opened (If-Match its entity tag): never two versions' bytes."""
     import obstore

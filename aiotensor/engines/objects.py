@@ -112,6 +112,12 @@ class ObjectEngine(Engine):
         adds what it was doing and the URL."""
         if isinstance(e, FileNotFoundError) or "NoSuchBucket" in str(e):
             return FileNotFoundError(errno.ENOENT, f"no such object or bucket ({_short(e)})")
+        if "169.254.169.254" in str(e):  # no keys anywhere: the client asked the cloud's metadata service
+            return PermissionError(
+                errno.EACCES,
+                "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a server "
+                f"of your own), or pass storage_options ({type(e).__name__}: {_short(e)})",
+            )
         return OSError(errno.EIO, f"{type(e).__name__}: {_short(e)}")
 
     def open_read(self, path: str) -> int:
