@@ -53,9 +53,10 @@ def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: boo
         )
     m = _MISTYPED.match(p)
     if m is not None:
+        scheme, folder = m.group(1), p.split("/", 1)[0]
         raise UnsupportedLocationError(
-            f"{what} {p!r} looks like a mistyped URL ({m.group(1)}: without //): aiotensor serves {served} here, and "
-            f"would make a local folder {m.group(0)!r}. Write {m.group(1).lower()}://..., or ./{p} for a local path so named"
+            f"{what} {p!r} looks like a mistyped URL ({scheme}: without //): aiotensor serves {served} here, and "
+            f"would make a local folder {folder!r}. Write {scheme.lower()}://..., or ./{p} for a local path so named"
         )
     return p
 
