@@ -19,13 +19,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from .._io.tensors import mismatch
 from .._runtime import threads
 from .._runtime.scheduler import Scheduler
-from ..errors import DistributedError
+from ..errors import DistributedError, MismatchError
 from .handle import SaveHandle
 from .steps import Steps
 
@@ -258,7 +261,8 @@ def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: A
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk. The
     reads run on ``sched`` (the store's, on the event loop of ``token``). ``strict=False``: DCP's
     partial load (``allow_partial_load``): a key of ``into`` the checkpoint lacks is left alone;
-    DCP never reads a key ``into`` lacks, strict or not."""
+    DCP never reads a key ``into`` lacks (strict, a saved tensor ``into`` lacks is refused:
+    :class:`_Planner`)."""
     from ..dcp import AiotensorReader
 
     reader = AiotensorReader(path, scheduler=sched, token=token)
@@ -272,8 +276,27 @@ def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: A
         raise problem
     if failed:
         raise DistributedError(f"{what} failed: ranks {failed} could not read the checkpoint's metadata")
-    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    planner = _Planner(allow_partial_load=not strict)
     collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what)
+
+
+class _Planner(DefaultLoadPlanner):
+    """DCP's load planner; strict, it also refuses the checkpoint's tensors ``into`` lacks, as a
+    load in one process does: DCP reads only what ``into`` has, and a fresh optimizer's
+    ``state_dict`` (its state empty until the first step) resumed with no moments, and no error."""
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        if not self.allow_partial_load:
+            saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+            extra = sorted(k for k, md in saved.items() if isinstance(md, TensorStorageMetadata) and k not in self.state_dict)
+            if extra:
+                raise MismatchError(
+                    f"`into` does not match the checkpoint: {mismatch([], extra, '`into`')}; under a process group only "
+                    "the tensors `into` has are read: make an optimizer's state first (torch's get_optimizer_state_dict), "
+                    "or load with strict=False"
+                )
+        return plan
 
 
 def collective(fn: Callable[[], Any], what: str) -> None:

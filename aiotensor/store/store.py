@@ -593,7 +593,8 @@ class TensorStore:
         place for); a warning on the ``aiotensor`` logger names both. A name both have must still
         match in shape and dtype; a place of ``into`` that holds tensors is never replaced by a
         saved value of another kind. Under a process group, DCP's partial load does this, without
-        the warning (it never reads a key ``into`` lacks, strict or not).
+        the warning (it never reads a key ``into`` lacks; strict, such a saved tensor is a
+        MismatchError on every rank).
 
         Raises:
             CheckpointNotFoundError: no such committed step, or another process retired it meanwhile.
