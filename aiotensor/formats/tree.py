@@ -316,9 +316,9 @@ def leaves(tree: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
 def under_empty(saved: Callable[[], Any], into: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
     """The leaves of ``saved()`` (the saved state tree rebuilt with place-holder leaves; made only
     where ``into`` holds an empty dict) that lie under a dict ``into`` holds empty at the same
-    place, such as a fresh optimizer's ``state`` before its first step: a load puts the saved values
-    there, new tensors included (:func:`update`). One empty dict at two places of ``into`` counts
-    at its first (it is not empty once the load filled it)."""
+    place, such as a fresh optimizer's ``state`` before its first step: a strict load puts the
+    saved values there, new tensors included (:func:`update`). One empty dict at two places of
+    ``into`` counts at its first (it is not empty once the load filled it)."""
     if not _holds(into, lambda x: isinstance(x, Mapping) and not x, tensors=False):
         return []
     out: list[Any] = []
@@ -341,18 +341,17 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
     """Every value of ``saved`` put into ``into``'s own containers (a load's ``into=`` gets every
     saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
     values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple).
-    ``partial`` (a load with ``strict=False``): only where ``into`` has the place (or a dict of
-    ``into`` is empty: :func:`under_empty`), a list or tuple only element by element (one of another
-    length is left as it is; a named tuple keeps its type), never a value that holds a tensor the
-    load did not read (:data:`UNREAD`), never over a place of ``into`` that holds tensors."""
+    ``partial`` (a load with ``strict=False``): only where ``into`` has the place, a list or tuple
+    only element by element (one of another length is left as it is; a named tuple keeps its
+    type), never a value that holds a tensor the load did not read (:data:`UNREAD`), never over a
+    place of ``into`` that holds tensors."""
     if saved is UNREAD or isinstance(into, torch.Tensor):
         return into
     if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
-        empty = not into
         for k, v in saved.items():
             if k in into:
                 into[k] = update(into[k], v, partial)
-            elif not partial or (empty and not _holds(v, _is_unread)):
+            elif not partial:
                 into[k] = v
         return into
     lists, tuples = isinstance(into, list) and isinstance(saved, list), isinstance(into, tuple) and isinstance(saved, tuple)

@@ -205,13 +205,15 @@ def _checked(
     key: Callable[[str], str],
 ) -> set[str]:
     """``into``'s tensors (``given``) checked against the checkpoint's (``specs``: keys, dtypes,
-    shapes; not ``strict``: a warning names what either lacks); returns the saved tensors ``into``
-    lacks that lie under a dict it holds empty (a fresh optimizer's ``state``, before its first
-    step; :func:`~aiotensor.formats.tree.under_empty`): each is read into a new tensor and put
-    there, as the saved values beside it are, strict or not. ``saved()``: the saved state with
-    :class:`_Leaf` leaves (``key(leaf.name)``: its key), made only where ``into`` lacks a tensor."""
+    shapes; not ``strict``: a warning names what either lacks); returns, ``strict``, the saved
+    tensors ``into`` lacks that lie under a dict it holds empty (a fresh optimizer's ``state``,
+    before its first step; :func:`~aiotensor.formats.tree.under_empty`): each is read into a new
+    tensor and put there, as the saved values beside it are. Not with ``strict=False``, which
+    keeps ``into``'s lists of another length: an optimizer's ``param_groups`` after the model
+    changed, whose saved moments would land on other parameters by their index. ``saved()``: the
+    saved state with :class:`_Leaf` leaves (``key(leaf.name)``: its key), made only where needed."""
     new = set()
-    if not specs.keys() <= given.keys():
+    if strict and not specs.keys() <= given.keys():
         new = {key(leaf.name) for leaf in under_empty(saved, into, _is_leaf)} - given.keys()
     left = check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new)
     _partial(folder, left)

@@ -575,9 +575,9 @@ class TensorStore:
         """Load a committed step (default: the newest) as the nested state it was saved as: new
         tensors on ``device``, or, with ``into`` (a state of the same structure), its tensors filled
         in place and every saved non-tensor value put into its dicts and lists; ``into`` is returned
-        (the same on 1 and N processes). In one process, a dict ``into`` holds empty (a fresh
-        optimizer's ``state``) takes the saved values under it, new tensors included; under a
-        process group DCP reads only the tensors ``into`` has. ``atomic=True`` verifies every checksum before writing into
+        (the same on 1 and N processes). In one process, a strict load puts the saved values under
+        a dict ``into`` holds empty (a fresh optimizer's ``state``) there, new tensors included;
+        under a process group DCP reads only the tensors ``into`` has. ``atomic=True`` verifies every checksum before writing into
         ``into``, so a corrupt step leaves it untouched. ``progress(done, total)``: as for ``save``.
 
         ``mmap=True`` (CPU, without ``into``, a local store) copies nothing: the tensors are
