@@ -421,7 +421,8 @@ class TensorStore:
             raise StaleStepError(
                 f"step {step} would be deleted as soon as it commits: keep_last={self.keep_last} and {len(newer)} newer "
                 f"steps exist in {self.root} ({newer[:5]}{'...' if len(newer) > 5 else ''}). To go back to an earlier "
-                f"step, `await store.rollback({step - 1 if step else 0})` first, or raise keep_last"
+                f"step, `await store.rollback({step - 1 if step else 0})` first (it deletes every one of those "
+                f"{len(newer)} newer steps), or raise keep_last"
             )
         # CUDA sources are copied after the kernels already queued on the current streams as of now
         producers = cuda.record_current_streams() if self.scheduler.cuda is not None else {}
