@@ -48,6 +48,16 @@ async def test_a_handle_is_a_coroutine_for_tasks(tmp_path: Any, anyio_backend: A
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert 5 not in store.steps()
+            # cancelled before the task first ran: its wait never started, yet the save is
+            # cancelled and stopped when the task ends (it committed meanwhile, helper-28's trial)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(store.save(7, small_state(7)), 0)
+            task = asyncio.create_task(store.save(8, small_state(8)))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert 7 not in store.steps() and 8 not in store.steps()
+            await store.save(7, small_state(7))  # not "already being saved"
         async with anyio.create_task_group() as tg:
             tg.start_soon(store.save(6, small_state(6)).wait)
         assert 6 in store.steps()

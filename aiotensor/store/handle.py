@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine, Generator
 from typing import Any
 
 import anyio
+
+
+def _cancellation(exc: Any) -> bool:
+    """Is ``exc`` (an exception or its class) a cancellation of asyncio's or trio's?"""
+    kind = exc if isinstance(exc, type) else type(exc)
+    return issubclass(kind, BaseException) and (
+        issubclass(kind, asyncio.CancelledError) or (kind.__name__ == "Cancelled" and kind.__module__.startswith("trio"))
+    )
 
 
 class _Signal:
@@ -119,6 +128,14 @@ class SaveHandle(Coroutine[Any, Any, None]):
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
         if self._inner is None:
+            exc = val if val is not None else typ
+            if _cancellation(exc):
+                # a task cancelled before it first ran (``asyncio.wait_for(store.save(...), 0)``)
+                # throws into a wait that never started, whose handler would never run: the save is
+                # cancelled here, and the task ends once it stopped, as a started wait does
+                self.cancel()
+                self._inner = self._stopped(exc() if isinstance(exc, type) else exc)
+                return self._inner.send(None)
             self._inner = self._wait(self._done_event)
         if val is None and tb is None:
             return self._inner.throw(typ)
@@ -128,6 +145,11 @@ class SaveHandle(Coroutine[Any, Any, None]):
         """Close the coroutine side of the handle (what a task that never ran does); the save goes on."""
         if self._inner is not None:
             self._inner.close()
+
+    async def _stopped(self, exc: BaseException) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._done_event.wait()
+        raise exc
 
     async def _wait(self, event: anyio.Event) -> None:
         try:
