@@ -27,6 +27,10 @@ class Snapshotter:
 
     Forward and backward do not change parameters or optimizer state, so the copy out of step N's
     state runs alongside step N+1's forward/backward and the trainer waits only for what is left.
+    A forward that changes the state does not allow that: BatchNorm in train mode updates its
+    running statistics (buffers, in ``state_dict()``), and step N's checkpoint would hold some of
+    step N+1's. For such a model, ``await snap.before_update()`` before the forward instead (the
+    copy then overlaps only what runs before it), or save a copy of those buffers.
 
     Policy when the disk cannot absorb a checkpoint per ``save`` call (every staging arena of the
     store — ``max_staged``, default 2 — belongs to a save that has not committed):
