@@ -783,3 +783,35 @@ async def test_a_partial_resume_never_replaces_what_it_leaves_alone(tmp_path: An
     assert into["embed"] is None and torch.equal(z, w)  # head read from embed's bytes; embed not added
     assert torch.equal(into["both"][0], w) and torch.equal(into["both"][1], w)
     assert torch.equal(into["tup"][0], w) and into["tup"][1] == 1 and type(into["tup"]) is tuple
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+async def test_a_step_retired_while_it_is_loaded_into_tensors_is_read_whole(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, atomic: bool
+) -> None:
+    """A reader's load into its model while the writer's retention deletes that step: the shards
+    were opened one at a time, so the first was read into `into` and the next was gone, leaving
+    `into` half one step, half the one before, even with atomic=True (helper-28: 5 of 333 loads).
+    The shards are kept open from their check on: the unlinked files are read whole."""
+    import shutil
+
+    from aiotensor.store import load as store_load
+
+    old, new = ({f"t{i}": torch.full((256,), float(i + k)) for i in range(4)} for k in (0, 100))
+    async with TensorStore(tmp_path, shard_bytes=1024) as store:  # a shard per tensor
+        await store.save(1, new)
+    real = store_load.read_tensors
+    calls = []
+
+    async def read_then_retire(*args: Any) -> None:
+        await real(*args)
+        calls.append(1)
+        if len(calls) == 1:  # after the first shard landed in `into`: another process retires the step
+            shutil.rmtree(tmp_path / "step-000000000001")
+
+    monkeypatch.setattr(store_load, "read_tensors", read_then_retire)
+    into = {k: v.clone() for k, v in old.items()}
+    async with TensorStore(tmp_path, readonly=True) as reader:
+        await reader.load(1, into=into, atomic=atomic)
+    assert len(calls) == 4 and not (tmp_path / "step-000000000001").exists()
+    assert_state_equal(into, new)

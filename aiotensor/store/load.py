@@ -1,4 +1,4 @@
-"""Loading one checkpoint folder: manifest, shard headers, then the tensors, one shard file at a time."""
+"""Loading one checkpoint folder: manifest, shard headers, then the tensors, a shard file at a time."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from itertools import chain, islice, repeat
 from operator import attrgetter
 from typing import Any
 
+import anyio
 import torch
 
+from .. import knobs, sources
 from .. import root as _root
-from .. import sources
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
@@ -45,7 +46,10 @@ async def load_checkpoint(
     ``mmap``, ``strict``).
 
     With ``step``, the folder must be a real folder (not a symbolic link) whose manifest names that
-    step. At most one shard file is open at a time, whatever the number of shards.
+    step. At most one shard file is open at a time, whatever the number of shards; a load ``into``
+    tensors keeps a local step's shards open from their check to their read (up to
+    :data:`~aiotensor.knobs.HELD_SHARDS` of them), so a step another process retires meanwhile is
+    read whole from its unlinked files instead of leaving ``into`` half written.
 
     Raises:
         ManifestError / HeaderError: a malformed manifest or shard, naming the file.
@@ -78,17 +82,43 @@ async def _load(
     mmap: bool = False,
     strict: bool = True,
 ) -> Any:
-    opened = await sched.call(_open_step, sched, folder, step, mmap, verify, priority=Priority.LOAD)
-    if opened is None:
-        if mmap:
-            raise ValueError(f"{folder} was written through DCP (a shard per rank, chunks to assemble): mmap=True cannot map it")
-        return await _load_dcp(sched, folder, into, dev, verify, strict)
-    m: mf.Manifest
-    m, by_shard, views = opened
-    del opened
+    held: dict[str, int] = {}  # the shards kept open (a load into tensors): closed here, whatever happens
+    try:
+        opened = await sched.call(_open_step, sched, folder, step, mmap, verify, into is not None, held, priority=Priority.LOAD)
+        if opened is None:
+            if mmap:
+                raise ValueError(f"{folder} was written through DCP (a shard per rank, chunks to assemble): mmap=True cannot map")
+            return await _load_dcp(sched, folder, into, dev, verify, strict)
+        m: mf.Manifest
+        m, by_shard, views = opened
+        del opened
+        return await _load_opened(sched, folder, m, by_shard, views, held, into, verify, dev, atomic, progress, mmap, strict)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for fd in held.values():
+                await close(sched, fd)
+
+
+async def _load_opened(
+    sched: Scheduler,
+    folder: str,
+    m: mf.Manifest,
+    by_shard: dict[str, list[mf.Entry]],
+    views: dict[str, list[Target]],
+    held: dict[str, int],
+    into: Any,
+    verify: bool,
+    dev: torch.device,
+    atomic: bool,
+    progress: ProgressCallback | None,
+    mmap: bool,
+    strict: bool,
+) -> Any:
+    """:func:`_load` of a step whose manifest was read and first shard checked (``held``: the shards
+    kept open for a load into ``into``, by name: the first, where the others are to be kept too)."""
     mpath = os.path.join(folder, _root.MANIFEST)
     for shard in islice(m.shards, 1, None):  # a call each: a cancelled load stops after the shard in hand
-        got = await sched.call(_open_shard, sched, folder, m, by_shard, shard, mmap, verify, priority=Priority.LOAD)
+        got = await sched.call(_open_shard, sched, folder, m, by_shard, shard, mmap, verify, held or None, priority=Priority.LOAD)
         if got is not None:
             views[shard] = got
     if mmap:
@@ -114,7 +144,7 @@ async def _load(
     )
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
-        await _read_passes(sched, folder, targets, passes)
+        await _read_passes(sched, folder, targets, passes, held)
     state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, None, wanted, priority=Priority.LOAD)
     manifest = [m]
     del m
@@ -140,18 +170,24 @@ async def _discard(sched: Scheduler, manifest: list[mf.Manifest], *containers: l
 _FREE_HERE = 64 * 1024
 
 
-async def _read_passes(sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...]) -> None:
+async def _read_passes(
+    sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...], held: dict[str, int]
+) -> None:
     for what in passes:
         for shard, shard_targets in targets.items():
             path = os.path.join(folder, shard)
-            fd = await open_read(sched, path)
+            fd = held.get(shard)
+            own = fd is None
+            if fd is None:
+                fd = await open_read(sched, path)
             try:
                 if what == "verify":
                     await verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
                 else:
                     await read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
             finally:
-                await close(sched, fd)
+                if own:
+                    await close(sched, fd)
 
 
 async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device, verify: bool, strict: bool = True) -> Any:
@@ -244,11 +280,15 @@ def _state_of(
 
 
 def _open_step(
-    sched: Scheduler, folder: str, step: int | None, mmap: bool, verify: bool
+    sched: Scheduler, folder: str, step: int | None, mmap: bool, verify: bool, into: bool, held: dict[str, int]
 ) -> tuple[mf.Manifest, dict[str, list[mf.Entry]], dict[str, list[Target]]] | None:
     """A step's manifest, its entries by shard, and its first shard opened (:func:`_open_shard`;
     with ``mmap``, its views), in one worker call (each hop to a thread and back costs ~0.1 ms: a
-    mapped load of one shard made seven); None for a step written through DCP."""
+    mapped load of one shard made seven); None for a step written through DCP. A load ``into``
+    tensors of a local step of at most :data:`~aiotensor.knobs.HELD_SHARDS` shards keeps each open
+    from its check to its read (in ``held``, by shard: the caller closes them): a step another process
+    retires meanwhile is still read whole from the files it unlinked, never left half written into
+    ``into``."""
     eng = sched.engine
     if _root.is_dcp_step(eng, folder):
         return None
@@ -257,19 +297,28 @@ def _open_step(
     for e in m.entries.values():
         by_shard[e.shard].append(e)
     views: dict[str, list[Target]] = {}
+    keep = into and not mmap and not is_object(folder) and len(m.shards) <= knobs.HELD_SHARDS
     for shard in islice(m.shards, 1):
-        got = _open_shard(sched, folder, m, by_shard, shard, mmap, verify)
+        got = _open_shard(sched, folder, m, by_shard, shard, mmap, verify, held if keep else None)
         if got is not None:
             views[shard] = got
     return m, by_shard, views
 
 
 def _open_shard(
-    sched: Scheduler, folder: str, m: mf.Manifest, by_shard: dict[str, list[mf.Entry]], shard: str, mmap: bool, verify: bool
+    sched: Scheduler,
+    folder: str,
+    m: mf.Manifest,
+    by_shard: dict[str, list[mf.Entry]],
+    shard: str,
+    mmap: bool,
+    verify: bool,
+    held: dict[str, int] | None = None,
 ) -> list[Target] | None:
     """Check that ``shard`` holds what the manifest lists for it (:func:`_check_header`), before
     anything is allocated: a hostile manifest cannot make us allocate what the files do not hold;
-    with ``mmap``, map it too: its views (:func:`_map_shard`). The file is closed again."""
+    with ``mmap``, map it too: its views (:func:`_map_shard`). The file is closed again, or kept
+    open in ``held`` (by shard) once checked, where ``held`` is given (:func:`_open_step`)."""
     eng = sched.engine
     path = os.path.join(folder, shard)
     try:
@@ -281,9 +330,12 @@ def _open_shard(
         if mmap:
             return _map_shard(*args, verify)
         _check_header(*args)
+        if held is not None:
+            held[shard], fd = fd, -1
         return None
     finally:
-        eng.close(fd)
+        if fd != -1:
+            eng.close(fd)
 
 
 @gil.quiet_gc
