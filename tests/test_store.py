@@ -751,6 +751,9 @@ async def test_a_partial_resume_still_refuses_a_shape_or_dtype_that_differs(tmp_
         into = {"b": torch.zeros(4, dtype=torch.float64)}
         with pytest.raises(MismatchError, match="tensor 'b'"):
             await store.load(into=into, strict=False)
+        into = {"w": torch.zeros(1, 4).expand(4, 4), "b": torch.zeros(4)}  # one row, seen 4 times: not fillable
+        with pytest.raises(MismatchError, match="tensor 'w' of `into` is expanded"):
+            await store.load(into=into)
         into = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
         assert (await store.load(into=into, strict=False, atomic=True))["w"].eq(1).all()  # nothing to warn about
         assert (await store.load(strict=False))["b"].eq(1).all()  # without into: no meaning, new tensors
