@@ -106,10 +106,11 @@ OBJECT_RETRY_S = 60.0
 OBJECT_TIMEOUT_S = 300.0
 OBJECT_CONNECT_S = 5.0
 
-# A load into given tensors keeps a local step's shards open from their check to their read, up to
-# this many (a step retired meanwhile is then read whole from its unlinked files; beyond, each is
-# opened for its read again, and a step retired meanwhile can leave `into` half written)
-HELD_SHARDS = 256
+# A load into given tensors keeps a local step's shards open from their check to their read where
+# the step has at most this many (a step retired meanwhile is then read whole from its unlinked
+# files; beyond, each is opened for its read again, and a retirement can leave `into` half written).
+# Each concurrent load holds that many descriptors at most: 4 of them, 256 of a 1,024 limit
+HELD_SHARDS = 64
 
 # --- streams and module loads (aiotensor.serving) -----------------------------------------------
 # Bytes of tensors a stream reads ahead of its consumer.

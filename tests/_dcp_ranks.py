@@ -5,7 +5,7 @@ one rank dies: the SIGKILL test needs to see what the survivors do). Each rank w
 to ``OUT/rank-R.json``; the exit status is 0 only if every rank exited 0.
 
 Modes: ``ok``/``fail`` (DCP with AiotensorWriter), ``store`` (a TensorStore under the group: saves,
-retention, a resharding load), ``load`` (WORLD ranks load the ``store`` root into their shards),
+retention, a resharding load), ``stages`` (each rank its own tensors, strict), ``load`` (WORLD ranks load the ``store`` root into their shards),
 ``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing).
 """
 
@@ -40,7 +40,7 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
 
     from aiotensor import TensorStore
     from aiotensor.dcp import AiotensorWriter
-    from aiotensor.errors import MismatchError
+    from aiotensor.errors import DistributedError, MismatchError
 
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -77,10 +77,16 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 try:
                     await store.load(into=lacking)
                     report["strict_lacking"] = "loaded"
-                except MismatchError as e:
+                except (MismatchError, DistributedError) as e:  # the coordinator's, and the others naming it
                     report["strict_lacking"] = "unexpected keys ['b']" in str(e)
                 await store.load(into=lacking, strict=False)
                 report["partial_ok"] = bool(torch.equal(lacking["w"].full_tensor(), full(3)))
+            elif mode == "stages":  # pipeline stages: each rank saves and loads its own layers only
+                mine = {"model": {f"layers.{rank}.w": torch.full((4, 4), float(rank + 1))}}
+                await store.save(1, mine)
+                into = {"model": {f"layers.{rank}.w": torch.zeros(4, 4)}}
+                await store.load(1, into=into)  # strict: every saved tensor is some rank's
+                report["loaded_ok"] = bool(into["model"][f"layers.{rank}.w"].eq(rank + 1).all())
             elif mode == "load":
                 into = sharded(0)
                 await store.load(3, into=into)

@@ -103,6 +103,14 @@ def _reports(out: Any, world: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
+def test_a_strict_distributed_load_of_pipeline_stages_each_with_its_own_tensors(tmp_path: Any) -> None:
+    """Each rank holds only its stage's layers: a strict load checks the checkpoint's tensors against
+    what any rank reads, not against one rank's `into` (a first version refused this, helper-29)."""
+    r = _spawn(tmp_path / "root", 2, "stages", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [rep["loaded_ok"] for rep in _reports(tmp_path / "out", 2)] == [True, True]
+
+
 def test_a_store_under_a_process_group_saves_sharded_state_and_3_ranks_load_what_2_saved(tmp_path: Any) -> None:
     root = tmp_path / "root"
     r = _spawn(root, 2, "store", tmp_path / "two")

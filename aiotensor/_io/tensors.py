@@ -179,7 +179,7 @@ def check_into(
         if tuple(t.shape) != shape or t.dtype != want:
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
         strides = t.stride()
-        if 0 in strides and any(n > 1 for st_, n in zip(strides, t.shape, strict=True) if st_ == 0):
+        if 0 in strides and t.numel() > 1 and any(n > 1 for st_, n in zip(strides, t.shape, strict=True) if st_ == 0):
             raise MismatchError(f"tensor {k!r} of `into` is expanded (a stride of 0): its elements share memory, not fillable")
     return missing, unexpected
 

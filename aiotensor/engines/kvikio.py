@@ -70,6 +70,8 @@ class KvikioEngine(PosixEngine):
     files that went through cuFile by the mode that really ran for each.
     """
 
+    holds_files = False  # a CUDA read opens kvikio.CuFile by path
+
     name = "kvikio"
 
     def __init__(

@@ -69,6 +69,7 @@ class ObjectEngine(Engine):
 
     name = "s3"
     renames = False
+    holds_files = False
     read_bytes = 8 << 20  # a ranged GET costs a round trip: 8 MiB each, several in flight
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:

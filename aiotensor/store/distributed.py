@@ -281,22 +281,27 @@ def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: A
 
 
 class _Planner(DefaultLoadPlanner):
-    """DCP's load planner; strict, it also refuses the checkpoint's tensors ``into`` lacks, as a
-    load in one process does: DCP reads only what ``into`` has, and a fresh optimizer's
-    ``state_dict`` (its state empty until the first step) resumed with no moments, and no error."""
+    """DCP's load planner; strict, it also refuses the checkpoint's tensors that no rank's ``into``
+    has, as a load in one process does: DCP reads only what ``into`` has, and a fresh optimizer's
+    ``state_dict`` (its state empty until the first step) resumed with no moments, and no error.
+    What every rank reads is known on the coordinator only (a pipeline stage's ranks load their
+    own layers): the others get a DistributedError naming its MismatchError."""
 
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        if not self.allow_partial_load:
-            saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
-            extra = sorted(k for k, md in saved.items() if isinstance(md, TensorStorageMetadata) and k not in self.state_dict)
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        if not self.allow_partial_load and self.metadata is not None:
+            read = {item.dest_index.fqn for plan in global_plan for item in plan.items}
+            extra = sorted(
+                k
+                for k, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata) and md.size.numel() and k not in read
+            )
             if extra:
                 raise MismatchError(
-                    f"`into` does not match the checkpoint: {mismatch([], extra, '`into`')}; under a process group only "
-                    "the tensors `into` has are read: make an optimizer's state first (torch's get_optimizer_state_dict), "
-                    "or load with strict=False"
+                    f"`into` does not match the checkpoint: {mismatch([], extra, '`into` of any rank')}; under a process "
+                    "group only the tensors `into` has are read: make an optimizer's state first (torch's "
+                    "get_optimizer_state_dict), or load with strict=False"
                 )
-        return plan
+        return super().create_global_plan(global_plan)
 
 
 def collective(fn: Callable[[], Any], what: str) -> None:

@@ -94,9 +94,14 @@ async def _load(
         del opened
         return await _load_opened(sched, folder, m, by_shard, views, held, into, verify, dev, atomic, progress, mmap, strict)
     finally:
-        with anyio.CancelScope(shield=True):
-            for fd in held.values():
-                await close(sched, fd)
+        if held:  # one worker call, which waits for the closing whatever cancels this task
+            with anyio.CancelScope(shield=True):
+                await sched.run_sync(_close_all, sched.engine, list(held.values()))
+
+
+def _close_all(engine: Any, fds: list[int]) -> None:
+    for fd in fds:
+        engine.close(fd)
 
 
 async def _load_opened(
@@ -297,7 +302,7 @@ def _open_step(
     for e in m.entries.values():
         by_shard[e.shard].append(e)
     views: dict[str, list[Target]] = {}
-    keep = into and not mmap and not is_object(folder) and len(m.shards) <= knobs.HELD_SHARDS
+    keep = into and not mmap and sched.engine.holds_files and len(m.shards) <= knobs.HELD_SHARDS
     for shard in islice(m.shards, 1):
         got = _open_shard(sched, folder, m, by_shard, shard, mmap, verify, held if keep else None)
         if got is not None:
