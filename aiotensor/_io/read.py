@@ -41,9 +41,18 @@ async def open_read(sched: Scheduler, path: str) -> int:
         raise annotate_oserror(e, f"opening {path}") from e
 
 
-async def close(sched: Scheduler, fd: int) -> None:
-    with anyio.CancelScope(shield=True):
-        await sched.call(sched.engine.close, fd, priority=Priority.LOAD)
+async def close(sched: Scheduler, *fds: int) -> None:
+    """Close ``fds``, in one worker call: it waits for the closing whatever cancels the caller (a
+    second asyncio ``Task.cancel()`` goes through an anyio shield, and broke a loop of one call a
+    descriptor off, leaving the rest open)."""
+    if fds:
+        with anyio.CancelScope(shield=True):
+            await sched.call(_close_all, sched.engine, fds, priority=Priority.LOAD)
+
+
+def _close_all(engine: Engine, fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        engine.close(fd)
 
 
 def _read_exact(engine: Engine, fd: int, buf: memoryview | torch.Tensor, off: int, path: str, what: str) -> None:

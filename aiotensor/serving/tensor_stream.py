@@ -259,11 +259,11 @@ class _Stream:
                         self._flying += len(entries)
                         tg.start_soon(self._read_batch, batch, entries, names, nbytes, fds, slots)
         finally:
-            with anyio.CancelScope(shield=True):
-                for fd in fds.values():
-                    await close(self.scheduler, fd)
-            self._reader_done.set()
-            self._notify()
+            try:
+                await close(self.scheduler, *fds.values())
+            finally:
+                self._reader_done.set()
+                self._notify()
 
     async def _read_batch(
         self,

@@ -9,7 +9,6 @@ from itertools import chain, islice, repeat
 from operator import attrgetter
 from typing import Any
 
-import anyio
 import torch
 
 from .. import knobs, sources
@@ -94,14 +93,7 @@ async def _load(
         del opened
         return await _load_opened(sched, folder, m, by_shard, views, held, into, verify, dev, atomic, progress, mmap, strict)
     finally:
-        if held:  # one worker call, which waits for the closing whatever cancels this task
-            with anyio.CancelScope(shield=True):
-                await sched.run_sync(_close_all, sched.engine, list(held.values()))
-
-
-def _close_all(engine: Any, fds: list[int]) -> None:
-    for fd in fds:
-        engine.close(fd)
+        await close(sched, *held.values())
 
 
 async def _load_opened(
