@@ -10,11 +10,9 @@ import anyio
 
 
 def _cancellation(exc: Any) -> bool:
-    """Is ``exc`` (an exception or its class) a cancellation of asyncio's or trio's?"""
-    kind = exc if isinstance(exc, type) else type(exc)
-    return issubclass(kind, BaseException) and (
-        issubclass(kind, asyncio.CancelledError) or (kind.__name__ == "Cancelled" and kind.__module__.startswith("trio"))
-    )
+    """Is ``exc`` (an exception or its class) asyncio's cancellation? (trio never throws into a
+    coroutine that has not started.)"""
+    return isinstance(exc, asyncio.CancelledError) or (isinstance(exc, type) and issubclass(exc, asyncio.CancelledError))
 
 
 class _Signal:
