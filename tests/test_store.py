@@ -157,6 +157,11 @@ async def test_errors_are_typed_and_named(tmp_path: Any) -> None:
             await store.load()
         with pytest.raises(StateError, match=r"'opt.sched'"):
             await store.save(1, {"opt": {"sched": object()}})
+        h = store.save(1, {"opt": {"sched": object()}})
+        with pytest.raises(StateError, match=r"'opt.sched'"):  # as docs/store.md says (it returned: helper-31)
+            await h.staged
+        with pytest.raises(StateError):
+            await h
         with pytest.raises(ValueError, match="step must be"):
             store.save(-1, {})
         with pytest.raises(StateError, match="cannot be named '__metadata__'"):  # a shard header's own member
