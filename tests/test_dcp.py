@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from aiotensor import TensorStore
 from aiotensor.dcp import AiotensorReader, AiotensorWriter, SafeFileSystemReader
-from aiotensor.errors import MismatchError, UnsafeFileError
+from aiotensor.errors import CheckpointNotFoundError, MismatchError, UnsafeFileError
 
 from ._dcp_ranks import full
 from .conftest import assert_state_equal
@@ -607,3 +607,36 @@ def test_a_partial_resume_of_a_dcp_step_and_under_a_process_group(tmp_path: Any,
                 assert torch.equal(into["model"]["new"], torch.full((2,), 9.0)) and "old" not in into["model"]
 
     anyio.run(main)
+
+
+def test_a_dcp_step_retired_or_damaged_while_a_reader_loads_it_says_which(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that read a DCP step's metadata, then found its data files gone, was told the
+    metadata was corrupt (ManifestError: "its data file ... is missing"; ~5% of the loads of an
+    evaluator racing a writer's retirement, helper-31): it is a retired step, as for a manifest
+    step (CheckpointNotFoundError), or, while the step's folder is there, a damaged one."""
+    import shutil
+
+    import anyio
+
+    from aiotensor.formats import dcp_metadata
+
+    root = tmp_path / "root"
+    dcp.save({"w": torch.full((8,), 1.0)}, storage_writer=AiotensorWriter(root / "step-000000000001"))
+    dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=AiotensorWriter(root / "step-000000000002"))
+    check = dcp_metadata.check
+
+    def retired_meanwhile(d: Any, size_of: Any, path: Any) -> None:
+        shutil.rmtree(root / "step-000000000002", ignore_errors=True)  # the writer retires it now
+        check(d, size_of, path)
+
+    async def load() -> None:
+        async with TensorStore(root, readonly=True) as store:
+            (root / "step-000000000001" / "__0_data.safetensors").unlink()
+            with pytest.raises(FileNotFoundError, match="step 1 of .* is damaged") as e:
+                await store.load(1)
+            assert not isinstance(e.value, CheckpointNotFoundError)
+            monkeypatch.setattr(dcp_metadata, "check", retired_meanwhile)
+            with pytest.raises(CheckpointNotFoundError, match="step 2 was retired while it was being loaded"):
+                await store.load(2)
+
+    anyio.run(load)

@@ -220,6 +220,7 @@ def check(d: Description, size_of: Callable[[str], int], path: object) -> None:
 
     Raises:
         ManifestError: naming the metadata file and the item.
+        FileNotFoundError: a data file it names is not there (naming it).
     """
     sizes: dict[str, int] = {}
 
@@ -229,8 +230,8 @@ def check(d: Description, size_of: Callable[[str], int], path: object) -> None:
         if s.file not in sizes:
             try:
                 sizes[s.file] = size_of(s.file)
-            except FileNotFoundError:
-                raise ManifestError(f"item {fqn!r}: its data file {s.file!r} is missing", path) from None
+            except FileNotFoundError as e:  # as a manifest's missing shard: a store tells a retired step from a damaged one
+                raise FileNotFoundError(e.errno, f"{path}: item {fqn!r}: its data file {s.file!r} is missing", s.file) from None
         if s.offset is not None or s.length is not None:
             if not (is_count(s.offset) and is_count(s.length)) or s.offset + s.length > sizes[s.file]:  # type: ignore[operator]
                 raise ManifestError(
