@@ -28,7 +28,7 @@ from . import commit, knobs
 from .commit import is_leftover
 from .engines import Engine
 from .engines.objects import FOLDER_MARKER, ObjectEngine, ObjectLease
-from .errors import FormatError, ManifestError, UnsafePathError
+from .errors import FormatError, ManifestError, StoreLockedError, UnsafePathError
 from .formats import manifest as mf
 
 MANIFEST, DCP_METADATA = commit.MANIFEST, commit.DCP_METADATA
@@ -77,7 +77,29 @@ class WriterLock:
         self._fd: int | None = None
 
     def check(self) -> None:
-        """Nothing to do: a ``flock`` is never taken from its holder."""
+        """Before a commit: the lock file at the root's path is still the one this store locked. A
+        ``flock`` is never taken from its holder, but it stays on the file it was taken on: a root
+        moved or deleted (``mv ckpts ckpts.old``, then a new job at ``ckpts``), or its lock file
+        removed, lets a second writer lock a new file there, and both wrote one folder (one's
+        retention deleting the other's steps).
+
+        Raises:
+            StoreLockedError: the lock file is gone or another one (nothing more is committed).
+        """
+        fd = self._fd
+        if fd is None:
+            return
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+            same = os.path.samestat(now, os.fstat(fd))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise StoreLockedError(
+                f"{self.path} is no longer the lock file this store holds (the folder was moved or deleted, or the file "
+                "removed, while it wrote there): it is not the writer of that folder any more, and commits nothing there; "
+                "close it and open the folder again"
+            )
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free; False if another writer holds it.

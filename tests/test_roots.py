@@ -173,6 +173,33 @@ async def test_two_stores_in_one_process_cannot_both_write(tmp_path: Any) -> Non
         assert b.steps() == [1]
 
 
+@pytest.mark.parametrize("how", ["root moved", "lock file removed"])
+async def test_a_writer_whose_lock_file_is_gone_commits_nothing_more(tmp_path: Any, how: str) -> None:
+    """A flock stays on the file it was taken on: with the root moved away (``mv ckpts ckpts.old``,
+    then a new job at ``ckpts``) or its lock file removed, a second writer locked a new file there
+    and both jobs wrote one folder, one's retention deleting the other's steps (helper-32). The
+    first now fails each save at its commit point, and its delete and rollback, with
+    StoreLockedError, committing and deleting nothing."""
+    root = tmp_path / "ckpts"
+    async with TensorStore(root, keep_last=1) as a:
+        await a.save(1, w(1))
+        if how == "root moved":
+            os.rename(root, tmp_path / "ckpts.old")
+        else:
+            os.remove(root / ".aiotensor.lock")
+        async with TensorStore(root, keep_last=1) as b:  # the new job
+            await b.save(1000, w(1000))
+            with pytest.raises(StoreLockedError, match="no longer the lock file this store holds"):
+                await a.save(2, w(2))
+            with pytest.raises(StoreLockedError):
+                await a.delete(1)
+            await b.save(1001, w(1001))
+            assert b.steps() == [1001]
+        assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000001001"]  # no step 2
+        if how == "root moved":
+            assert sorted(n for n in os.listdir(tmp_path / "ckpts.old") if n.startswith("step-")) == ["step-000000000001"]
+
+
 async def test_reader_processes_never_see_a_broken_step_while_a_writer_saves_and_retires(tmp_path: Any) -> None:
     """Hundreds of cycles: a reader process polls, loads and checks every value, and opens and closes
     evaluator stores, while a writer process saves 200 steps with keep_last=2."""
@@ -345,6 +372,10 @@ async def test_a_fault_after_the_commit_point_never_fails_the_save(tmp_path: Any
         assert h.committed and 2 in store.steps()
         if op != "remove_tree":
             assert len(h.warnings) == 1 and "committed" in h.warnings[0], h.warnings
+        # `latest` never names a step that is gone: where moving it failed, the step it names is not
+        # retired (it was, and `ls` showed a latest that was not there: helper-32's full disk)
+        named = (tmp_path / "latest").read_text().strip()
+        assert (tmp_path / named / "manifest.json").exists(), f"latest names {named}, which is gone"
     assert eng.counts[op] >= n, "the fault was injected"
     async with TensorStore(tmp_path, keep_last=1) as store:  # the next open repairs
         assert_state_equal(await store.load(2), w(2))

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -126,7 +126,8 @@ class Steps:
 
     async def fence(self) -> None:
         """Just before a save's commit record is written: the writer's lock or lease is still its
-        own (an object store's lease is renewed now; StoreLockedError if it was taken over)."""
+        own (an object store's lease is renewed now; StoreLockedError if it was taken over, or
+        the lock file is no longer the one this store locked)."""
         if self.writer_lock is not None:
             await self._call(self.writer_lock.check, what=f"renewing the writer lease of {self.root}")
 
@@ -148,9 +149,15 @@ class Steps:
                 await self._try(self._retain, h, "retiring old steps")
 
     async def delete(self, steps: list[int]) -> None:
-        """Retire ``steps`` (those still committed), then update ``latest``. Shielded: it ends."""
+        """Move ``latest`` to the newest step that stays, retire ``steps`` (those still committed),
+        then update ``latest`` (if the first move failed). Shielded: it ends.
+
+        Raises:
+            StoreLockedError: this store is no longer the root's writer (:meth:`fence`)."""
         with anyio.CancelScope(shield=True):
             async with self.lock:
+                await self.fence()
+                await self._try(lambda: self.sync_latest(None, steps), None, "updating `latest`")
                 for s in steps:
                     if s in self.committed:
                         await self._retire(s)
@@ -167,11 +174,12 @@ class Steps:
                 h.warn(msg)
             log.warning("%s", msg)
 
-    async def sync_latest(self, h: SaveHandle | None = None) -> None:
+    async def sync_latest(self, h: SaveHandle | None = None, leaving: Iterable[int] = ()) -> None:
         """Make ``latest`` name the newest committed step (or remove it when none is left). Something
         else of that name (a folder, a link, a file of other contents) is the user's: it is left
-        alone, and reported in ``h``'s warnings and :attr:`ignored`."""
-        newest = self.newest()
+        alone, and reported in ``h``'s warnings and :attr:`ignored`. ``leaving``: steps about to be
+        deleted, passed over."""
+        newest = max(self.committed.difference(leaving), default=None)
         want = None if newest is None else step_dir_name(newest)
         if want == self._latest_on_disk:
             return
@@ -188,12 +196,14 @@ class Steps:
             self.ignored[LATEST] = why
 
     async def _retain(self) -> None:
-        """Retire steps beyond ``keep_last`` (never one being loaded by this store: retried after
-        the next commit)."""
+        """Retire steps beyond ``keep_last`` (never one being loaded by this store, nor the one
+        ``latest`` names: retried after the next commit)."""
         if self.keep_last is None:
             return
         for step in self.sorted()[: -self.keep_last]:
-            if not self.readers[step]:
+            # nor the one `latest` still names (moving it failed: a full disk, say), so that it
+            # never names a step that is gone
+            if not self.readers[step] and step_dir_name(step) != self._latest_on_disk:
                 await self._retire(step)
 
     async def _retire(self, step: int) -> None:

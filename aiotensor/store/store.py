@@ -644,7 +644,8 @@ class TensorStore:
                 ) from None
             self._steps.committed.discard(step)
             raise CheckpointNotFoundError(
-                f"step {step} was retired while it was being loaded (by another process writing to {self.root})"
+                f"step {step} was retired while it was being loaded (by the writer of {self.root}, "
+                f"{'this store' if self._steps.writer else 'another process'}, or removed by hand)"
             ) from e
         finally:
             self._steps.readers[step] -= 1
