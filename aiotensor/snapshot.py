@@ -72,6 +72,7 @@ class Snapshotter:
         self._last_skipped: int | None = None  # the step of the last save() call, if it was skipped
         self.held_seconds: list[float] = []  # one per before_update that waited for a save
         self._handles: list[SaveHandle] = []  # not yet known committed
+        self._failed: list[SaveHandle] = []  # failed, their errors not raised yet
         self._last: SaveHandle | None = None  # not yet known staged
 
     def save(self, step: int, state: Any, *, force: bool = False) -> SaveHandle | None:
@@ -113,6 +114,7 @@ class Snapshotter:
 
         Cancellation: cancels the save being awaited (see :class:`~aiotensor.SaveHandle`).
         """
+        self._collect()
         while self._handles:
             h = self._handles[0]
             await h
@@ -128,9 +130,13 @@ class Snapshotter:
         return skipped
 
     def _collect(self) -> None:
-        """Forget finished saves; raise the error of a failed one (the store raises any others)."""
-        failed = next((h for h in self._handles if h.done() and h.exception() is not None), None)
+        """Forget finished saves; raise the error of the first failed one not raised yet, each in
+        turn (the store would raise one the snapshotter holds as a SaveFailedError, no longer an
+        OSError that ``except OSError`` catches: helper-32's full disk)."""
+        for h in self._handles:
+            if h.done() and h.exception() is not None and not h.observed:  # (drain raised an observed one)
+                h.observed = True
+                self._failed.append(h)
         self._handles = [h for h in self._handles if not h.done()]
-        if failed is not None:
-            failed.observed = True
-            raise failed.exception()  # type: ignore[misc]
+        if self._failed:
+            raise self._failed.pop(0).exception()  # type: ignore[misc]

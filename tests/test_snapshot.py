@@ -118,3 +118,31 @@ async def test_cancelling_before_update_cancels_that_save_and_keeps_the_others(t
         await first
         assert store.steps() == [1]
         assert not any(".tmp-" in n for n in os.listdir(tmp_path))
+
+
+async def test_every_failed_save_is_raised_as_its_own_error_in_turn(tmp_path: Any) -> None:
+    """Two saves failing on a full disk: the snapshotter raised the first's OSError and dropped the
+    second, which the store then raised from the next save as a SaveFailedError ("never awaited",
+    of a handle the user never held): a trainer catching OSError crashed (helper-32). Each is now
+    raised as it is, in turn."""
+
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "sync" and any(f"step-00000000000{s}" in str(op[1]) for s in (1, 2)):
+            raise OSError(errno.ENOSPC, "injected ENOSPC")
+
+    async with TensorStore(tmp_path, engine=FaultyEngine(hook=hook)) as store:
+        snap = Snapshotter(store, policy="wait")
+        snap.save(1, {"w": torch.ones(3)})
+        snap.save(2, {"w": torch.ones(3)})
+        with anyio.fail_after(30):
+            while not all(h.done() for h in snap._handles):
+                await anyio.sleep(0.01)
+        seen = []
+        for step in (3, 4, 5):
+            try:
+                snap.save(step, {"w": torch.ones(3)})
+            except OSError as e:  # never a SaveFailedError
+                seen.append(str(e))
+        assert len(seen) == 2 and all("injected ENOSPC" in m for m in seen), seen
+        await snap.drain()
+        assert store.steps() == [5]
