@@ -6,7 +6,8 @@ to ``OUT/rank-R.json``; the exit status is 0 only if every rank exited 0.
 
 Modes: ``ok``/``fail`` (DCP with AiotensorWriter), ``store`` (a TensorStore under the group: saves,
 retention, a resharding load), ``stages`` (each rank its own tensors, strict), ``load`` (WORLD ranks load the ``store`` root into their shards),
-``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing).
+``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing), ``cancel-one``
+(rank 1 cancels a save the others make), ``steps-differ`` (each rank saves a step of its own).
 """
 
 from __future__ import annotations
@@ -87,6 +88,22 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 into = {"model": {f"layers.{rank}.w": torch.zeros(4, 4)}}
                 await store.load(1, into=into)  # strict: every saved tensor is some rank's
                 report["loaded_ok"] = bool(into["model"][f"layers.{rank}.w"].eq(rank + 1).all())
+            elif mode in ("cancel-one", "steps-differ"):  # ranks out of step: every rank abandons that save
+                await store.save(1, sharded(1))
+                if mode == "cancel-one":
+                    h = store.save(2, sharded(2))
+                    if rank == 1:
+                        h.cancel()  # before it joined any collective
+                else:
+                    h = store.save(10 + rank, sharded(10 + rank))
+                try:
+                    await h
+                    report["error"] = None
+                except BaseException as e:
+                    report["error"] = f"{type(e).__name__}: {e}"
+                await store.save(3, sharded(3))  # the ranks are in step again
+                report["steps"] = store.steps()
+                report["loaded_ok"] = bool(torch.equal((await store.load())["w"], full(3)))
             elif mode == "load":
                 into = sharded(0)
                 await store.load(3, into=into)

@@ -181,6 +181,29 @@ def test_a_rank_that_fails_or_dies_mid_save_fails_the_others_and_commits_nothing
     anyio.run(previous_loads)
 
 
+@pytest.mark.parametrize("mode", ["cancel-one", "steps-differ"])
+def test_ranks_out_of_step_abandon_that_save_on_every_rank(tmp_path: Any, mode: str) -> None:
+    """A save cancelled on one rank before its first collective (its others' collectives then paired
+    with its next save's: step 2's folder held rank 0's step 2 and rank 1's step 3, rank 0 was
+    told committed, rank 1 listed a step 3 that was not there), and ranks saving different steps
+    (both said committed; one folder held both), are abandoned by every rank, nothing written
+    (helper-31's trial); the next save in step works."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    r = _spawn(root, 2, mode, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reps = _reports(out, 2)
+    if mode == "cancel-one":
+        assert reps[1]["error"].startswith("SaveCancelledError: the save of step 2 was cancelled"), reps[1]
+        assert reps[0]["error"].startswith("DistributedError: saving step 2 in ") and "rank [1] cancelled it" in reps[0]["error"]
+    else:
+        for rep in reps:
+            assert rep["error"].startswith("DistributedError: saving step 1"), rep
+            assert "different steps (rank 0: 10, rank 1: 11)" in rep["error"], rep
+    assert [rep["steps"] for rep in reps] == [[1, 3], [1, 3]]
+    assert [rep["loaded_ok"] for rep in reps] == [True, True]
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000000001", "step-000000000003"]
+
+
 def test_two_ranks_save_a_sharded_tensor_and_one_process_loads_it(tmp_path: Any) -> None:
     path = tmp_path / "root" / "step-000000000005"
     r = _spawn(path, 2, "ok")

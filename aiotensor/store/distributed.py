@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from .._io.tensors import mismatch
 from .._runtime import threads
 from .._runtime.scheduler import Scheduler
-from ..errors import DistributedError, MismatchError
+from ..errors import DistributedError, MismatchError, SaveCancelledError
 from .handle import SaveHandle
 from .steps import Steps
 
@@ -77,21 +77,23 @@ class Group:
         self.saver = Saver(self.group)
         mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
         async with self.turn():
-            text = await anyio.to_thread.run_sync(share_outcome, mine, self.group)
+            text = await anyio.to_thread.run_sync(share_outcome, mine, self.group, f"opening {root}")
         if problem is not None:
             raise problem
         if text:
             raise DistributedError(f"rank 0 could not open {root} as its writer: {text}")
 
-    async def save(self, h: SaveHandle, state: Any, path: str, steps: Steps) -> None:
+    async def save(self, h: SaveHandle, state: Any, path: str, steps: Steps, cancelled: Callable[[], bool]) -> None:
         """Stage this rank's part, write it, and commit once every rank's file is durable (DCP plans,
         aiotensor writes, rank 0 commits; its last collective carries the outcome to every rank).
-        Collectives cannot be left half-way: cancelling waits for the end on this rank."""
+        Collectives cannot be left half-way: cancelling waits for the end on this rank; a save
+        ``cancelled()`` by the time every rank has staged is abandoned by every rank (the caller
+        shields it until then, so that it never skips a collective another rank waits in)."""
         what = f"saving step {h.step} in {steps.root}"
         assert self.saver is not None, "the store opened"
         with anyio.CancelScope(shield=True):
             async with self.turn():
-                staged = await self.sched.run_sync(self.saver.stage, state, what)
+                staged = await self.sched.run_sync(self.saver.stage, state, what, h.step, cancelled)
                 del state
                 h.set_staged(0)
                 token = anyio.lowlevel.current_token()
@@ -99,13 +101,14 @@ class Group:
                 h.nbytes = await self.sched.run_sync(self.saver.write, staged, path, what, self.sched, token, fence)
             await steps.commit(h, None)
 
-    async def load(self, into: Any, path: str, what: str, strict: bool = True) -> None:
+    async def load(self, into: Any, step: int, path: str, what: str, strict: bool = True) -> None:
         """Fill ``into`` (this rank's sharded state) through DCP, which reshards (``strict=False``:
-        its partial load). As :meth:`save`, cancelling waits for the end on this rank."""
+        its partial load), once every rank names the same ``step``. As :meth:`save`, cancelling
+        waits for the end on this rank."""
         with anyio.CancelScope(shield=True):
             async with self.turn():
                 token = anyio.lowlevel.current_token()
-                await self.sched.run_sync(load, into, path, self.group, what, self.sched, token, strict)
+                await self.sched.run_sync(load, into, step, path, self.group, what, self.sched, token, strict)
 
     def close(self) -> None:
         if self.saver is not None:
@@ -170,14 +173,14 @@ def _coordinator(group: Any) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def share_outcome(error: str, group: Any) -> str:
+def share_outcome(error: str, group: Any, what: str) -> str:
     """Every rank gets the coordinator's ``error`` text ("" when it opened fine). Plain tensors, no pickle."""
     src = _coordinator(group)
     data = torch.frombuffer(bytearray(error.encode()[:4000] or b"\0"), dtype=torch.uint8)
     size = torch.tensor([data.numel()])
-    dist.broadcast(size, src, group=group)
+    collective(lambda: dist.broadcast(size, src, group=group), what)
     buf = data if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(buf, src, group=group)
+    collective(lambda: dist.broadcast(buf, src, group=group), what)
     return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
@@ -197,10 +200,12 @@ class Saver:
                               use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
         return opts, DefaultStager(opts)
 
-    def stage(self, state: Any, what: str) -> Any:
+    def stage(self, state: Any, what: str, step: int, cancelled: Callable[[], bool]) -> Any:
         """A CPU copy of this rank's part of ``state`` (DCP's stager: DTensor and ShardedTensor kept
-        as such). Every rank learns whether every other one could, before anyone starts writing: a
-        rank that failed here would otherwise leave the others waiting in DCP's first collective."""
+        as such). Every rank learns whether every other one could, saves the same ``step``, and
+        has not ``cancelled()`` the save, before anyone starts writing: a rank that failed or
+        stopped here would leave the others waiting in DCP's first collective, or pair them with
+        its next save (a step folder held two steps' shards, and rank 0 said committed)."""
         if self.opts.use_pinned_memory != torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             self.stager.close()  # CUDA came into use (or a fork left it) since the last save
             self.opts, self.stager = self._stager()
@@ -210,13 +215,20 @@ class Saver:
             staged, problem = None, e
         if spent(self.stager):
             self.opts, self.stager = self._stager()
-        failed = agree(problem is not None, self.group)
+        votes = gather([problem is not None, cancelled(), step], self.group, what)
+        failed = [r for r, v in enumerate(votes) if v[0]]
         if problem is not None:
             if len(failed) > 1:
                 problem.add_note(f"{what} was abandoned on every rank; ranks {failed} could not stage their state")
             raise problem
         if failed:
             raise DistributedError(f"{what} was abandoned: ranks {failed} could not stage their state")
+        same_step(votes, 2, what, "saving")
+        stopped = [r for r, v in enumerate(votes) if v[1]]
+        if dist.get_rank(self.group) in stopped:
+            raise SaveCancelledError(f"the save of step {step} was cancelled; nothing was committed (on any rank)")
+        if stopped:
+            raise DistributedError(f"{what} was abandoned: rank{'s' * (len(stopped) > 1)} {stopped} cancelled it")
         return staged
 
     def write(self, staged: Any, path: str, what: str, sched: Scheduler, token: Any, fence: Callable[[], None] | None) -> int:
@@ -249,15 +261,29 @@ def spent(stager: Any) -> bool:
     return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
 
-def agree(failed: bool, group: Any) -> list[int]:
-    """The group ranks for which ``failed`` is true, known to every rank."""
-    world = dist.get_world_size(group)
-    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
-    dist.all_gather(flags, torch.tensor([int(failed)], dtype=torch.int32), group=group)
-    return [r for r, f in enumerate(flags) if f.item()]
+def gather(values: list[int], group: Any, what: str) -> list[list[int]]:
+    """Every group rank's ``values`` (small integers), known to every rank (a rank gone:
+    DistributedError, as in DCP's collectives)."""
+    mine = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    got = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    collective(lambda: dist.all_gather(got, mine, group=group), what)
+    return [t.tolist() for t in got]
 
 
-def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True) -> None:
+def same_step(votes: list[list[int]], at: int, what: str, doing: str) -> None:
+    """Refuse, on every rank, ranks whose ``votes[rank][at]`` (a step) differ: each rank must save
+    and load the same steps, in the same order."""
+    if len({v[at] for v in votes}) > 1:
+        each = ", ".join(f"rank {r}: {v[at]}" for r, v in enumerate(votes))
+        raise DistributedError(
+            f"{what} was abandoned: the ranks are {doing} different steps ({each}); every rank must call "
+            f"{'save' if doing == 'saving' else 'load'}() with the same step, in the same order (nothing was written)"
+        )
+
+
+def load(
+    into: Any, step: int, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True
+) -> None:
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk. The
     reads run on ``sched`` (the store's, on the event loop of ``token``). ``strict=False``: DCP's
     partial load (``allow_partial_load``): a key of ``into`` the checkpoint lacks is left alone;
@@ -271,7 +297,9 @@ def load(into: Any, path: str, group: Any, what: str, sched: Scheduler, token: A
         problem: Exception | None = None
     except Exception as e:
         problem = e
-    failed = agree(problem is not None, group)
+    votes = gather([problem is not None, step], group, what)
+    failed = [r for r, v in enumerate(votes) if v[0]]
+    same_step(votes, 1, what, "loading")
     if problem is not None:
         raise problem
     if failed:
@@ -320,4 +348,4 @@ def collective(fn: Callable[[], Any], what: str) -> None:
         raise DistributedError(f"{what} failed: another rank stopped answering ({str(e)[:300]})") from e
 
 
-__all__ = ["Group", "Saver", "agree", "group_of", "load", "share_outcome"]
+__all__ = ["Group", "Saver", "gather", "group_of", "load", "share_outcome"]

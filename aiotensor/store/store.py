@@ -440,11 +440,15 @@ class TensorStore:
         try:
             with anyio.CancelScope() as scope:
                 h.begin(scope)
-                if self._remembered is not None:
-                    await self._remembered.wait()  # at once, but for a first save right after open()
+                # under a process group a save cancelled before its first collective is abandoned
+                # by every rank there (skipped here, the others' next collectives would pair with
+                # this rank's next save's)
+                with anyio.CancelScope(shield=self._group is not None):
+                    if self._remembered is not None:
+                        await self._remembered.wait()  # at once, but for a first save right after open()
                 with self.scheduler.operation():  # from the walk of the state to the commit
                     if self._group is not None:
-                        await self._group.save(h, state, self.path(h.step), self._steps)
+                        await self._group.save(h, state, self.path(h.step), self._steps, lambda: scope.cancel_called)
                     else:
                         await saving.save(
                             self.scheduler,
@@ -620,7 +624,7 @@ class TensorStore:
         try:
             with self._tasks.running():  # close() waits for it
                 if self._group is not None and into is not None and not mmap:  # mmap with into=: refused below
-                    await self._group.load(into, self.path(step), f"loading step {step} from {self.root}", strict)
+                    await self._group.load(into, step, self.path(step), f"loading step {step} from {self.root}", strict)
                     return into
                 verify = self.verify if verify is None else verify
                 return await load_checkpoint(
