@@ -256,12 +256,18 @@ def cmd_verify(a: argparse.Namespace) -> int:
     a changed value cannot be seen), 1 if anything is bad."""
     bad: list[str] = []
     checked: list[sources.Source] = []
+    gone: list[str] = []  # steps a writer retired while they were verified
     engine = _engine(a.path)
     names = engine.listdir(a.path) if is_folder(engine, a.path) else []
-    if names and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names):
+    root = bool(names) and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names)
+    if root:
         listing = _root.scan(engine, a.path, {})
         paths = [os.path.join(a.path, n) for _, n in sorted(listing.committed.items())]
-        bad += [f"{n}: {why}" for n, why in listing.ignored.items() if "not a valid checkpoint" in why]
+        # a folder named as a step that is none (no valid manifest, cannot be read): `latest` may name
+        # it; one retired while it was listed is gone
+        for n, why in sorted(listing.ignored.items()):
+            if _root.parse_step(n) is not None:
+                (bad.append(f"{n}: {why}") if engine.exists(os.path.join(a.path, n)) else gone.append(n))
     else:
         paths = [a.path]
     for path in paths:
@@ -279,15 +285,23 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 progress.close()
             checked.append(src)
         except (errors.AiotensorError, OSError) as e:
+            if root and isinstance(e, FileNotFoundError) and not engine.exists(path):
+                gone.append(os.path.basename(path))  # retention of a store being trained, not a fault
+                continue
             bad.append(f"{type(e).__name__}: {e}")
     for line in bad:
         print(f"BAD  {line}")
     if bad:
         print(f"BAD  {a.path}: {_count(len(bad), 'problem')}; {len(checked)} of {_count(len(paths), 'source')} read whole")
         return BAD
+    retired = f" ({_count(len(gone), 'step')} retired by its writer meanwhile: {', '.join(gone[:5])})" if gone else ""
+    if not checked:
+        print(f"NONE {a.path}: nothing to verify, no committed step{retired}")
+        return UNVERIFIABLE
     files = sum(len(s.files) for s in checked)
     count = sum(len(e.names) for s in checked for e in s.entries)
-    what = f"{a.path}: {len(checked)} {'steps' if len(checked) > 1 else 'source'}, {files} files, {count} tensors read whole"
+    kind = "steps" if len(checked) > 1 else "step" if root else "source"
+    what = f"{a.path}: {len(checked)} {kind}{retired}, {files} files, {count} tensors read whole"
     plain = [f for s in checked if not s.checksummed for f in s.files]
     if plain:
         shown = ", ".join(os.path.basename(f) for f in plain[:5]) + (" ..." if len(plain) > 5 else "")

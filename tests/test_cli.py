@@ -68,6 +68,41 @@ def test_verify_names_the_bad_tensor_and_file(files: dict[str, Any], capsys: Any
     assert out.splitlines()[-1].endswith("ckpts: 1 problem; 1 of 2 sources read whole"), out  # and a count
 
 
+def test_verify_of_a_root_being_trained_on_an_odd_step_folder_and_an_empty_root(
+    files: dict[str, Any], capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-31/32's trials: a step retired by the writer while verify ran (a store being trained
+    on, keep_last=) was BAD, exit 1, every time; a folder named as a step that is none (no
+    manifest, or unreadable: `latest` may name it) was passed over with OK; a root with nothing
+    to verify said OK, "every byte checked", exit 0."""
+    import shutil
+
+    import aiotensor.cli as cli_module
+
+    ckpts = files["root"] / "ckpts"
+    resolve = cli_module._resolve
+
+    def retiring(path: str) -> Any:
+        if path.endswith("step-000000000001"):
+            shutil.rmtree(path)  # the writer's retention, as verify reaches it
+        return resolve(path)
+
+    monkeypatch.setattr(cli_module, "_resolve", retiring)
+    assert main(["verify", str(ckpts)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK") and "1 step (1 step retired by its writer meanwhile: step-000000000001)" in out, out
+    monkeypatch.setattr(cli_module, "_resolve", resolve)
+    (ckpts / "step-000000000005").mkdir()  # named as a step, no manifest
+    assert main(["verify", str(ckpts)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD  step-000000000005:" in out and out.splitlines()[-1].endswith("1 problem; 1 of 1 source read whole"), out
+    empty = files["root"] / "empty"
+    empty.mkdir()
+    (empty / ".aiotensor.lock").write_text("")
+    assert main(["verify", str(empty)]) == 3
+    assert capsys.readouterr().out.startswith("NONE")
+
+
 def test_bad_input_and_usage(tmp_path: Any, capsys: Any) -> None:
     assert main(["inspect", str(tmp_path / "missing")]) == 1
     assert "no such file" in capsys.readouterr().err
