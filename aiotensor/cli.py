@@ -337,10 +337,12 @@ async def convert(
     """Convert ``src`` (any path :func:`aiotensor.sources.resolve` reads) to ``dst``; returns what
     it wrote.
 
-    ``to``: ``"checkpoint"`` (a store root: the whole state, values and nesting kept), ``"torch"``
-    (a torch.save file: the same) or ``"safetensors"`` (tensors only, by their dotted names; what
-    it cannot hold is named in the result). Default: from ``dst`` (``.pt``/``.bin``: torch; with
-    ``step``: checkpoint; else safetensors). Safetensors go to one file, or, where ``dst`` is a
+    ``to``: ``"checkpoint"`` (a store root: the whole state, values and nesting kept, as ``step``,
+    default the source's step or 0), ``"torch"`` (a torch.save file: the same) or ``"safetensors"``
+    (tensors only, by their dotted names; what it cannot hold is named in the result). Default:
+    from ``dst`` (``.pt``/``.bin``: torch; ``.safetensors``: safetensors; else with ``step``:
+    checkpoint; else safetensors). ``step`` with another output is a ValueError (it names the
+    output's step, never a step to read: name a store's step folder for that). Safetensors go to one file, or, where ``dst`` is a
     folder (ends with ``/``, exists as one, or has no ``.safetensors`` name and the tensors exceed
     ``shard_size``), to a Hugging Face folder: ``model.safetensors``, or shards of at most
     ``shard_size`` with their index. Every output is published whole (:mod:`aiotensor.commit`),
@@ -351,8 +353,15 @@ async def convert(
         ValueError: a file name for an output that needs shards.
         What reading ``src`` raises.
     """
+    to = to or (
+        "torch" if dst.endswith((".pt", ".bin")) else "safetensors" if dst.endswith(".safetensors") or step is None else "checkpoint"
+    )
+    if step is not None and to != "checkpoint":  # `convert ROOT out.safetensors --step 10` wrote a store of the newest step
+        raise ValueError(
+            f"--step names the step of a checkpoint output (--to checkpoint), not a step to read: to convert step {step} "
+            f"of a store, name its folder (ROOT/{_root.step_dir_name(step)})"
+        )
     info = await anyio.to_thread.run_sync(_resolve, src)
-    to = to or ("torch" if dst.endswith((".pt", ".bin")) else "checkpoint" if step is not None else "safetensors")
     total = info.stored_bytes
     progress = progress or Progress("", total)
     progress.total = total
@@ -381,7 +390,7 @@ async def convert(
                     await save_torch(state, dst, scheduler=sched)
                 else:
                     async with TensorStore(dst, engine=sched.engine) as store:
-                        await store.save(step or 0, state)
+                        await store.save(step if step is not None else info.step or 0, state)  # a step keeps its number
             what = to
     count = sum(len(e.names) for e in info.entries)
     values = _values(info)
@@ -492,7 +501,8 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", type=_where)
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
-    conv.add_argument("--step", type=int, help="the step, for --to checkpoint (default 0)")
+    conv.add_argument("--step", type=int, help="the output's step, for --to checkpoint (default: the source's, or 0); "
+                      "to convert step N of a store, name its folder ROOT/step-00000000000N")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it is an existing file")
     conv.set_defaults(fn=cmd_convert)
     bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",

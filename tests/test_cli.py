@@ -103,6 +103,20 @@ def test_verify_of_a_root_being_trained_on_an_odd_step_folder_and_an_empty_root(
     assert capsys.readouterr().out.startswith("NONE")
 
 
+def test_convert_step_names_the_outputs_step_never_a_step_to_read(files: dict[str, Any], capsys: Any) -> None:
+    """`convert ROOT out.safetensors --step 1` made a store folder named out.safetensors holding the
+    newest step labelled step 1, exit 0 (helper-32): --step is the output's step, so with a
+    safetensors or torch output it is refused, naming the way to read a step; a step converted to
+    a checkpoint keeps its number."""
+    root = files["root"]
+    assert main(["convert", str(root / "ckpts"), str(root / "out.safetensors"), "--step", "1"]) == 1
+    assert "name its folder (ROOT/step-000000000001)" in capsys.readouterr().err
+    assert not (root / "out.safetensors").exists()
+    assert main(["convert", str(root / "ckpts" / "step-000000000001"), str(root / "out.safetensors")]) == 0
+    assert main(["convert", str(root / "ckpts" / "step-000000000001"), str(root / "copy"), "--to", "checkpoint"]) == 0
+    assert sorted(n for n in os.listdir(root / "copy") if n.startswith("step-")) == ["step-000000000001"]
+
+
 def test_bad_input_and_usage(tmp_path: Any, capsys: Any) -> None:
     assert main(["inspect", str(tmp_path / "missing")]) == 1
     assert "no such file" in capsys.readouterr().err
