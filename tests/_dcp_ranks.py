@@ -7,7 +7,8 @@ to ``OUT/rank-R.json``; the exit status is 0 only if every rank exited 0.
 Modes: ``ok``/``fail`` (DCP with AiotensorWriter), ``store`` (a TensorStore under the group: saves,
 retention, a resharding load), ``stages`` (each rank its own tensors, strict), ``load`` (WORLD ranks load the ``store`` root into their shards),
 ``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing), ``cancel-one``
-(rank 1 cancels a save the others make), ``steps-differ`` (each rank saves a step of its own).
+(rank 1 cancels a save the others make), ``steps-differ`` (each rank saves a step of its own),
+``values`` (a numpy float saved, an argparse.Namespace refused).
 """
 
 from __future__ import annotations
@@ -104,6 +105,20 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 await store.save(3, sharded(3))  # the ranks are in step again
                 report["steps"] = store.steps()
                 report["loaded_ok"] = bool(torch.equal((await store.load())["w"], full(3)))
+            elif mode == "values":  # values as a store keeps them, or refused at save
+                import argparse
+
+                import numpy as np
+
+                await store.save(1, sharded(1) | {"best": np.float64(0.25)})
+                into = sharded(0) | {"best": 0.0}
+                await store.load(into=into)
+                report["best"] = [into["best"], type(into["best"]).__name__]
+                try:
+                    await store.save(2, sharded(2) | {"args": argparse.Namespace(lr=0.1)})
+                except Exception as e:
+                    report["error"] = f"{type(e).__name__}: {e}"
+                report["steps"] = store.steps()
             elif mode == "load":
                 into = sharded(0)
                 await store.load(3, into=into)

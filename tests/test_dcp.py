@@ -204,6 +204,19 @@ def test_ranks_out_of_step_abandon_that_save_on_every_rank(tmp_path: Any, mode: 
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000000001", "step-000000000003"]
 
 
+def test_a_distributed_save_keeps_values_as_a_store_does_and_refuses_what_it_cannot_load(tmp_path: Any) -> None:
+    """A numpy float64 (a float subclass, which DCP pickled as numpy's) committed a step that every
+    load then refused, and `ls` failed on the root; an argparse.Namespace too (a store in one
+    process refuses it at save: helper-31). Values are now kept as a store keeps them (a float)
+    and what a store cannot save is refused at save, on every rank, nothing written."""
+    r = _spawn(tmp_path / "root", 2, "values", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rep in _reports(tmp_path / "out", 2):
+        assert rep["best"] == [0.25, "float"], rep
+        assert rep["error"].startswith("StateError: cannot save argparse.Namespace at 'args'"), rep
+        assert rep["steps"] == [1], rep
+
+
 def test_two_ranks_save_a_sharded_tensor_and_one_process_loads_it(tmp_path: Any) -> None:
     path = tmp_path / "root" / "step-000000000005"
     r = _spawn(path, 2, "ok")

@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -26,9 +28,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._io.tensors import mismatch
+from ..formats import tree
 from .._runtime import threads
 from .._runtime.scheduler import Scheduler
-from ..errors import DistributedError, MismatchError, SaveCancelledError
+from ..errors import DistributedError, MismatchError, SaveCancelledError, StateError
 from .handle import SaveHandle
 from .steps import Steps
 
@@ -210,7 +213,7 @@ class Saver:
             self.stager.close()  # CUDA came into use (or a fork left it) since the last save
             self.opts, self.stager = self._stager()
         try:
-            staged, problem = self.stager.stage(state), None
+            staged, problem = self.stager.stage(plain(state)), None
         except Exception as e:
             staged, problem = None, e
         if spent(self.stager):
@@ -251,6 +254,39 @@ class Saver:
 
     def close(self) -> None:
         self.stager.close()
+
+
+def plain(state: Any, path: tuple[Any, ...] = ()) -> Any:
+    """``state`` with each value as a store keeps it: a subclass of ``float``, ``int``, ``str`` or
+    ``bool`` (numpy's ``float64``) made the plain one, since DCP pickles values and every loader
+    refuses a pickle of numpy's (a step committed that no resume could read: helper-31); what a
+    store cannot save is refused here as in one process (:func:`aiotensor.formats.tree.flatten`).
+    Tensors (DTensor), ShardedTensors and containers are kept; the containers are new ones.
+
+    Raises:
+        StateError: naming the path of a value that cannot be saved."""
+    if isinstance(obj := state, (torch.Tensor, ShardedTensor)):
+        return obj
+    if len(path) > 64:
+        raise StateError(f"state nests deeper than 64 levels at {tree.key_path(path)!r}")
+    if isinstance(obj, (bool, int, float, str)) or obj is None or isinstance(obj, torch.dtype):
+        base = next(t for t in (bool, int, float, str, object) if isinstance(obj, t))
+        return obj if type(obj) is base or base is object else base(obj)
+    if isinstance(obj, Mapping):
+        out = {k: plain(v, (*path, k)) for k, v in obj.items()}
+        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+    if isinstance(obj, (list, tuple)):
+        items = [plain(v, (*path, i)) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    tree.flatten(_at(path, obj))  # raises the store's StateError, naming the path
+    raise AssertionError(f"unreachable: {type(obj)}")  # pragma: no cover
+
+
+def _at(path: tuple[Any, ...], obj: Any) -> Any:
+    """``obj`` nested under ``path`` (for a message naming it)."""
+    for k in reversed(path):
+        obj = {str(k): obj}
+    return obj
 
 
 def spent(stager: Any) -> bool:
