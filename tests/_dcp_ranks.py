@@ -89,6 +89,7 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 into = {"model": {f"layers.{rank}.w": torch.zeros(4, 4)}}
                 await store.load(1, into=into)  # strict: every saved tensor is some rank's
                 report["loaded_ok"] = bool(into["model"][f"layers.{rank}.w"].eq(rank + 1).all())
+                report["keys"] = sorted(into["model"])  # another stage's layers never put there
             elif mode in ("cancel-one", "steps-differ"):  # ranks out of step: every rank abandons that save
                 await store.save(1, sharded(1))
                 if mode == "cancel-one":
@@ -110,10 +111,13 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
 
                 import numpy as np
 
-                await store.save(1, sharded(1) | {"best": np.float64(0.25)})
+                await store.save(1, sharded(1) | {"best": np.float64(0.25), "sched": {"last_epoch": 7}})
                 into = sharded(0) | {"best": 0.0}
                 await store.load(into=into)
                 report["best"] = [into["best"], type(into["best"]).__name__]
+                lacking = {"w": sharded(0)["w"], "b": torch.zeros(3), "sched": {}}  # a fresh scheduler's {}
+                await store.load(1, into=lacking)  # strict: the saved values it lacks are put there
+                report["added"] = [lacking.get("step"), lacking.get("best"), lacking["sched"]]
                 try:
                     await store.save(2, sharded(2) | {"args": argparse.Namespace(lr=0.1)})
                 except Exception as e:

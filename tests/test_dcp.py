@@ -109,6 +109,7 @@ def test_a_strict_distributed_load_of_pipeline_stages_each_with_its_own_tensors(
     r = _spawn(tmp_path / "root", 2, "stages", tmp_path / "out")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [rep["loaded_ok"] for rep in _reports(tmp_path / "out", 2)] == [True, True]
+    assert [rep["keys"] for rep in _reports(tmp_path / "out", 2)] == [["layers.0.w"], ["layers.1.w"]]
 
 
 def test_a_store_under_a_process_group_saves_sharded_state_and_3_ranks_load_what_2_saved(tmp_path: Any) -> None:
@@ -208,11 +209,14 @@ def test_a_distributed_save_keeps_values_as_a_store_does_and_refuses_what_it_can
     """A numpy float64 (a float subclass, which DCP pickled as numpy's) committed a step that every
     load then refused, and `ls` failed on the root; an argparse.Namespace too (a store in one
     process refuses it at save: helper-31). Values are now kept as a store keeps them (a float)
-    and what a store cannot save is refused at save, on every rank, nothing written."""
+    and what a store cannot save is refused at save, on every rank, nothing written. A strict load
+    into a state lacking saved values (a step, a scheduler's {}) put them there in one process and
+    not under a process group (the scheduler silently not restored): now it does on N too."""
     r = _spawn(tmp_path / "root", 2, "values", tmp_path / "out")
     assert r.returncode == 0, r.stderr[-3000:]
     for rep in _reports(tmp_path / "out", 2):
         assert rep["best"] == [0.25, "float"], rep
+        assert rep["added"] == [1, 0.25, {"last_epoch": 7}], rep  # a strict load puts what into lacks, as in one process
         assert rep["error"].startswith("StateError: cannot save argparse.Namespace at 'args'"), rep
         assert rep["steps"] == [1], rep
 

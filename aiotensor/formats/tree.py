@@ -340,7 +340,9 @@ def under_empty(saved: Callable[[], Any], into: Any, is_leaf: Callable[[Any], bo
 def update(into: Any, saved: Any, partial: bool = False) -> Any:
     """Every value of ``saved`` put into ``into``'s own containers (a load's ``into=`` gets every
     saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
-    values replaced, a tuple rebuilt (it cannot change in place); returns ``into`` (or the tuple).
+    values replaced, a tuple rebuilt (it cannot change in place), never a value that holds a tensor
+    the load did not read (:data:`UNREAD`: another rank's, under a process group) where ``into``
+    lacks the place; returns ``into`` (or the tuple).
     ``partial`` (a load with ``strict=False``): only where ``into`` has the place, a list or tuple
     only element by element (one of another length is left as it is; a named tuple keeps its
     type), never a value that holds a tensor the load did not read (:data:`UNREAD`), never over a
@@ -351,7 +353,7 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
         for k, v in saved.items():
             if k in into:
                 into[k] = update(into[k], v, partial)
-            elif not partial:
+            elif not partial and not _holds(v, _is_unread):  # (another rank's tensors, under a process group)
                 into[k] = v
         return into
     lists, tuples = isinstance(into, list) and isinstance(saved, list), isinstance(into, tuple) and isinstance(saved, tuple)

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._io.tensors import mismatch
+from .. import sources
 from ..formats import tree
 from .._runtime import threads
 from .._runtime.scheduler import Scheduler
@@ -342,6 +343,10 @@ def load(
         raise DistributedError(f"{what} failed: ranks {failed} could not read the checkpoint's metadata")
     planner = _Planner(allow_partial_load=not strict)
     collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what)
+    if strict:  # DCP loads only the keys `into` has: the saved values it lacks are put there, as in one process
+        src = sources.step(sched.engine, path)
+        assert src.state is not None
+        tree.update(into, src.state(lambda name: tree.UNREAD))
 
 
 class _Planner(DefaultLoadPlanner):
