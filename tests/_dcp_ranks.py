@@ -8,7 +8,7 @@ Modes: ``ok``/``fail`` (DCP with AiotensorWriter), ``store`` (a TensorStore unde
 retention, a resharding load), ``stages`` (each rank its own tensors, strict), ``load`` (WORLD ranks load the ``store`` root into their shards),
 ``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing), ``cancel-one``
 (rank 1 cancels a save the others make), ``steps-differ`` (each rank saves a step of its own),
-``values`` (a numpy float saved, an argparse.Namespace refused).
+``values`` (a numpy float saved, an argparse.Namespace refused), ``rollback`` (rollback and delete on every rank).
 """
 
 from __future__ import annotations
@@ -106,6 +106,15 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 await store.save(3, sharded(3))  # the ranks are in step again
                 report["steps"] = store.steps()
                 report["loaded_ok"] = bool(torch.equal((await store.load())["w"], full(3)))
+            elif mode == "rollback":  # every rank calls it; rank 0 deletes, every view follows
+                for step in (1, 2, 3):
+                    await store.save(step, sharded(step))
+                report["rolled"] = await store.rollback(2)  # (keep_last=2: steps 2 and 3)
+                report["view"] = store.steps()
+                await store.save(3, sharded(33))  # again, after the divergence
+                await store.delete(2)
+                report["steps"] = store.steps()
+                report["loaded_ok"] = bool(torch.equal((await store.load())["w"], full(33)))
             elif mode == "values":  # values as a store keeps them, or refused at save
                 import argparse
 

@@ -221,6 +221,19 @@ def test_a_distributed_save_keeps_values_as_a_store_does_and_refuses_what_it_can
         assert rep["steps"] == [1], rep
 
 
+def test_rollback_and_delete_under_a_process_group_run_on_every_rank(tmp_path: Any) -> None:
+    """rollback/delete called on every rank (as save and load are) made rank 1 rename steps too,
+    without the lock: the second got FileNotFoundError and the views parted, so rank 0's next
+    save was refused while rank 1 waited in its collectives (helper-31). Rank 0 now deletes,
+    every rank lists the root again."""
+    root = tmp_path / "root"
+    r = _spawn(root, 2, "rollback", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rep in _reports(tmp_path / "out", 2):
+        assert (rep["rolled"], rep["view"], rep["steps"], rep["loaded_ok"]) == ([3], [2], [3], True), rep
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000000003"]
+
+
 def test_two_ranks_save_a_sharded_tensor_and_one_process_loads_it(tmp_path: Any) -> None:
     path = tmp_path / "root" / "step-000000000005"
     r = _spawn(path, 2, "ok")

@@ -114,6 +114,41 @@ class Group:
                 token = anyio.lowlevel.current_token()
                 await self.sched.run_sync(load, into, step, path, self.group, what, self.sched, token, strict)
 
+    async def retire(self, steps: Steps, step: int, doomed: Callable[[], list[int]], what: str) -> list[int]:
+        """``delete``/``rollback`` (``step``: its argument) on every rank together: the ranks agree
+        on ``step``, rank 0 (the root's writer) retires the ``doomed()`` steps, every rank learns
+        how it went and lists the root again (a rank that did it alone renamed steps without the
+        lock, or left the others' views naming deleted steps: their next save raised at once while
+        rank 0 waited in its collectives). Returns the steps doomed. Cancellation: it completes."""
+        with anyio.CancelScope(shield=True):
+            async with self.turn():
+                try:
+                    gone, problem = doomed(), None
+                except Exception as e:
+                    gone, problem = [], e
+                votes = await anyio.to_thread.run_sync(gather, [problem is not None, step], self.group, what)
+                same_step(votes, 1, what, "deleting")
+                failed = [r for r, v in enumerate(votes) if v[0]]
+                if problem is not None:
+                    raise problem
+                if failed:
+                    raise DistributedError(f"{what} was abandoned: it failed on ranks {failed}")
+                error: Exception | None = None
+                if self.rank == 0:
+                    try:
+                        await steps.delete(gone)
+                    except Exception as e:
+                        error = e
+                mine = "" if error is None else f"{type(error).__name__}: {error}"
+                text = await anyio.to_thread.run_sync(share_outcome, mine, self.group, what)
+                if self.rank != 0:
+                    await steps.scan()
+                if error is not None:
+                    raise error
+                if text:
+                    raise DistributedError(f"{what} failed on rank 0: {text}")
+                return gone
+
     def close(self) -> None:
         if self.saver is not None:
             self.saver.close()
@@ -308,13 +343,13 @@ def gather(values: list[int], group: Any, what: str) -> list[list[int]]:
 
 
 def same_step(votes: list[list[int]], at: int, what: str, doing: str) -> None:
-    """Refuse, on every rank, ranks whose ``votes[rank][at]`` (a step) differ: each rank must save
-    and load the same steps, in the same order."""
+    """Refuse, on every rank, ranks whose ``votes[rank][at]`` (a step) differ: each rank must save,
+    load and delete the same steps, in the same order."""
     if len({v[at] for v in votes}) > 1:
         each = ", ".join(f"rank {r}: {v[at]}" for r, v in enumerate(votes))
         raise DistributedError(
-            f"{what} was abandoned: the ranks are {doing} different steps ({each}); every rank must call "
-            f"{'save' if doing == 'saving' else 'load'}() with the same step, in the same order (nothing was written)"
+            f"{what} was abandoned: the ranks are {doing} different steps ({each}); every rank must make the same "
+            "call with the same step, in the same order (nothing was changed)"
         )
 
 

@@ -526,14 +526,22 @@ class TensorStore:
         """Delete a committed step: renamed away durably (it stops being a checkpoint at once), its
         files removed in the background, ``latest`` updated; in the mirror too.
 
+        Under a process group every rank calls it with the same step (rank 0 deletes; each rank then
+        lists the root again; ranks naming different steps: DistributedError, nothing deleted).
+
         Raises:
             CheckpointNotFoundError: no such committed step.
             ReadOnlyStoreError / StoreClosedError: not a writer, or not open.
             OSError: the rename failed (the step is then still committed).
+            DistributedError: under a process group, it failed on another rank (naming it).
 
         Cancellation: once started, the deletion completes.
         """
         self._check_writable()
+        if self._group is not None:  # every rank calls it; rank 0 deletes
+            what = f"deleting step {step} of {self.root}"
+            await self._group.retire(self._steps, step, lambda: [self._steps.check(step, exists=True)], what)
+            return
         if self._tier is not None and step in self._mirrored():
             await self._tier.delete(step)
             if step not in self._steps.committed:
@@ -544,6 +552,8 @@ class TensorStore:
         """Delete every committed step newer than ``step``, newest first (to go back to ``step``
         and save the later steps again, after a divergence say), here and in the mirror; returns
         them.
+
+        Under a process group every rank calls it with the same step, as :meth:`delete`.
 
         Raises:
             CheckpointExistsError: a newer step is being saved (await or cancel it first).
@@ -557,6 +567,9 @@ class TensorStore:
         if busy:
             raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
         doomed = [s for s in reversed(self.steps()) if s > step]
+        if self._group is not None:  # every rank calls it; rank 0 deletes
+            what = f"rolling {self.root} back to step {step}"
+            return await self._group.retire(self._steps, step, lambda: [s for s in doomed if s in self._steps.committed], what)
         if self._tier is not None and self._mirror is not None:
             async with self._mirror.turn:  # not beside an upload
                 await self._tier.rollback(step)
