@@ -177,7 +177,8 @@ class AiotensorWriter(StorageWriter):
     metadata, put last and only if absent, is the commit point (``docs/store.md``, "A store in a
     bucket"); the folder is marked as the library's first, so two writers cannot share it.
     ``fence``: a blocking check the coordinator runs just before the commit point (a distributed
-    store's writer lease: renewed, or StoreLockedError).
+    store's writer lease: renewed, or StoreLockedError). Without one, a local store root's
+    writer lock is taken around the commit (StoreLockedError where a TensorStore writes there).
     """
 
     def __init__(
@@ -199,6 +200,7 @@ class AiotensorWriter(StorageWriter):
         self.rank = 0
         self.nbytes = 0
         self.tmp = ""  # the coordinator's temporary folder, once made, until committed
+        self._lock: _root.WriterLock | None = None  # the root's, held by the coordinator around the commit
 
     @property
     def engine(self) -> Engine:
@@ -229,9 +231,36 @@ class AiotensorWriter(StorageWriter):
             tmp = os.path.join(root, commit.temp_name(name))
         else:
             tmp = self.path  # see commit: the marker is made only if absent, the metadata commits
+        self._lock_root(root, name)  # refused before anything is written
+        self._unlock()
         eng.mkdir(tmp)
         self.tmp = tmp
         return [dataclasses.replace(p, storage_data={"tmp": tmp, "prefix": f"__{i}_"}) for i, p in enumerate(plans)]
+
+    def _lock_root(self, root: str, name: str) -> None:
+        """Alone (no ``fence``: not a TensorStore's own writer) and into a local store root's step
+        folder: take the root's writer lock, as a store does (a dcp.save here moved `latest` behind
+        a running store's back, whose retention then missed it: helper-31). Checked when the save
+        is planned, held from the commit to `latest`'s update (DCP tells a writer of no failure: a
+        lock held across the writes could outlive a failed save).
+
+        Raises:
+            StoreLockedError: a TensorStore (or another such save) writes there."""
+        if self.fence is not None or _root.parse_step(name) is None or not self.engine.renames:
+            return
+        lock = _root.WriterLock(root)
+        if not lock.try_acquire():
+            holder = lock.holder()
+            raise errors.StoreLockedError(
+                f"{root} has a writer ({f'process {holder}' if holder else 'another process'}): save through its "
+                "TensorStore (distributed= for a process group), or to another folder"
+            )
+        self._lock = lock
+
+    def _unlock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         tmp, prefix = plan.storage_data["tmp"], plan.storage_data["prefix"]
@@ -264,14 +293,19 @@ class AiotensorWriter(StorageWriter):
         """On the coordinator, after every rank's file is durable: metadata, then the commit."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         eng = self.engine
-        if self.fence is not None:
-            self.fence()
-        commit.write_small(eng, os.path.join(self.tmp, METADATA), dumps_metadata(metadata))
-        commit.publish(eng, self.tmp, self.path, folder=True)  # the commit point
-        self.tmp = ""  # committed: nothing for abort() to remove
         root, name = split(self.path)
-        if self.latest and _root.parse_step(name) is not None:  # a TensorStore root
-            _root.point_latest(eng, root, name)
+        try:
+            if self.fence is not None:
+                self.fence()
+            else:
+                self._lock_root(root, name)
+            commit.write_small(eng, os.path.join(self.tmp, METADATA), dumps_metadata(metadata))
+            commit.publish(eng, self.tmp, self.path, folder=True)  # the commit point
+            self.tmp = ""  # committed: nothing for abort() to remove
+            if self.latest and _root.parse_step(name) is not None:  # a TensorStore root
+                _root.point_latest(eng, root, name)
+        finally:
+            self._unlock()
 
     def abort(self) -> None:
         """On the coordinator, once no rank writes any more: remove the uncommitted temporary folder

@@ -693,3 +693,30 @@ def test_a_dcp_step_retired_or_damaged_while_a_reader_loads_it_says_which(tmp_pa
                 await store.load(2)
 
     anyio.run(load)
+
+
+def test_dcp_save_through_aiotensor_into_a_store_root_takes_its_writer_lock(tmp_path: Any) -> None:
+    """dcp.save(AiotensorWriter(root/step-5)) beside a running TensorStore writer was accepted and
+    moved `latest` behind its back (its retention missed the step, a reopen resumed the other
+    job's state: helper-31). It is refused while a writer holds the root, nothing written; once
+    the store is closed it saves and moves `latest`, as before."""
+    import anyio
+
+    from aiotensor.errors import StoreLockedError
+
+    root = tmp_path / "root"
+
+    def other() -> None:
+        dcp.save({"w": torch.full((2,), 99.0)}, storage_writer=AiotensorWriter(root / "step-000000000005"))
+
+    async def run() -> None:
+        async with TensorStore(root, keep_last=2) as store:
+            await store.save(1, {"w": torch.ones(2)})
+            with pytest.raises((StoreLockedError, CheckpointException), match="has a writer"):
+                await anyio.to_thread.run_sync(other)
+            assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000000001"]
+            assert (root / "latest").read_text().strip() == "step-000000000001"
+
+    anyio.run(run)
+    other()  # no writer now
+    assert (root / "latest").read_text().strip() == "step-000000000005"
