@@ -285,7 +285,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
                 progress.close()
             checked.append(src)
         except (errors.AiotensorError, OSError) as e:
-            if root and isinstance(e, FileNotFoundError) and not engine.exists(path):
+            if root and isinstance(e, FileNotFoundError) and not commit.has_records(engine, path):
                 gone.append(os.path.basename(path))  # retention of a store being trained, not a fault
                 continue
             bad.append(f"{type(e).__name__}: {e}")

@@ -127,6 +127,12 @@ def retire(engine: Engine, path: str) -> str:
     return doomed
 
 
+def has_records(engine: Engine, folder: str) -> bool:
+    """Does ``folder`` still hold a commit record (a step retired meanwhile does not: on an object
+    store its records go first, while its other objects are still being deleted)?"""
+    return any(engine.exists(os.path.join(folder, name)) for name in RECORDS)
+
+
 def drop_records(engine: Engine, folder: str) -> None:
     """Delete a folder's commit records (on an object store: it stops being a checkpoint)."""
     for name in RECORDS:

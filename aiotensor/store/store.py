@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import anyio
 import torch
 
-from .. import knobs, sources
+from .. import commit, knobs, sources
 from .. import root as _root
 from .._runtime import cuda, threads
 from .._runtime.buffers import StagingPool
@@ -653,7 +653,7 @@ class TensorStore:
                     strict=strict,
                 )
         except FileNotFoundError as e:
-            if await call(self.scheduler, self.engine.exists, self.path(step), what=f"checking {self.path(step)}"):
+            if await call(self.scheduler, commit.has_records, self.engine, self.path(step), what=f"checking {self.path(step)}"):
                 # still committed, a file of it gone (a CheckpointNotFoundError, also a FileNotFoundError, is a retired step)
                 why = e.strerror or e
                 raise FileNotFoundError(
