@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -857,3 +859,85 @@ def test_a_forked_child_never_uses_its_parents_store_on_s3(s3: Any, run: str) ->
         await store.close()
 
     anyio.run(parent_goes_on)
+
+
+class _DropProxy:
+    """A real HTTP proxy in front of the S3 server that forwards each request and, for the first
+    PUT whose path matches ``pattern``, resets the client's connection once the server carried it
+    out (what a flaky network, a load balancer's timeout or a NAT does): the client retries a PUT
+    that was done."""
+
+    def __init__(self, upstream: str, pattern: str) -> None:
+        self.upstream, self.pattern, self.dropped = upstream, re.compile(pattern), []  # type: list[str]
+
+    async def __aenter__(self) -> str:
+        from aiohttp import ClientSession, web
+
+        self.session = ClientSession(auto_decompress=False)
+        hop = {"host", "content-length", "transfer-encoding", "connection"}
+
+        async def handle(request: Any) -> Any:
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in hop} | {"Host": request.headers["Host"]}
+            body = await request.read()
+            with warnings.catch_warnings():  # aiohttp's ResourceWarning for a big body sent as bytes
+                warnings.simplefilter("ignore", ResourceWarning)
+                r = await self.session.request(request.method, self.upstream + request.path_qs, headers=headers, data=body)
+            async with r:
+                data = await r.read()
+                if request.method == "PUT" and self.pattern.search(request.path) and not self.dropped:
+                    self.dropped.append(request.path)
+                    request.transport.abort()  # the server did it; the client never hears
+                    raise ConnectionResetError
+                keep = {"content-length"} if request.method == "HEAD" else set()
+                return web.Response(status=r.status, body=data, headers={k: v for k, v in r.headers.items() if k.lower() not in hop - keep})
+
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the proxy runs on the test's asyncio loop
+@pytest.mark.parametrize("what", ["shard-00001", "manifest.json", ".aiotensor.lock"])
+async def test_a_put_whose_answer_is_lost_is_retried_and_taken_as_done(
+    s3: Any, s3_server: Weed, run: str, what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server carried out a conditional PUT, the answer was lost, the client's retry was refused
+    (the object exists): a shard's failed the save ("an object of that name exists", nobody else
+    wrote it), the manifest's failed a save that had committed, and its clean-up deleted the step,
+    the lease's refused open naming this very process, and left the lease for 30 s (helper-30).
+    An object holding exactly what was put is ours."""
+    async with _DropProxy(s3_server.url, re.escape(what) + "$") as url:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        async with aiotensor.TensorStore(f"s3://bucket/{run}drop", shard_bytes=1 << 20) as store:
+            await store.save(1, {"w": torch.ones(10)})
+            state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(4)}
+            await store.save(2, state)
+            assert store.steps() == [1, 2]
+            assert same(await store.load(2), state)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    async with aiotensor.TensorStore(f"s3://bucket/{run}drop", readonly=True) as store:
+        assert store.steps() == [1, 2] and same(await store.load(2), state)
+
+
+async def test_a_conditional_put_of_other_bytes_or_a_second_folder_marker_is_refused(s3: Any, run: str) -> None:
+    """Only an object holding exactly the bytes put is taken as one's own: other bytes, or a folder
+    another writer marked (each marker holds a token of its own), are refused as before."""
+    from aiotensor.engines.objects import ObjectEngine
+
+    eng = ObjectEngine()
+    path = f"s3://bucket/{run}cond/x.bin"
+    eng.put(path, [memoryview(b"abc"), memoryview(b"def")])
+    eng.put(path, [memoryview(b"abcdef")])  # the same bytes: a retry of one's own PUT
+    with pytest.raises(FileExistsError):
+        eng.put(path, [memoryview(b"abcdeg")])
+    eng.mkdir(f"s3://bucket/{run}cond/folder")
+    with pytest.raises(FileExistsError):
+        eng.mkdir(f"s3://bucket/{run}cond/folder")

@@ -12,13 +12,16 @@ Credentials and the endpoint come from the environment as AWS tools read them (`
 the URL and the server's status, never a credential.
 
 Writing (``renames = False``): every object is put whole, from the caller's memory (:meth:`put`);
-a folder is a key prefix, marked as the library's by an empty :data:`FOLDER_MARKER` object created
-conditionally (:meth:`mkdir`). :mod:`aiotensor.commit` says how a commit works without rename.
+a folder is a key prefix, marked as the library's by a :data:`FOLDER_MARKER` object created
+conditionally (:meth:`mkdir`). Every create is conditional; a PUT the server did whose answer was
+lost is retried by the client and refused, and an object holding exactly the bytes put is then
+taken as done (:meth:`put`). :mod:`aiotensor.commit` says how a commit works without rename.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -41,7 +44,7 @@ from .base import Engine
 
 log = logging.getLogger("aiotensor")
 SCHEME = "s3://"
-FOLDER_MARKER = ".aiotensor-folder"  # the empty object that makes a key prefix a folder the library made
+FOLDER_MARKER = ".aiotensor-folder"  # the object (a token) that makes a key prefix a folder the library made
 PUT_MAX = 5 << 30  # S3's largest single PUT
 PART_BYTES = 16 << 20  # a multipart upload's part (only for objects over PUT_MAX)
 COALESCE = 64 << 10  # pread_ranges: ranges closer than this are fetched by one GET
@@ -250,9 +253,36 @@ class ObjectEngine(Engine):
                 chunk_size=PART_BYTES, max_concurrency=8,
             )  # fmt: skip
         except Exception as e:
-            if type(e).__name__ == "AlreadyExistsError":
+            if type(e).__name__ != "AlreadyExistsError":
+                raise self._fail(e) from None
+            if not self._holds(self._store(bucket), key, views):
                 raise FileExistsError(errno.EEXIST, "an object of that name exists", path) from None
-            raise self._fail(e) from None
+            # our own PUT, done, whose response was lost: the client's retry found it (helper-30)
+
+    def _holds(self, store: Any, key: str, views: Sequence[memoryview]) -> bool:
+        """Does the object ``key`` hold exactly the bytes of ``views``? (A conditional PUT that the
+        server did but whose response a dropped connection lost is retried by the client, and the
+        retry fails: the object exists. A shard, a manifest or a folder's marker, each unique to
+        one save, with those very bytes is ours.) Its ETag is compared with their MD5 (S3's ETag
+        of a single PUT), else its bytes with theirs."""
+        try:
+            meta = self._obstore.head(store, key)
+            if int(meta["size"]) != sum(map(len, views)):
+                return False
+            md5 = hashlib.md5(usedforsecurity=False)
+            for v in views:
+                md5.update(v)
+            if str(meta.get("e_tag") or "").strip('"') == md5.hexdigest():
+                return True
+            got = memoryview(self._obstore.get(store, key).bytes())  # (an ETag of another kind: encryption)
+        except Exception:
+            return False
+        at = 0
+        for v in views:
+            if got[at : at + len(v)] != v:
+                return False
+            at += len(v)
+        return True
 
     def replace(self, path: str, tmp: str, data: bytes) -> None:
         """One PUT replaces an object atomically (no temporary object)."""
@@ -264,8 +294,9 @@ class ObjectEngine(Engine):
 
     def mkdir(self, path: str) -> None:
         """A folder is a key prefix: the library marks its own with :data:`FOLDER_MARKER`, created
-        conditionally, so two writers cannot make the same folder (FileExistsError, as ``mkdir``)."""
-        self.put(posixpath.join(path, FOLDER_MARKER), [memoryview(b"")])
+        conditionally, so two writers cannot make the same folder (FileExistsError, as ``mkdir``).
+        It holds a token of its own, so that a retried PUT of it tells its own from another's."""
+        self.put(posixpath.join(path, FOLDER_MARKER), [memoryview(uuid.uuid4().hex.encode())])
 
     def sync_dir(self, path: str) -> None:
         """Nothing to do: an object is durable once its PUT returned."""
@@ -342,6 +373,7 @@ class ObjectLease:
         self._mutex = threading.Lock()  # the renewing thread and a commit's check() renew one version
         self._thread: threading.Thread | None = None
         self._body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "ttl": ttl, "id": uuid.uuid4().hex})
+        self._mine = False  # the lease last read holds this lease's own body
 
     poll_s = knobs.LEASE_POLL_S
 
@@ -365,15 +397,18 @@ class ObjectLease:
             if held is None:
                 return False  # released meanwhile: the next try creates it
             etag, age, ttl = held
-            if age <= ttl:
+            if self._mine:  # our own create, done, its response lost and the retry refused (helper-30)
+                self._etag = etag
+            elif age <= ttl:
                 return False
-            try:  # expired: take it over, unless someone else just did
-                self._etag = self._put({"e_tag": etag})
-            except Exception as e:
-                if type(e).__name__ == "PreconditionError":
-                    return False
-                raise self.engine._fail(e) from None
-            log.warning("%s: took over a writer lease not renewed for %.0f s (its writer died or stalled)", self.path, age)
+            else:
+                try:  # expired: take it over, unless someone else just did
+                    self._etag = self._put({"e_tag": etag})
+                except Exception as e:
+                    if type(e).__name__ == "PreconditionError":
+                        return False
+                    raise self.engine._fail(e) from None
+                log.warning("%s: took over a writer lease not renewed for %.0f s (its writer died or stalled)", self.path, age)
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew_loop, name="aiotensor-lease", daemon=True)
         self._thread.start()
@@ -390,6 +425,7 @@ class ObjectLease:
             return None
         except Exception as e:
             raise self.engine._fail(e) from None
+        self._mine = bytes(body) == self._body.encode()  # (the body carries this lease's own id)
         try:
             ttl = float(json.loads(bytes(body))["ttl"])
         except (ValueError, KeyError, TypeError):
