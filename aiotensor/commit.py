@@ -43,6 +43,7 @@ import anyio
 
 from ._runtime.scheduler import Priority, Scheduler
 from .engines import Engine
+from .engines.objects import FOLDER_MARKER
 from .errors import CheckpointExistsError, annotate_oserror
 
 log = logging.getLogger("aiotensor")
@@ -133,6 +134,11 @@ def has_records(engine: Engine, folder: str) -> bool:
     return any(engine.exists(os.path.join(folder, name)) for name in RECORDS)
 
 
+def _unfinished(engine: Engine, folder: str) -> bool:
+    """An object store's folder the library marked that holds no commit record (a leftover)?"""
+    return engine.exists(os.path.join(folder, FOLDER_MARKER)) and not has_records(engine, folder)
+
+
 def drop_records(engine: Engine, folder: str) -> None:
     """Delete a folder's commit records (on an object store: it stops being a checkpoint)."""
     for name in RECORDS:
@@ -167,15 +173,27 @@ class Publication:
     Args:
         tmp: the temporary path (default: :func:`temp_name` beside ``final`` for a folder,
             :func:`hidden_temp` for a file).
+        writer: the caller is the root's writer (it holds its lock or lease): on an object store,
+            an unfinished folder of the library's at ``final`` (its marker, no commit record: a
+            failed save whose clean-up failed, the server down) is removed first, as the writer's
+            repair at open would (a save of that step again failed with "an object of that name
+            exists" until the store was reopened: helper-30).
 
     Cancellation: :meth:`publish` runs to its end once started (its steps are shielded); the
     clean-up on leaving is shielded too.
     """
 
     def __init__(
-        self, sched: Scheduler, final: str, *, folder: bool, tmp: str | None = None, priority: int = Priority.SAVE
+        self,
+        sched: Scheduler,
+        final: str,
+        *,
+        folder: bool,
+        tmp: str | None = None,
+        priority: int = Priority.SAVE,
+        writer: bool = False,
     ) -> None:
-        self.sched, self.final, self.folder, self.priority = sched, final, folder, priority
+        self.sched, self.final, self.folder, self.priority, self.writer = sched, final, folder, priority, writer
         if folder and not sched.engine.renames:
             tmp = final
         elif tmp is None:
@@ -189,7 +207,13 @@ class Publication:
 
     async def __aenter__(self) -> Publication:
         if self.folder:
-            await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
+            try:
+                await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
+            except FileExistsError:
+                if not (self.writer and not self.engine.renames and await self._call(_unfinished, self.engine, self.tmp, what=f"checking {self.tmp}")):
+                    raise
+                await self._call(remove, self.engine, self.tmp, what=f"removing the unfinished {self.tmp}")
+                await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
         return self
 
     async def publish(self) -> None:

@@ -381,6 +381,23 @@ async def test_a_save_that_fails_or_is_cancelled_in_a_bucket_commits_nothing(s3:
         assert reader.steps() == [1] and same(await reader.load(), train_state(1))
 
 
+async def test_a_step_saved_again_after_a_save_whose_clean_up_failed(s3: Any, run: str) -> None:
+    """The server died mid-save and the clean-up failed too: the step's marker (and some shards)
+    stayed, and saving that step again in the same store failed with a raw "an object of that name
+    exists" until it was reopened (helper-30). The writer removes its own unfinished folder first,
+    as its repair at open does."""
+    import obstore
+
+    async with aiotensor.TensorStore(f"s3://bucket/{run}again") as store:
+        await store.save(1, train_state(1))
+        leftover = f"{run}again/step-000000000002/"
+        await obstore.put_async(s3, leftover + ".aiotensor-folder", b"0123456789abcdef0123456789abcdef")
+        await obstore.put_async(s3, leftover + "shard-00007.safetensors", b"half a shard")
+        await store.save(2, train_state(2))
+        assert store.steps() == [1, 2] and same(await store.load(2), train_state(2))
+        assert not any(k.endswith("shard-00007.safetensors") for k in keys_under(s3, leftover))
+
+
 async def test_a_shard_gone_from_the_bucket_is_named(s3: Any, run: str) -> None:
     import obstore
 
