@@ -240,11 +240,15 @@ class Publication:
             return
         with anyio.CancelScope(shield=True):
             try:
-                await self._call(remove, self.engine, self.tmp, what=f"removing {self.tmp}")
+                if self.folder:
+                    await self._call(remove, self.engine, self.tmp, what=f"removing {self.tmp}")
+                else:  # a file: no commit records under it to drop first
+                    await self._call(self.engine.remove_file, self.tmp, what=f"removing {self.tmp}")
             except OSError as cleanup:
                 if e is None:
                     raise
-                note = f"clean-up could not remove the unfinished {self.tmp} ({cleanup}); a store's next writer removes it"
+                who = "a store's next writer removes it" if self.folder else "nothing else removes it: delete it"
+                note = f"clean-up could not remove the unfinished {self.tmp} ({cleanup}); {who}"
                 e.add_note(note)
                 log.warning("%s", note)
 

@@ -187,6 +187,13 @@ async def test_missing_objects_and_buckets_are_clear_errors_without_secrets(s3: 
         await aiotensor.load_file("s3:///w.safetensors")
 
 
+async def test_an_http_endpoint_without_allow_http_says_so(s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was "HTTP error: builder error" (helper-30)."""
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    with pytest.raises(OSError, match="allow_http=True"):
+        await aiotensor.load_file("s3://bucket/no/such.safetensors")
+
+
 def test_no_credentials_at_all_says_so() -> None:
     """Without keys the S3 client asks the cloud's metadata service for some; where that refuses
     (any machine off a cloud) the error was an OSError about a PUT to 169.254.169.254."""
@@ -449,7 +456,7 @@ async def test_one_writer_per_bucket_prefix_and_a_crashed_writer_is_taken_over(s
     child = _child(_HOLD.format(ttl=3.0, root=root))
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "saved", child.stderr.read()  # type: ignore[union-attr]
-        with pytest.raises(aiotensor.errors.StoreLockedError, match=f"process {child.pid} on"):
+        with pytest.raises(aiotensor.errors.StoreLockedError, match=rf"process {child.pid} on.*lock_timeout=\d+ waits for that"):
             async with aiotensor.TensorStore(root):
                 pass
         deadline = time.monotonic() + 30

@@ -116,6 +116,12 @@ class ObjectEngine(Engine):
         adds what it was doing and the URL."""
         if isinstance(e, FileNotFoundError) or "NoSuchBucket" in str(e):
             return FileNotFoundError(errno.ENOENT, f"no such object or bucket ({_short(e)})")
+        if "builder error" in str(e) and "http://" in str(e):  # reqwest refuses a plain-http URL
+            return OSError(
+                errno.EINVAL,
+                "the endpoint is http://, which the client refuses unless allowed: pass allow_http=True in "
+                f"storage_options or set AWS_ALLOW_HTTP=true ({type(e).__name__}: {_short(e)})",
+            )
         if "169.254.169.254" in str(e):  # no keys anywhere: the client asked the cloud's metadata service
             return PermissionError(
                 errno.EACCES,

@@ -244,6 +244,12 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root
             raise StoreLockedError(
                 f"{root} is being written by another store ({who}): "
                 "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
+                + (
+                    f" (in a bucket a writer that died keeps its lease until it expires, {lock.ttl:.0f} s after its "
+                    f"last renewal: lock_timeout={lock.ttl:.0f} waits for that)"
+                    if isinstance(lock, ObjectLease)
+                    else ""
+                )
             )
         await anyio.sleep(lock.poll_s)
 
