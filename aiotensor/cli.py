@@ -354,7 +354,11 @@ async def convert(
         What reading ``src`` raises.
     """
     to = to or (
-        "torch" if dst.endswith((".pt", ".bin")) else "safetensors" if dst.endswith(".safetensors") or step is None else "checkpoint"
+        "torch"
+        if dst.endswith((".pt", ".bin"))
+        else "safetensors"
+        if dst.endswith(".safetensors") or step is None
+        else "checkpoint"
     )
     if step is not None and to != "checkpoint":  # `convert ROOT out.safetensors --step 10` wrote a store of the newest step
         raise ValueError(
@@ -501,8 +505,12 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", type=_where)
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
     conv.add_argument("--shard-size", type=_size, default=_size("4GB"), help="largest safetensors shard (default 4GB)")
-    conv.add_argument("--step", type=int, help="the output's step, for --to checkpoint (default: the source's, or 0); "
-                      "to convert step N of a store, name its folder ROOT/step-00000000000N")
+    conv.add_argument(
+        "--step",
+        type=int,
+        help="the output's step, for --to checkpoint (default: the source's, or 0); "
+        "to convert step N of a store, name its folder ROOT/step-00000000000N",
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it is an existing file")
     conv.set_defaults(fn=cmd_convert)
     bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",

@@ -210,7 +210,11 @@ class Publication:
             try:
                 await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
             except FileExistsError:
-                if not (self.writer and not self.engine.renames and await self._call(_unfinished, self.engine, self.tmp, what=f"checking {self.tmp}")):
+                if not (
+                    self.writer
+                    and not self.engine.renames
+                    and await self._call(_unfinished, self.engine, self.tmp, what=f"checking {self.tmp}")
+                ):
                     raise
                 await self._call(remove, self.engine, self.tmp, what=f"removing the unfinished {self.tmp}")
                 await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")

@@ -580,6 +580,44 @@ async def test_steps_committed_while_the_mirror_was_away_are_uploaded_at_open(s3
         pass  # close() waits for the uploads
     async with aiotensor.TensorStore(url, readonly=True) as bucket:
         assert bucket.steps() == [1, 2] and same(await bucket.load(2), train_state(2))
+    # a step older than the mirror's newest (committed here while another node mirrored a newer one)
+    async with aiotensor.TensorStore(local) as store:
+        await store.save(3, train_state(3))
+    async with aiotensor.TensorStore(str(tmp_path / "other"), mirror=url) as other:
+        await other.save(4, {"w": torch.ones(2)})
+    async with aiotensor.TensorStore(local, mirror=url):
+        pass  # it uploaded only steps newer than the mirror's newest: 3 never got there (helper-30)
+    async with aiotensor.TensorStore(url, readonly=True) as bucket:
+        assert bucket.steps() == [1, 2, 3, 4] and same(await bucket.load(3), train_state(3))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the proxy runs on the test's asyncio loop
+async def test_a_mirror_down_at_open_is_caught_up_once_it_answers(
+    s3: Any, s3_server: Weed, run: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mirror that could not be reached failed open(): the trainer could not resume from its own
+    disk (helper-30). The store opens with a warning and commits locally; each save tries the
+    mirror again and, once it answers, uploads what it missed."""
+    import socket
+
+    monkeypatch.setattr(aiotensor.knobs, "OBJECT_RETRY_S", 1.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there yet
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    url, local = f"s3://bucket/{run}down", str(tmp_path / "ckpt")
+    async with aiotensor.TensorStore(local, mirror=url) as store:
+        h = store.save(1, train_state(1))
+        await h  # committed here
+        with pytest.raises(OSError, match="cannot be reached"):
+            await h.mirrored
+        async with _DropProxy(s3_server.url, "^$", port):  # the server answers now
+            h = store.save(2, train_state(2))
+            await h.mirrored
+            await store.close()  # waits for the catching up
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    async with aiotensor.TensorStore(url, readonly=True) as bucket:
+        assert bucket.steps() == [1, 2] and same(await bucket.load(1), train_state(1))
 
 
 # --- a server that answers 503 SlowDown -------------------------------------------------------------
@@ -891,8 +929,8 @@ class _DropProxy:
     out (what a flaky network, a load balancer's timeout or a NAT does): the client retries a PUT
     that was done."""
 
-    def __init__(self, upstream: str, pattern: str) -> None:
-        self.upstream, self.pattern, self.dropped = upstream, re.compile(pattern), []  # type: list[str]
+    def __init__(self, upstream: str, pattern: str, port: int = 0) -> None:
+        self.upstream, self.pattern, self.port, self.dropped = upstream, re.compile(pattern), port, []  # type: list[str]
 
     async def __aenter__(self) -> str:
         from aiohttp import ClientSession, web
@@ -913,13 +951,15 @@ class _DropProxy:
                     request.transport.abort()  # the server did it; the client never hears
                     raise ConnectionResetError
                 keep = {"content-length"} if request.method == "HEAD" else set()
-                return web.Response(status=r.status, body=data, headers={k: v for k, v in r.headers.items() if k.lower() not in hop - keep})
+                return web.Response(
+                    status=r.status, body=data, headers={k: v for k, v in r.headers.items() if k.lower() not in hop - keep}
+                )
 
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
 

@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .._io.tensors import mismatch
 from .. import sources
-from ..formats import tree
+from .._io.tensors import mismatch
 from .._runtime import threads
 from .._runtime.scheduler import Scheduler
 from ..errors import DistributedError, MismatchError, SaveCancelledError, StateError
+from ..formats import tree
 from .handle import SaveHandle
 from .steps import Steps
 
@@ -147,7 +147,7 @@ class Group:
                     raise error
                 if text:
                     raise DistributedError(f"{what} failed on rank 0: {text}")
-                return gone
+        return gone
 
     def close(self) -> None:
         if self.saver is not None:
@@ -305,9 +305,11 @@ def plain(state: Any, path: tuple[Any, ...] = ()) -> Any:
         return obj
     if len(path) > 64:
         raise StateError(f"state nests deeper than 64 levels at {tree.key_path(path)!r}")
-    if isinstance(obj, (bool, int, float, str)) or obj is None or isinstance(obj, torch.dtype):
-        base = next(t for t in (bool, int, float, str, object) if isinstance(obj, t))
-        return obj if type(obj) is base or base is object else base(obj)
+    for base in (bool, int, float, str):
+        if isinstance(obj, base):
+            return obj if type(obj) is base else base(obj)
+    if obj is None or isinstance(obj, torch.dtype):
+        return obj
     if isinstance(obj, Mapping):
         out = {k: plain(v, (*path, k)) for k, v in obj.items()}
         return OrderedDict(out) if isinstance(obj, OrderedDict) else out
@@ -353,9 +355,7 @@ def same_step(votes: list[list[int]], at: int, what: str, doing: str) -> None:
         )
 
 
-def load(
-    into: Any, step: int, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True
-) -> None:
+def load(into: Any, step: int, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True) -> None:
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk. The
     reads run on ``sched`` (the store's, on the event loop of ``token``). ``strict=False``: DCP's
     partial load (``allow_partial_load``): a key of ``into`` the checkpoint lacks is left alone;

@@ -8,6 +8,7 @@ layout, the several-processes rules and the commit protocol are described in ``d
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import warnings
@@ -81,7 +82,10 @@ class TensorStore:
             here is uploaded there in the background, one at a time (``handle.mirrored`` awaits
             it), under that store's own commit protocol and writer lease; a step that is in the
             mirror only (a new node) is loaded from there. Steps committed here but missing there
-            when the store opens are uploaded then.
+            (a crash, the network) are uploaded when the store opens, every one the mirror's
+            retention keeps. A mirror that cannot be reached never holds the trainer: the store
+            opens with a warning, commits here, and each upload tries again (``handle.mirrored``
+            raises OSError meanwhile), catching up once it answers.
         mirror_keep_last: the mirror's retention (None: keep all), independent of ``keep_last``.
         incremental: write only what changed since the last committed step (:mod:`.saving`): a
             shard of tensors proven unchanged (a blake3 digest of its bytes) is a hard link to the
@@ -147,6 +151,8 @@ class TensorStore:
         self._remembered: anyio.Event | None = None  # the newest step's manifest read, for the first incremental save
         self._tier: TensorStore | None = None  # the mirror's store, and what uploads to it
         self._mirror: Mirror | None = None
+        self._tier_lock: anyio.Lock | None = None  # opening the mirror (at open, or at an upload)
+        self._uploading: set[int] = set()
         if mirror is not None:
             self._tier = TensorStore(
                 mirror,
@@ -219,18 +225,14 @@ class TensorStore:
                 await self._steps.scan()
             else:
                 await self._open_writer()
-            if self._tier is not None:
-                await self._tier.open()
+            self._tier_lock = anyio.Lock()
+            await self._open_tier()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._release()
             raise
         self._open, self._pid = True, os.getpid()
-        if self._tier is not None and not self.readonly:  # committed here, not there (a crash, the network)
-            newest = self._tier.latest()
-            for step in self.steps():
-                if step not in self._tier._steps.committed and (newest is None or step > newest):
-                    self._start_upload(SaveHandle(step))
+        self._catch_up()
         newest = self._steps.newest()
         self._remembered = anyio.Event()
         if self._incremental is not None and newest is not None and not self.readonly:
@@ -239,6 +241,43 @@ class TensorStore:
             self._remembered.set()
         if self.reserve is not None and not self.readonly:
             self._tasks.start(lambda: saving.reserve(self.scheduler, self.staging, self.reserve, self.shard_bytes))
+
+    async def _open_tier(self) -> bool:
+        """Open the mirror's store if it is not open yet; False, with a warning, where it cannot be
+        reached: the store opens and commits locally all the same (a mirror down at open failed
+        it, and the trainer could not resume from its own disk: helper-30), and each upload
+        tries again, catching up on the steps it missed once it answers."""
+        tier = self._tier
+        if tier is None or tier._open:
+            return tier is not None
+        assert self._tier_lock is not None, "the store opened"
+        async with self._tier_lock:
+            if tier._open:
+                return True
+            try:
+                await tier.open()
+            except OSError as e:
+                log.warning("%s: the mirror %s cannot be reached (%s): steps are committed here and uploaded once it answers",
+                            self.root, tier.root, e)  # fmt: skip
+                return False
+        if self._open:  # (at open(): once the store is open)
+            self._catch_up()
+        return True
+
+    def _catch_up(self) -> None:
+        """Upload the steps committed here but not in the mirror (a crash, the network), oldest
+        first: every one its retention keeps (with ``mirror_keep_last``, the newest that many of
+        both stores' steps; it uploaded only those newer than the mirror's newest, and a step
+        committed while it was down never got there: helper-30)."""
+        tier = self._tier
+        if tier is None or not tier._open or self.readonly:
+            return
+        kept = self.steps()
+        if tier.keep_last is not None:
+            kept = kept[-tier.keep_last :]
+        for step in kept:
+            if step in self._steps.committed and step not in tier._steps.committed and step not in self._uploading:
+                self._start_upload(SaveHandle(step))
 
     async def _remember(self, step: int) -> None:
         """The newest step's candidate shards, for the next incremental save (after a restart);
@@ -485,16 +524,22 @@ class TensorStore:
         assert self._mirror is not None and self._tier is not None
         mirror, tier = self._mirror, self._tier
         self._steps.readers[h.step] += 1
+        self._uploading.add(h.step)
 
         async def upload() -> None:
             error: Exception | None = None
             try:
+                if not await self._open_tier():
+                    raise OSError(
+                        errno.EHOSTUNREACH, f"the mirror {tier.root} cannot be reached (it is tried again at each save)"
+                    )
                 await mirror.upload(self.engine, self.path(h.step), h.step)
             except Exception as e:
                 error = e
                 log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, tier.root, e)
             finally:
                 self._steps.readers[h.step] -= 1
+                self._uploading.discard(h.step)
             h.set_mirrored(error)
 
         self._tasks.start(upload)
@@ -569,8 +614,11 @@ class TensorStore:
         doomed = [s for s in reversed(self.steps()) if s > step]
         if self._group is not None:  # every rank calls it; rank 0 deletes
             what = f"rolling {self.root} back to step {step}"
-            return await self._group.retire(self._steps, step, lambda: [s for s in doomed if s in self._steps.committed], what)
-        if self._tier is not None and self._mirror is not None:
+            gone: list[int] = await self._group.retire(
+                self._steps, step, lambda: [s for s in doomed if s in self._steps.committed], what
+            )
+            return gone
+        if self._tier is not None and self._tier._open and self._mirror is not None:
             async with self._mirror.turn:  # not beside an upload
                 await self._tier.rollback(step)
         await self._steps.delete([s for s in doomed if s in self._steps.committed])
