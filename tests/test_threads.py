@@ -63,6 +63,28 @@ async def test_cancel_waits_for_the_thread_then_raises() -> None:
     assert scope.cancelled_caught and done.is_set()
 
 
+async def test_a_cancelled_caller_gets_its_cancellation_even_where_the_call_failed_meanwhile() -> None:
+    """A load cancelled by asyncio.wait_for while its read of a stalled server failed raised that
+    OSError, not TimeoutError: the cancellation was lost (helper-30)."""
+
+    def failing() -> None:
+        time.sleep(0.2)
+        raise OSError(5, "the server stopped answering")
+
+    with anyio.move_on_after(0.02) as scope:
+        await _threads.run_sync(failing)
+    assert scope.cancelled_caught
+    import sniffio
+
+    if sniffio.current_async_library() == "asyncio":  # (and uvloop)
+        import asyncio
+
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(_threads.run_sync(failing), 0.02)
+    with pytest.raises(OSError, match="stopped answering"):  # not cancelled: the failure, as before
+        await _threads.run_sync(failing)
+
+
 async def test_idle_threads_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_threads, "IDLE_S", 0.05)
     await _threads.run_sync(time.sleep, 0, nice=7)  # a pool of its own: no thread started before the patch

@@ -186,8 +186,9 @@ async def run_sync(
     Cancellation: waits for ``fn`` to return, whatever cancels the caller (it may be writing into
     the caller's memory, or making what a clean-up removes): anyio's and trio's cancellation, and
     asyncio's own ``Task.cancel()`` (``wait_for``), which an anyio shield does not hold. Then the
-    cancellation is raised, after ``cleanup(result)`` (in a worker) where ``fn`` made something
-    (a file descriptor) that the caller would otherwise never get to release.
+    cancellation is raised (even where ``fn`` failed meanwhile), after ``cleanup(result)`` (in a
+    worker) where ``fn`` made something (a file descriptor) that the caller would otherwise never
+    get to release.
     """
     done = anyio.Event()
     call_soon = call_soon_threadsafe()
@@ -210,9 +211,14 @@ async def run_sync(
     _pool(nice).submit(job, home)
     cancelled = await wait_out(done)
     ok, value = out.pop()
-    if not ok:
+    if not ok:  # a cancelled caller gets its cancellation, not the failure that came meanwhile (a
+        try:  # load cancelled by wait_for while its read of a stalled server failed raised OSError: helper-30)
+            if cancelled is None:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as e:
+            cancelled = e
         try:
-            raise value
+            raise value if cancelled is None else cancelled
         finally:
             del value
     if cleanup is not None:
