@@ -23,6 +23,7 @@ executing their ``.metadata`` pickle beyond DCP's metadata classes.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import stat
@@ -249,7 +250,13 @@ class AiotensorWriter(StorageWriter):
         if self.fence is not None or _root.parse_step(name) is None or not self.engine.renames:
             return
         lock = _root.WriterLock(root)
-        if not lock.try_acquire():
+        try:
+            got = lock.try_acquire()
+        except OSError as e:  # a file system without flock (Lustre without -o flock): DCP's save as before
+            if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                return
+            raise
+        if not got:
             holder = lock.holder()
             raise errors.StoreLockedError(
                 f"{root} has a writer ({f'process {holder}' if holder else 'another process'}): save through its "

@@ -105,6 +105,9 @@ OBJECT_RETRIES = 5
 OBJECT_RETRY_S = 60.0
 OBJECT_TIMEOUT_S = 300.0
 OBJECT_CONNECT_S = 5.0
+# a store's mirror that could not be reached is tried again at most this often (the uploads queued
+# meanwhile fail at once, each its handle.mirrored's OSError): not a 60 s retry per queued upload
+MIRROR_RETRY_S = 30.0
 
 # A load into given tensors keeps a local step's shards open from their check to their read where
 # the step has at most this many (a step retired meanwhile is then read whole from its unlinked

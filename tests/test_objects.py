@@ -606,18 +606,28 @@ async def test_a_mirror_down_at_open_is_caught_up_once_it_answers(
         port = sock.getsockname()[1]  # nothing listens there yet
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     url, local = f"s3://bucket/{run}down", str(tmp_path / "ckpt")
+    monkeypatch.setattr(aiotensor.knobs, "MIRROR_RETRY_S", 0.0)
     async with aiotensor.TensorStore(local, mirror=url) as store:
         h = store.save(1, train_state(1))
         await h  # committed here
         with pytest.raises(OSError, match="cannot be reached"):
             await h.mirrored
+        with pytest.raises(OSError, match="acts on both"):  # it would stay in the mirror, to come back (helper-33)
+            await store.delete(1)
         async with _DropProxy(s3_server.url, "^$", port):  # the server answers now
             h = store.save(2, train_state(2))
+            await h.mirrored
+        h = store.save(3, train_state(3))  # down again, the mirror open: a mid-run outage
+        with pytest.raises(OSError):
+            await h.mirrored
+        async with _DropProxy(s3_server.url, "^$", port):  # back: the next upload catches up on 3
+            h = store.save(4, {"w": torch.ones(2)})
             await h.mirrored
             await store.close()  # waits for the catching up
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
     async with aiotensor.TensorStore(url, readonly=True) as bucket:
-        assert bucket.steps() == [1, 2] and same(await bucket.load(1), train_state(1))
+        assert bucket.steps() == [1, 2, 3, 4] and same(await bucket.load(1), train_state(1))
+        assert same(await bucket.load(3), train_state(3))
 
 
 # --- a server that answers 503 SlowDown -------------------------------------------------------------

@@ -152,7 +152,9 @@ class TensorStore:
         self._tier: TensorStore | None = None  # the mirror's store, and what uploads to it
         self._mirror: Mirror | None = None
         self._tier_lock: anyio.Lock | None = None  # opening the mirror (at open, or at an upload)
+        self._tier_retry_at = 0.0  # not before then, once it could not be reached
         self._uploading: set[int] = set()
+        self._behind = False  # an upload failed: the next that succeeds catches up
         if mirror is not None:
             self._tier = TensorStore(
                 mirror,
@@ -254,15 +256,31 @@ class TensorStore:
         async with self._tier_lock:
             if tier._open:
                 return True
+            if anyio.current_time() < self._tier_retry_at:  # tried a moment ago: the uploads queued fail at once
+                return False
             try:
                 await tier.open()
             except OSError as e:
+                self._tier_retry_at = anyio.current_time() + knobs.MIRROR_RETRY_S
                 log.warning("%s: the mirror %s cannot be reached (%s): steps are committed here and uploaded once it answers",
                             self.root, tier.root, e)  # fmt: skip
                 return False
         if self._open:  # (at open(): once the store is open)
             self._catch_up()
         return True
+
+    async def _mirror_reachable(self, what: str) -> None:
+        """``delete``/``rollback`` act on both tiers: with the mirror away, the step would stay
+        there, to come back when it answers (or, saved again, never be uploaded over the old one:
+        helper-33). Refused then.
+
+        Raises:
+            OSError: the mirror cannot be reached (tried now)."""
+        if self._tier is not None and not await self._open_tier():
+            raise OSError(
+                errno.EHOSTUNREACH,
+                f"{what}: the mirror {self._tier.root} cannot be reached, and it acts on both; try again once it answers",
+            )
 
     def _catch_up(self) -> None:
         """Upload the steps committed here but not in the mirror (a crash, the network), oldest
@@ -536,11 +554,15 @@ class TensorStore:
                 await mirror.upload(self.engine, self.path(h.step), h.step)
             except Exception as e:
                 error = e
+                self._behind = True
                 log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, tier.root, e)
             finally:
                 self._steps.readers[h.step] -= 1
                 self._uploading.discard(h.step)
             h.set_mirrored(error)
+            if error is None and self._behind:  # the mirror answers again: what it missed meanwhile
+                self._behind = False
+                self._catch_up()
 
         self._tasks.start(upload)
 
@@ -583,6 +605,7 @@ class TensorStore:
         Cancellation: once started, the deletion completes.
         """
         self._check_writable()
+        await self._mirror_reachable(f"deleting step {step}")
         if self._group is not None:  # every rank calls it; rank 0 deletes
             what = f"deleting step {step} of {self.root}"
             await self._group.retire(self._steps, step, lambda: [self._steps.check(step, exists=True)], what)
@@ -608,15 +631,20 @@ class TensorStore:
         """
         self._check_writable()
         check_step(step)
+        await self._mirror_reachable(f"rolling back to step {step}")
         busy = sorted(s for s in self._in_flight if s > step)
-        if busy:
+        if busy and self._group is None:
             raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
         doomed = [s for s in reversed(self.steps()) if s > step]
         if self._group is not None:  # every rank calls it; rank 0 deletes
             what = f"rolling {self.root} back to step {step}"
-            gone: list[int] = await self._group.retire(
-                self._steps, step, lambda: [s for s in doomed if s in self._steps.committed], what
-            )
+
+            def doomed_here() -> list[int]:  # (a rank's refusal is voted: no rank is left in the collective)
+                if busy:
+                    raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
+                return [s for s in doomed if s in self._steps.committed]
+
+            gone: list[int] = await self._group.retire(self._steps, step, doomed_here, what)
             return gone
         if self._tier is not None and self._tier._open and self._mirror is not None:
             async with self._mirror.turn:  # not beside an upload
