@@ -250,6 +250,12 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def _store_root(engine: Engine, path: str) -> bool:
+    """Is ``path`` a store root (not one of its steps, nor a checkpoint folder of its own)?"""
+    names = engine.listdir(path) if is_folder(engine, path) else []
+    return bool(names) and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names)
+
+
 def cmd_verify(a: argparse.Namespace) -> int:
     """Read every tensor of every file; exit 0 if every byte was checked against a checksum its
     writer recorded, 3 if everything read whole but some files carry no checksums (structure only:
@@ -258,8 +264,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     checked: list[sources.Source] = []
     gone: list[str] = []  # steps a writer retired while they were verified
     engine = _engine(a.path)
-    names = engine.listdir(a.path) if is_folder(engine, a.path) else []
-    root = bool(names) and _root.is_store(names) and not {_root.MANIFEST, *DCP_NAMES} & set(names)
+    root = _store_root(engine, a.path)
     if root:
         listing = _root.scan(engine, a.path, {})
         paths = [os.path.join(a.path, n) for _, n in sorted(listing.committed.items())]
@@ -337,12 +342,13 @@ async def convert(
     """Convert ``src`` (any path :func:`aiotensor.sources.resolve` reads) to ``dst``; returns what
     it wrote.
 
-    ``to``: ``"checkpoint"`` (a store root: the whole state, values and nesting kept, as ``step``,
-    default the source's step or 0), ``"torch"`` (a torch.save file: the same) or ``"safetensors"``
-    (tensors only, by their dotted names; what it cannot hold is named in the result). Default:
-    from ``dst`` (``.pt``/``.bin``: torch; ``.safetensors``: safetensors; else with ``step``:
-    checkpoint; else safetensors). ``step`` with another output is a ValueError (it names the
-    output's step, never a step to read: name a store's step folder for that). Safetensors go to one file, or, where ``dst`` is a
+    ``step``: where ``src`` is a store root, the step read (default: its newest), kept as the
+    output's step; otherwise the step a checkpoint output is saved as (default 0).
+    ``to``: ``"checkpoint"`` (a store root: the whole state, values and nesting kept, as the
+    source's step), ``"torch"`` (a torch.save file: the same) or ``"safetensors"`` (tensors only,
+    by their dotted names; what it cannot hold is named in the result). Default: from ``dst``
+    (``.pt``/``.bin``: torch; ``.safetensors``: safetensors; else with ``step`` of a source that is
+    no store root: checkpoint; else safetensors). Safetensors go to one file, or, where ``dst`` is a
     folder (ends with ``/``, exists as one, or has no ``.safetensors`` name and the tensors exceed
     ``shard_size``), to a Hugging Face folder: ``model.safetensors``, or shards of at most
     ``shard_size`` with their index. Every output is published whole (:mod:`aiotensor.commit`),
@@ -353,17 +359,19 @@ async def convert(
         ValueError: a file name for an output that needs shards.
         What reading ``src`` raises.
     """
+    root = step is not None and await anyio.to_thread.run_sync(_store_root, _engine(src), src)
+    if root:  # `convert ROOT out.safetensors --step 10`: step 10 of the store (it wrote a store of the newest)
+        src = os.path.join(src, _root.step_dir_name(step))  # type: ignore[arg-type]
     to = to or (
         "torch"
         if dst.endswith((".pt", ".bin"))
         else "safetensors"
-        if dst.endswith(".safetensors") or step is None
+        if dst.endswith(".safetensors") or step is None or root
         else "checkpoint"
     )
-    if step is not None and to != "checkpoint":  # `convert ROOT out.safetensors --step 10` wrote a store of the newest step
+    if step is not None and not root and to != "checkpoint":
         raise ValueError(
-            f"--step names the step of a checkpoint output (--to checkpoint), not a step to read: to convert step {step} "
-            f"of a store, name its folder (ROOT/{_root.step_dir_name(step)})"
+            f"--step {step}: {src} is no store root to read it from, and the output is not a checkpoint to save it as"
         )
     info = await anyio.to_thread.run_sync(_resolve, src)
     total = info.stored_bytes
@@ -508,8 +516,8 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--step",
         type=int,
-        help="the output's step, for --to checkpoint (default: the source's, or 0); "
-        "to convert step N of a store, name its folder ROOT/step-00000000000N",
+        help="of a store root SRC: the step to convert (default: its newest); of another SRC: the step of a "
+        "--to checkpoint output (default 0)",
     )
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it is an existing file")
     conv.set_defaults(fn=cmd_convert)

@@ -103,18 +103,25 @@ def test_verify_of_a_root_being_trained_on_an_odd_step_folder_and_an_empty_root(
     assert capsys.readouterr().out.startswith("NONE")
 
 
-def test_convert_step_names_the_outputs_step_never_a_step_to_read(files: dict[str, Any], capsys: Any) -> None:
+def test_convert_step_of_a_store_root_is_the_step_read(files: dict[str, Any], capsys: Any) -> None:
     """`convert ROOT out.safetensors --step 1` made a store folder named out.safetensors holding the
-    newest step labelled step 1, exit 0 (helper-32): --step is the output's step, so with a
-    safetensors or torch output it is refused, naming the way to read a step; a step converted to
-    a checkpoint keeps its number."""
+    newest step labelled step 1, exit 0 (helper-32): of a store root, --step is the step read (a
+    .safetensors DST is safetensors); a step converted to a checkpoint keeps its number; of another
+    source, --step names a checkpoint output's step and is refused with other outputs."""
     root = files["root"]
-    assert main(["convert", str(root / "ckpts"), str(root / "out.safetensors"), "--step", "1"]) == 1
-    assert "name its folder (ROOT/step-000000000001)" in capsys.readouterr().err
-    assert not (root / "out.safetensors").exists()
-    assert main(["convert", str(root / "ckpts" / "step-000000000001"), str(root / "out.safetensors")]) == 0
-    assert main(["convert", str(root / "ckpts" / "step-000000000001"), str(root / "copy"), "--to", "checkpoint"]) == 0
-    assert sorted(n for n in os.listdir(root / "copy") if n.startswith("step-")) == ["step-000000000001"]
+    (root / "ckpts" / "step-999").rmdir()
+    anyio.run(_save_step_3, root / "ckpts")
+    assert main(["convert", str(root / "ckpts"), str(root / "out.safetensors"), "--step", "1"]) == 0
+    assert torch.equal(anyio.run(load_file, root / "out.safetensors")["model.layers.0.w"], files["w"]["layers.0.w"])
+    assert main(["convert", str(root / "ckpts"), str(root / "copy"), "--to", "checkpoint", "--step", "2"]) == 0
+    assert sorted(n for n in os.listdir(root / "copy") if n.startswith("step-")) == ["step-000000000002"]
+    assert main(["convert", str(root / "m.pt"), str(root / "x.safetensors"), "--step", "1"]) == 1
+    assert "no store root" in capsys.readouterr().err
+
+
+async def _save_step_3(path: Any) -> None:
+    async with TensorStore(path) as store:
+        await store.save(3, {"model": {"layers.0.w": torch.zeros(2)}, "step": 3})
 
 
 def test_bad_input_and_usage(tmp_path: Any, capsys: Any) -> None:
