@@ -635,3 +635,29 @@ async def test_a_step_retired_while_the_root_is_listed_is_not_reported(tmp_path:
         assert reader.steps() == [2]
         assert "step-000000000001" not in reader.ignored  # it was retired, not broken
     assert "no manifest" not in caplog.text and "ignoring step-000000000001" not in caplog.text
+
+
+async def test_latest_replaced_while_it_is_read_is_read_again_not_taken_for_a_foreign_file(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that opened `latest` just as the writer renamed a new one over it found a file with
+    no link left and called it foreign (a warning, and `ls` said so: 11 of 75,129 listings,
+    helper-32). It reads the new one."""
+    from aiotensor import root as root_module
+
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, w(1))
+    real, calls = os.fstat, []
+
+    def replaced_once(fd: int) -> os.stat_result:
+        meta = real(fd)
+        calls.append(fd)
+        if len(calls) == 1:  # as if the writer's rename had just unlinked it
+            fields = list(meta)
+            fields[3] = 0  # st_nlink
+            return os.stat_result(fields)
+        return meta
+
+    monkeypatch.setattr(root_module.os, "fstat", replaced_once)
+    assert root_module.read_latest(aiotensor.PosixEngine(), str(tmp_path)) == ("step-000000000001", "")
+    assert len(calls) == 2
