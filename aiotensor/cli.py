@@ -30,6 +30,7 @@ from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
 from .location import absolute, engine_for, is_folder, local_path
 from .serving import save_torch
 from .store import TensorStore
+from .store.steps import check_step
 
 DCP_NAMES = (JSON_NAME, PICKLE_NAME)
 
@@ -361,12 +362,19 @@ async def convert(
     """
     root = step is not None and await anyio.to_thread.run_sync(_store_root, _engine(src), src)
     if root:  # `convert ROOT out.safetensors --step 10`: step 10 of the store (it wrote a store of the newest)
-        src = os.path.join(src, _root.step_dir_name(step))  # type: ignore[arg-type]
+        assert step is not None
+        check_step(step)
+        listing = await anyio.to_thread.run_sync(_root.scan, _engine(src), src, {})
+        if step not in listing.committed:
+            raise errors.CheckpointNotFoundError(
+                f"no committed step {step} in {src} (committed: {sorted(listing.committed)[-5:]})"
+            )
+        src = os.path.join(src, _root.step_dir_name(step))
     to = to or (
         "torch"
         if dst.endswith((".pt", ".bin"))
         else "safetensors"
-        if dst.endswith(".safetensors") or step is None or root
+        if dst.endswith(".safetensors") or step is None
         else "checkpoint"
     )
     if step is not None and not root and to != "checkpoint":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
+import logging
 import os
 import stat
 import uuid
@@ -59,6 +60,7 @@ from .location import engine_for, is_object, local_path, split, where
 METADATA = dm.JSON_NAME
 FORMAT = dm.FORMAT
 T = TypeVar("T")
+log = logging.getLogger("aiotensor")
 
 
 class _Runner:
@@ -253,7 +255,8 @@ class AiotensorWriter(StorageWriter):
         try:
             got = lock.try_acquire()
         except OSError as e:  # a file system without flock (Lustre without -o flock): DCP's save as before
-            if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            if e.errno in (errno.ENOSYS, errno.EOPNOTSUPP):
+                log.warning("%s: no writer lock on this file system (%s): saving %s without it", root, e.strerror, name)
                 return
             raise
         if not got:

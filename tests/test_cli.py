@@ -117,6 +117,10 @@ def test_convert_step_of_a_store_root_is_the_step_read(files: dict[str, Any], ca
     assert sorted(n for n in os.listdir(root / "copy") if n.startswith("step-")) == ["step-000000000002"]
     assert main(["convert", str(root / "m.pt"), str(root / "x.safetensors"), "--step", "1"]) == 1
     assert "no store root" in capsys.readouterr().err
+    assert main(["convert", str(root / "ckpts"), str(root / "y.safetensors"), "--step", "5"]) == 1
+    assert "no committed step 5" in capsys.readouterr().err
+    assert main(["convert", str(root / "ckpts"), str(root / "again"), "--step", "1"]) == 0  # no suffix: a checkpoint
+    assert sorted(n for n in os.listdir(root / "again") if n.startswith("step-")) == ["step-000000000001"]
 
 
 async def _save_step_3(path: Any) -> None:

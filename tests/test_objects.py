@@ -610,7 +610,7 @@ async def test_a_mirror_down_at_open_is_caught_up_once_it_answers(
     async with aiotensor.TensorStore(local, mirror=url) as store:
         h = store.save(1, train_state(1))
         await h  # committed here
-        with pytest.raises(OSError, match="cannot be reached"):
+        with pytest.raises(OSError, match="cannot be used now"):
             await h.mirrored
         with pytest.raises(OSError, match="acts on both"):  # it would stay in the mirror, to come back (helper-33)
             await store.delete(1)

@@ -852,3 +852,26 @@ async def test_loads_cancelled_twice_leave_no_file_open(tmp_path: Any, anyio_bac
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_a_mirror_whose_lease_another_writer_holds_is_caught_up_once_it_is_free(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer restarted while its crashed predecessor's lease on the mirror still lived could not
+    open at all, and with lock_timeout=None an upload's retry waited for ever, close() with it
+    (helper-34). The store opens with a warning and commits here; uploads never wait for the
+    lease, refresh() and the next upload try again, and catch up once it is free."""
+    monkeypatch.setattr(aiotensor.knobs, "MIRROR_RETRY_S", 0.0)
+    mirror, local = tmp_path / "mirror", tmp_path / "local"
+    async with TensorStore(mirror) as holder:  # another writer of the mirror
+        async with TensorStore(local, mirror=mirror, lock_timeout=None) as store:
+            h = store.save(1, {"w": torch.ones(2)})
+            await h
+            with pytest.raises(OSError, match="cannot be used now"):
+                await h.mirrored
+            await holder.close()  # (its lease gone: the next upload takes the mirror)
+            h = store.save(2, {"w": torch.ones(2) * 2})
+            await h.mirrored
+            assert await store.refresh() == [1, 2]
+    async with TensorStore(mirror, readonly=True) as m:
+        assert m.steps() == [1, 2]

@@ -21,6 +21,7 @@ import atexit
 import contextlib
 import contextvars
 import functools
+import logging
 import os
 import queue
 import sys
@@ -40,6 +41,7 @@ with contextlib.suppress(ImportError):
     import anyio._backends._asyncio
 
 T = TypeVar("T")
+log = logging.getLogger("aiotensor")
 
 
 def lower_priority(by: int) -> None:
@@ -217,6 +219,8 @@ async def run_sync(
                 await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException as e:
             cancelled = e
+        if cancelled is not None:  # (kept for a debugging reader: nothing else tells of it)
+            log.debug("a call failed while its caller was being cancelled: %s: %s", type(value).__name__, value)
         try:
             raise value if cancelled is None else cancelled
         finally:

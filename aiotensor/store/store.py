@@ -33,6 +33,7 @@ from ..errors import (
     SaveFailedError,
     StaleStepError,
     StoreClosedError,
+    StoreLockedError,
     UnsupportedLocationError,
 )
 from ..files import TensorInfo
@@ -160,7 +161,7 @@ class TensorStore:
                 mirror,
                 keep_last=mirror_keep_last,
                 readonly=readonly,
-                lock_timeout=lock_timeout,
+                lock_timeout=0 if lock_timeout is None else lock_timeout,  # never for ever: it would hold open()
                 verify=verify,
                 storage_options=storage_options,
             )
@@ -227,7 +228,7 @@ class TensorStore:
                 await self._steps.scan()
             else:
                 await self._open_writer()
-            self._tier_lock = anyio.Lock()
+            self._tier_lock, self._tier_retry_at = anyio.Lock(), 0.0
             await self._open_tier()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -244,11 +245,13 @@ class TensorStore:
         if self.reserve is not None and not self.readonly:
             self._tasks.start(lambda: saving.reserve(self.scheduler, self.staging, self.reserve, self.shard_bytes))
 
-    async def _open_tier(self) -> bool:
+    async def _open_tier(self, now: bool = False) -> bool:
         """Open the mirror's store if it is not open yet; False, with a warning, where it cannot be
-        reached: the store opens and commits locally all the same (a mirror down at open failed
-        it, and the trainer could not resume from its own disk: helper-30), and each upload
-        tries again, catching up on the steps it missed once it answers."""
+        reached or another writer holds its lease (a crashed trainer's, for ``knobs.LEASE_S``):
+        the store opens and commits locally all the same (a mirror down at open failed it, and
+        the trainer could not resume from its own disk: helper-30); uploads try again at most
+        every ``knobs.MIRROR_RETRY_S`` (``now``: at once), never waiting for the lease, and
+        catch up on the steps it missed once it answers."""
         tier = self._tier
         if tier is None or tier._open:
             return tier is not None
@@ -256,14 +259,16 @@ class TensorStore:
         async with self._tier_lock:
             if tier._open:
                 return True
-            if anyio.current_time() < self._tier_retry_at:  # tried a moment ago: the uploads queued fail at once
+            if not now and anyio.current_time() < self._tier_retry_at:  # tried a moment ago: queued uploads fail at once
                 return False
+            if self._open:
+                tier.lock_timeout = 0  # a retry never waits for another writer's lease (close() would wait on it)
             try:
                 await tier.open()
-            except OSError as e:
+            except (OSError, StoreLockedError) as e:
                 self._tier_retry_at = anyio.current_time() + knobs.MIRROR_RETRY_S
-                log.warning("%s: the mirror %s cannot be reached (%s): steps are committed here and uploaded once it answers",
-                            self.root, tier.root, e)  # fmt: skip
+                then = "listed once it answers" if self.readonly else "committed here and uploaded once it answers"
+                log.warning("%s: the mirror %s cannot be used (%s): steps are %s", self.root, tier.root, e, then)
                 return False
         if self._open:  # (at open(): once the store is open)
             self._catch_up()
@@ -276,7 +281,7 @@ class TensorStore:
 
         Raises:
             OSError: the mirror cannot be reached (tried now)."""
-        if self._tier is not None and not await self._open_tier():
+        if self._tier is not None and not await self._open_tier(now=True):
             raise OSError(
                 errno.EHOSTUNREACH,
                 f"{what}: the mirror {self._tier.root} cannot be reached, and it acts on both; try again once it answers",
@@ -288,13 +293,14 @@ class TensorStore:
         both stores' steps; it uploaded only those newer than the mirror's newest, and a step
         committed while it was down never got there: helper-30)."""
         tier = self._tier
-        if tier is None or not tier._open or self.readonly:
+        if tier is None or not tier._open or self.readonly or not self._open:  # (not once close() began)
             return
         kept = self.steps()
         if tier.keep_last is not None:
             kept = kept[-tier.keep_last :]
         for step in kept:
-            if step in self._steps.committed and step not in tier._steps.committed and step not in self._uploading:
+            fresh = step not in self._uploading and step not in self._in_flight  # (a save uploads its own)
+            if step in self._steps.committed and step not in tier._steps.committed and fresh:
                 self._start_upload(SaveHandle(step))
 
     async def _remember(self, step: int) -> None:
@@ -411,7 +417,8 @@ class TensorStore:
         """
         self._check_open()
         await self._steps.scan()
-        if self._tier is not None:
+        if await self._open_tier():  # (one that could not be used at open is tried again)
+            assert self._tier is not None
             await self._tier.refresh()
         return self.steps()
 
@@ -548,9 +555,7 @@ class TensorStore:
             error: Exception | None = None
             try:
                 if not await self._open_tier():
-                    raise OSError(
-                        errno.EHOSTUNREACH, f"the mirror {tier.root} cannot be reached (it is tried again at each save)"
-                    )
+                    raise OSError(errno.EHOSTUNREACH, f"the mirror {tier.root} cannot be used now (tried again at a later save)")
                 await mirror.upload(self.engine, self.path(h.step), h.step)
             except Exception as e:
                 error = e
@@ -610,10 +615,14 @@ class TensorStore:
             what = f"deleting step {step} of {self.root}"
             await self._group.retire(self._steps, step, lambda: [self._steps.check(step, exists=True)], what)
             return
-        if self._tier is not None and step in self._mirrored():
-            await self._tier.delete(step)
-            if step not in self._steps.committed:
-                return
+        if self._tier is not None and self._mirror is not None:
+            async with self._mirror.turn:  # not beside an upload (one of this step would commit it there again)
+                if step in self._mirrored():
+                    await self._tier.delete(step)
+                if step not in self._steps.committed:
+                    return
+                await self._steps.delete([self._steps.check(step, exists=True)])
+            return
         await self._steps.delete([self._steps.check(step, exists=True)])
 
     async def rollback(self, step: int) -> list[int]:
