@@ -873,5 +873,9 @@ async def test_a_mirror_whose_lease_another_writer_holds_is_caught_up_once_it_is
             h = store.save(2, {"w": torch.ones(2) * 2})
             await h.mirrored
             assert await store.refresh() == [1, 2]
+            with pytest.raises(CheckpointNotFoundError):  # in neither tier (a first version returned)
+                await store.delete(5)
+            await store.delete(1)  # both tiers, beside no upload
+            assert store.steps() == [2] and store.mirrored_steps() == [2]
     async with TensorStore(mirror, readonly=True) as m:
-        assert m.steps() == [1, 2]
+        assert m.steps() == [2]

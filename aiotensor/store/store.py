@@ -617,11 +617,11 @@ class TensorStore:
             return
         if self._tier is not None and self._mirror is not None:
             async with self._mirror.turn:  # not beside an upload (one of this step would commit it there again)
-                if step in self._mirrored():
+                mirrored = step in self._mirrored()
+                if mirrored:
                     await self._tier.delete(step)
-                if step not in self._steps.committed:
-                    return
-                await self._steps.delete([self._steps.check(step, exists=True)])
+                if not (mirrored and step not in self._steps.committed):  # (neither: CheckpointNotFoundError)
+                    await self._steps.delete([self._steps.check(step, exists=True)])
             return
         await self._steps.delete([self._steps.check(step, exists=True)])
 
