@@ -52,6 +52,7 @@ def rank(r: int, world: int, root: str, port: int) -> None:
     dist.init_process_group("gloo", rank=r, world_size=world, timeout=timedelta(seconds=60))
     try:
         anyio.run(train, r, world, root)
+        dist.barrier()  # every rank done before any tears the group down (gloo's threads meet a peer gone)
     finally:
         dist.destroy_process_group()
 
