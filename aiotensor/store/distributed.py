@@ -126,13 +126,7 @@ class Group:
                     gone, problem = doomed(), None
                 except Exception as e:
                     gone, problem = [], e
-                votes = await anyio.to_thread.run_sync(gather, [problem is not None, step], self.group, what)
-                same_step(votes, 1, what, "deleting")
-                failed = [r for r, v in enumerate(votes) if v[0]]
-                if problem is not None:
-                    raise problem
-                if failed:
-                    raise DistributedError(f"{what} was abandoned: it failed on ranks {failed}")
+                await anyio.to_thread.run_sync(vote, problem, step, self.group, what, "deleting", "could not delete")
                 error: Exception | None = None
                 if self.rank == 0:
                     try:
@@ -254,16 +248,7 @@ class Saver:
             staged, problem = None, e
         if spent(self.stager):
             self.opts, self.stager = self._stager()
-        votes = gather([problem is not None, cancelled(), step], self.group, what)
-        failed = [r for r, v in enumerate(votes) if v[0]]
-        if problem is not None:
-            if len(failed) > 1:
-                problem.add_note(f"{what} was abandoned on every rank; ranks {failed} could not stage their state")
-            raise problem
-        if failed:
-            raise DistributedError(f"{what} was abandoned: ranks {failed} could not stage their state")
-        same_step(votes, 2, what, "saving")
-        stopped = [r for r, v in enumerate(votes) if v[1]]
+        stopped = vote(problem, step, self.group, what, "saving", "could not stage their state", cancelled())
         if dist.get_rank(self.group) in stopped:
             raise SaveCancelledError(f"the save of step {step} was cancelled; nothing was committed (on any rank)")
         if stopped:
@@ -344,15 +329,32 @@ def gather(values: list[int], group: Any, what: str) -> list[list[int]]:
     return [t.tolist() for t in got]
 
 
-def same_step(votes: list[list[int]], at: int, what: str, doing: str) -> None:
-    """Refuse, on every rank, ranks whose ``votes[rank][at]`` (a step) differ: each rank must save,
-    load and delete the same steps, in the same order."""
-    if len({v[at] for v in votes}) > 1:
-        each = ", ".join(f"rank {r}: {v[at]}" for r, v in enumerate(votes))
+def vote(
+    problem: Exception | None, step: int, group: Any, what: str, doing: str, failing: str, cancelled: bool = False
+) -> list[int]:
+    """The ranks' vote before the collectives of a save, a load or a deletion, which every rank
+    learns alike: whether each could do its part (``problem``: this rank's failure), the ``step``
+    each names, whether each ``cancelled`` it. Returns the ranks that cancelled.
+
+    Raises, on every rank alike: ``problem`` where this rank failed (noting the others that did),
+    DistributedError where another rank did (``failing``: what it could not do), or where the ranks
+    name different steps (``doing`` them): each rank must save, load and delete the same steps, in
+    the same order."""
+    votes = gather([problem is not None, step, cancelled], group, what)
+    failed = [r for r, v in enumerate(votes) if v[0]]
+    if problem is not None:
+        if len(failed) > 1:
+            problem.add_note(f"{what} was abandoned on every rank; ranks {failed} {failing}")
+        raise problem
+    if failed:
+        raise DistributedError(f"{what} was abandoned: ranks {failed} {failing}")
+    if len({v[1] for v in votes}) > 1:
+        each = ", ".join(f"rank {r}: {v[1]}" for r, v in enumerate(votes))
         raise DistributedError(
             f"{what} was abandoned: the ranks are {doing} different steps ({each}); every rank must make the same "
             "call with the same step, in the same order (nothing was changed)"
         )
+    return [r for r, v in enumerate(votes) if v[2]]
 
 
 def load(into: Any, step: int, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True) -> None:
@@ -369,13 +371,7 @@ def load(into: Any, step: int, path: str, group: Any, what: str, sched: Schedule
         problem: Exception | None = None
     except Exception as e:
         problem = e
-    votes = gather([problem is not None, step], group, what)
-    failed = [r for r, v in enumerate(votes) if v[0]]
-    same_step(votes, 1, what, "loading")
-    if problem is not None:
-        raise problem
-    if failed:
-        raise DistributedError(f"{what} failed: ranks {failed} could not read the checkpoint's metadata")
+    vote(problem, step, group, what, "loading", "could not read the checkpoint's metadata")
     planner = _Planner(allow_partial_load=not strict)
     collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what)
     if strict:  # DCP loads only the keys `into` has: the saved values it lacks are put there, as in one process
@@ -424,4 +420,4 @@ def collective(fn: Callable[[], Any], what: str) -> None:
         raise DistributedError(f"{what} failed: another rank stopped answering ({str(e)[:300]})") from e
 
 
-__all__ = ["Group", "Saver", "gather", "group_of", "load", "share_outcome"]
+__all__ = ["Group", "Saver", "gather", "group_of", "load", "share_outcome", "vote"]
