@@ -72,7 +72,6 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self.nbytes = nbytes  # tensor bytes, once planned
         self._started = anyio.current_time()
         self._staged_event = anyio.Event()
-        self._copied = False  # set_staged came (finish() also wakes staged-waiters, of a failed save)
         self._done_event = anyio.Event()
         self.staged = _Signal(self, self._staged_event)
         self._mirrored_event = anyio.Event()
@@ -158,7 +157,8 @@ class SaveHandle(Coroutine[Any, Any, None]):
             with anyio.CancelScope(shield=True):
                 await self._done_event.wait()
             raise
-        if self._error is not None and (event is self._done_event or not self._copied):
+        # (a failed save's finish() also wakes staged-waiters: stage_seconds says whether it had staged)
+        if self._error is not None and (event is self._done_event or self.stage_seconds is None):
             self.observed = True
             raise self._error
 
@@ -174,7 +174,6 @@ class SaveHandle(Coroutine[Any, Any, None]):
         """The tensors (``nbytes`` of them) are copied out: the caller may change its own from here on."""
         self.nbytes = nbytes
         self.stage_seconds = anyio.current_time() - self._started
-        self._copied = True
         self._staged_event.set()
 
     def set_committed(self) -> None:
