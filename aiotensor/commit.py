@@ -36,7 +36,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import anyio
@@ -173,11 +173,17 @@ class Publication:
     Args:
         tmp: the temporary path (default: :func:`temp_name` beside ``final`` for a folder,
             :func:`hidden_temp` for a file).
-        writer: the caller is the root's writer (it holds its lock or lease): on an object store,
+        fence: the caller is the root's writer, and ``await fence()`` raises unless it still is
+            (its lock or lease: :meth:`~aiotensor.store.steps.Steps.fence`): on an object store,
             an unfinished folder of the library's at ``final`` (its marker, no commit record: a
             failed save whose clean-up failed, the server down) is removed first, as the writer's
             repair at open would (a save of that step again failed with "an object of that name
-            exists" until the store was reopened: helper-30).
+            exists" until the store was reopened: helper-30), once ``fence()`` has passed (a
+            writer that stalled past its lease removed its successor's save in progress there).
+
+    On an object store the folder's marker holds a token of this publication's: leaving without
+    :meth:`publish` removes the folder only while the marker still holds it (a writer whose
+    lease ran out meanwhile left its successor's save of the same step alone).
 
     Cancellation: :meth:`publish` runs to its end once started (its steps are shielded); the
     clean-up on leaving is shielded too.
@@ -191,15 +197,16 @@ class Publication:
         folder: bool,
         tmp: str | None = None,
         priority: int = Priority.SAVE,
-        writer: bool = False,
+        fence: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self.sched, self.final, self.folder, self.priority, self.writer = sched, final, folder, priority, writer
+        self.sched, self.final, self.folder, self.priority, self.fence = sched, final, folder, priority, fence
         if folder and not sched.engine.renames:
             tmp = final
         elif tmp is None:
             tmp = os.path.join(os.path.dirname(final), temp_name(os.path.basename(final))) if folder else hidden_temp(final)
         self.tmp = tmp
         self.published = False
+        self._mark: bytes | None = None  # an object store's folder marker, as this publication made it
 
     @property
     def engine(self) -> Engine:
@@ -208,16 +215,17 @@ class Publication:
     async def __aenter__(self) -> Publication:
         if self.folder:
             try:
-                await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
+                await self._mkdir()
             except FileExistsError:
                 if not (
-                    self.writer
+                    self.fence is not None
                     and not self.engine.renames
                     and await self._call(_unfinished, self.engine, self.tmp, what=f"checking {self.tmp}")
                 ):
                     raise
+                await self.fence()  # still the writer: the leftover is no other writer's save in progress
                 await self._call(remove, self.engine, self.tmp, what=f"removing the unfinished {self.tmp}")
-                await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
+                await self._mkdir()
         return self
 
     async def publish(self) -> None:
@@ -244,7 +252,9 @@ class Publication:
             return
         with anyio.CancelScope(shield=True):
             try:
-                if self.folder:
+                if self.folder and self._mark is not None and not await self._call(self._ours, what=f"checking {self.tmp}"):
+                    log.warning("%s: left as it is: another writer's save made it since this one failed", self.tmp)
+                elif self.folder:
                     await self._call(remove, self.engine, self.tmp, what=f"removing {self.tmp}")
                 else:  # a file: no commit records under it to drop first
                     await self._call(self.engine.remove_file, self.tmp, what=f"removing {self.tmp}")
@@ -255,6 +265,15 @@ class Publication:
                 note = f"clean-up could not remove the unfinished {self.tmp} ({cleanup}); {who}"
                 e.add_note(note)
                 log.warning("%s", note)
+
+    async def _mkdir(self) -> None:
+        made = await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")
+        self._mark = made if isinstance(made, bytes) else None
+
+    def _ours(self) -> bool:
+        """Does the folder's marker still hold the token this publication put there?"""
+        assert self._mark is not None
+        return self.engine.holds(os.path.join(self.tmp, FOLDER_MARKER), self._mark)
 
     async def _call(self, fn: Callable[..., object], *args: object, what: str, **kwargs: object) -> object:
         try:

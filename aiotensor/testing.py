@@ -124,9 +124,9 @@ class FaultyEngine(Engine):
         finally:
             self.inner.close(fd)
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str) -> bytes | None:
         self._op("mkdir", path)
-        self.inner.mkdir(path)
+        return self.inner.mkdir(path)
 
     def rename(self, src: str, dst: str) -> None:
         self._op("rename", src, dst)

@@ -500,6 +500,61 @@ async def test_a_writer_that_lost_its_lease_never_commits(
     assert not any("step-000000000001" in k for k in keys_under(s3, f"{run}store6/"))
 
 
+async def test_a_stalled_writer_leaves_its_successors_save_of_the_same_step_alone(
+    s3: Any, run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that stalled past its lease, saving the step its successor is saving: it took the
+    successor's folder in progress for its own leftover and removed it (helper-33), and its clean-up
+    removed whatever folder had that name. Now it is refused before it removes anything."""
+    import obstore
+
+    monkeypatch.setattr(aiotensor.knobs, "LEASE_S", 1.0)
+    async with aiotensor.TensorStore(f"s3://bucket/{run}stall2") as stalled:
+        await stalled.save(0, {"w": torch.ones(2)})
+        stalled._lock._stop.set()  # type: ignore[union-attr]  # it stops renewing, as a stalled process would
+        await anyio.sleep(2.2)
+        async with aiotensor.TensorStore(f"s3://bucket/{run}stall2", lock_timeout=10):
+            # the successor's save of step 1, under way: its marker and a first shard
+            folder = f"{run}stall2/step-000000000001/"
+            await obstore.put_async(s3, folder + ".aiotensor-folder", b"fedcba9876543210fedcba9876543210")
+            await obstore.put_async(s3, folder + "shard-00000.safetensors", b"the successor's shard")
+            with pytest.raises(aiotensor.errors.StoreLockedError, match="took over"):
+                await stalled.save(1, train_state(1))
+            assert sorted(keys_under(s3, folder)) == [folder + ".aiotensor-folder", folder + "shard-00000.safetensors"]
+            marker = await obstore.get_async(s3, folder + ".aiotensor-folder")
+            assert bytes(await marker.bytes_async()) == b"fedcba9876543210fedcba9876543210"
+
+
+async def test_a_failed_publication_removes_its_own_folder_only(s3: Any, run: str) -> None:
+    """The clean-up of a save that failed removes the step's folder only while its marker is the one
+    it made: a successor that repaired it away and began the same step meanwhile keeps its own."""
+    from aiotensor.commit import Publication
+    from aiotensor.engines.objects import FOLDER_MARKER
+
+    async def still_the_writer() -> None:
+        pass
+
+    final = f"s3://bucket/{run}pub/step-000000000001"
+    from aiotensor._runtime.scheduler import own_scheduler
+
+    async with own_scheduler(None, ObjectEngine()) as sched:
+        with pytest.raises(RuntimeError, match="the save failed"):
+            async with Publication(sched, final, folder=True, fence=still_the_writer) as pub:
+                await sched.call(sched.engine.put, pub.tmp + "/shard-00000.safetensors", [memoryview(b"ours")])
+                other = ObjectEngine()  # the successor: removes the leftover, begins the step
+                other.remove_tree(final)
+                theirs = other.mkdir(final)
+                other.put(final + "/shard-00000.safetensors", [memoryview(b"theirs")])
+                raise RuntimeError("the save failed")
+        assert sched.engine.holds(f"{final}/{FOLDER_MARKER}", theirs)
+        assert sched.engine.holds(f"{final}/shard-00000.safetensors", b"theirs")
+        with pytest.raises(RuntimeError):  # a folder still its own is removed, as before
+            async with Publication(sched, final + "0", folder=True, fence=still_the_writer) as pub:
+                await sched.call(sched.engine.put, pub.tmp + "/shard-00000.safetensors", [memoryview(b"ours")])
+                raise RuntimeError
+    assert keys_under(s3, f"{run}pub/step-0000000000010/") == []
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a server of its own, killed and restarted: 30 s
 async def test_the_server_killed_mid_upload_loses_nothing(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The save fails with a clear error after bounded retries, nothing is committed, the step

@@ -94,7 +94,24 @@ class Engine(abc.ABC):
     def close(self, fd: int) -> None: ...
 
     @abc.abstractmethod
-    def mkdir(self, path: str) -> None: ...
+    def mkdir(self, path: str) -> bytes | None:
+        """Create the folder ``path`` (FileExistsError if it is there). An engine whose folders are
+        marked (an object store's) returns the marker's bytes, which tell this folder from one
+        another writer made at that name since (:meth:`holds`); else None."""
+
+    def holds(self, path: str, data: bytes) -> bool:
+        """Does the file ``path`` hold exactly ``data``? (False where it is missing.)"""
+        try:
+            fd = self.open_read(path)
+        except FileNotFoundError:
+            return False
+        try:
+            if self.size(fd) != len(data):
+                return False
+            buf = bytearray(len(data))
+            return self.pread(fd, memoryview(buf), 0) == len(data) and buf == data
+        finally:
+            self.close(fd)
 
     @abc.abstractmethod
     def rename(self, src: str, dst: str) -> None:

@@ -301,11 +301,18 @@ class ObjectEngine(Engine):
         except Exception as e:
             raise self._fail(e) from None
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str) -> bytes:
         """A folder is a key prefix: the library marks its own with :data:`FOLDER_MARKER`, created
         conditionally, so two writers cannot make the same folder (FileExistsError, as ``mkdir``).
-        It holds a token of its own, so that a retried PUT of it tells its own from another's."""
-        self.put(posixpath.join(path, FOLDER_MARKER), [memoryview(uuid.uuid4().hex.encode())])
+        It holds a token of its own, returned, so that a retried PUT of it tells its own from
+        another's, and its maker tells its folder from one made at that name since."""
+        token = uuid.uuid4().hex.encode()
+        self.put(posixpath.join(path, FOLDER_MARKER), [memoryview(token)])
+        return token
+
+    def holds(self, path: str, data: bytes) -> bool:
+        bucket, key = split(path)
+        return self._holds(self._store(bucket), key, [memoryview(data)])
 
     def sync_dir(self, path: str) -> None:
         """Nothing to do: an object is durable once its PUT returned."""

@@ -98,6 +98,7 @@ class PosixEngine(Engine):
 
     def mkdir(self, path: str) -> None:
         os.mkdir(path)
+        return None
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)

@@ -48,7 +48,9 @@ class Mirror:
             sched = self.sched
             m = await sched.call(_root.read_manifest, local, folder, step, priority=Priority.BACKGROUND)
             h = SaveHandle(step, sum(e.spec.nbytes for e in m.entries.values()))
-            async with Publication(sched, self.steps.path(step), folder=True, priority=Priority.BACKGROUND, writer=True) as pub:
+            async with Publication(
+                sched, self.steps.path(step), folder=True, priority=Priority.BACKGROUND, fence=self.steps.fence
+            ) as pub:
 
                 def put(name: str) -> Any:
                     src, dst = os.path.join(folder, name), os.path.join(pub.tmp, name)

@@ -144,7 +144,9 @@ async def _write(
     """The shards (each a page-aligned image of the arena, written with O_DIRECT, checksummed
     meanwhile; a candidate proven equal to an earlier shard linked instead) and the manifest under
     a temporary name, then the commit."""
-    async with Publication(sched, steps.path(h.step), folder=True, priority=prio, writer=steps.writer) as pub:
+    async with Publication(
+        sched, steps.path(h.step), folder=True, priority=prio, fence=steps.fence if steps.writer else None
+    ) as pub:
         digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio, proven)
         # the same bytes as those files': their crc32c (tens of thousands of keys: in a thread)
         crcs, skip = await sched.call(_linked_crcs, plan, reused, priority=prio)
