@@ -115,6 +115,50 @@ async def test_a_new_process_reuses_the_last_step(tmp_path: Any) -> None:
         assert same((await store.load())["model"], {**base, **adapters})
 
 
+def _flip_a_byte(path: str, keep_mtime: bool = False) -> None:
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # a stray write into a tensor's bytes
+        f.seek(st.st_size - 100)
+        b = f.read(1)
+        f.seek(st.st_size - 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    if keep_mtime:  # damage that leaves the modification time as it was (bit rot)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("restart", [False, True])
+async def test_a_shard_damaged_on_disk_is_never_linked_into_later_steps(tmp_path: Any, restart: bool) -> None:
+    """A flipped byte in the newest step's frozen shard was linked into every later save: each
+    committed, each unloadable (ChecksumError), while the trainer's tensors were intact; with
+    retention, no loadable step was left (helper-35). The earlier file is checked before a link:
+    the shard is written again, and every later step loads. After a restart the first link reads
+    the file whole, so damage that kept the file's modification time is found too."""
+    base, adapters = make()
+    async with TensorStore(str(tmp_path), keep_last=2) as store:
+        for step in range(4):
+            await store.save(step, lora_state(step, base, adapters))
+        shard = next(os.path.join(store.path(3), s["file"]) for s in manifest(store, 3)["shards"] if "reused_from" in s)
+        _flip_a_byte(shard, keep_mtime=restart)
+        damaged = os.stat(shard).st_ino
+        if restart:
+            await store.close()
+            store = TensorStore(str(tmp_path), keep_last=2)
+            await store.open()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(4, 7):
+                await store.save(step, lora_state(step, base, adapters))
+        assert store.steps() == [5, 6]
+        for step in (5, 6):  # (the adapters change each step: the frozen part is what was damaged)
+            got = (await store.load(step))["model"]
+            assert same({k: got[k] for k in base}, base)
+        assert same(got, {**base, **adapters})
+        assert all(os.stat(os.path.join(store.path(s), f)).st_ino != damaged for s in (5, 6) for f in os.listdir(store.path(s)))
+        m = manifest(store, 6)
+        assert [s for s in m["shards"] if "reused_from" in s]  # the new copy is reused from then on
+        await store.close()
+
+
 async def test_incremental_false_writes_every_byte(tmp_path: Any) -> None:
     base, adapters = make()
     eng = FaultyEngine()

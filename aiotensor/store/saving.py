@@ -14,6 +14,13 @@ Such a shard is published as a hard link to the earlier file (on an object store
 copy): every step stays a complete folder that any safetensors reader opens, deletable on its own.
 A `.data` write that the version counter misses fails the comparison (or changes the digest), and
 the shard is written.
+
+The earlier file must still hold what its digest says: one damaged on disk (a stray write, a
+truncation) was linked into every later step, each committed and unloadable while the trainer's
+memory was intact (helper-35). Before a link, the file is checked: unchanged since this store
+wrote or read it whole (its inode, size and modification time, from a stat), or else read whole
+and its blake3 digest compared (after a restart, the first save reads each shard it links once). A
+file that differs is not linked: the shard is written, with a warning.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from .._io.write import write_file
 from .._runtime.buffers import HostBuffer, StagingPool, round_up
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting, run_concurrently
 from ..commit import Publication
+from ..engines import Engine
 from ..formats import checksum
 from ..formats import manifest as mf
 from .handle import SaveHandle
@@ -50,11 +58,13 @@ class Incremental:
     def __init__(self) -> None:
         self.versions: dict[str, tuple[int, int]] = {}
         self.previous: list[tuple[tuple[str, ...], Previous]] = []
+        self.known: dict[str, tuple[Any, ...]] = {}  # earlier files known to hold their digest's bytes: their marks
 
     def forget(self) -> None:
         """Drop what was remembered (the store closes; a reopened one reads the newest manifest)."""
         self.versions = {}
         self.previous = []
+        self.known = {}
 
     def stable(self, key: str, t: torch.Tensor) -> bool:
         return self.versions.get(key) == _version(t)
@@ -62,8 +72,12 @@ class Incremental:
     def planned(self, sources: dict[str, torch.Tensor]) -> None:
         self.versions = {k: v for k, t in sources.items() if (v := _version(t)) is not None}
 
-    def committed(self, m: mf.Manifest, folder: str) -> None:
-        """The step ``m`` of ``folder`` is the newest: its candidate shards are the next save's."""
+    def committed(self, m: mf.Manifest, folder: str, wrote: Engine | None = None) -> None:
+        """The step ``m`` of ``folder`` is the newest: its candidate shards are the next save's.
+        ``wrote``: this store just wrote (or linked, once checked) its files through that engine,
+        so that they hold their digests' bytes as they are now; else each is read whole before its
+        first link (:meth:`intact`)."""
+        self.known = {} if wrote is None else {p: _mark(wrote.stat(p)) for p in (os.path.join(folder, f) for f in m.digests)}
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
             by_shard.setdefault(e.shard, []).append(e)
@@ -74,6 +88,46 @@ class Incremental:
             crcs = {e.spec.key: e.crc32c for e in entries}
             prev = Previous(os.path.join(folder, file), header, digest, crcs, m.step)
             self.previous.append((tuple(e.spec.key for e in entries), prev))
+
+    def intact(self, engine: Engine, earlier: Previous) -> bool:
+        """Does ``earlier``'s file still hold the bytes its digest names (unchanged since it was
+        known to, or read whole now)? A file gone is left to the link, which then fails."""
+        try:
+            mark = _mark(engine.stat(earlier.path))
+        except FileNotFoundError:
+            return True
+        if self.known.get(earlier.path) == mark:
+            return True
+        if _digest_of(engine, earlier.path) != earlier.digest:
+            return False
+        self.known[earlier.path] = mark
+        return True
+
+
+def _mark(st: os.stat_result) -> tuple[Any, ...]:
+    """What changes when a file is written to (an object's entity tag stands for its inode)."""
+    return st.st_ino, st.st_size, st.st_mtime_ns if st.st_mtime_ns is not None else st.st_mtime
+
+
+def _digest_of(engine: Engine, path: str) -> str:
+    """The blake3 digest of the file ``path``, read a piece at a time."""
+    fd = engine.open_read(path)
+    try:
+        size, digest = engine.size(fd), blake3.blake3()
+        buf = memoryview(bytearray(min(size, _PIECE) or 1))
+        at = 0
+        while at < size:
+            n = engine.pread(fd, buf[: min(_PIECE, size - at)], at)
+            if n <= 0:
+                break
+            digest.update(buf[:n])
+            at += n
+        return digest.hexdigest()
+    finally:
+        engine.close(fd)
+
+
+_PIECE = 8 << 20
 
 
 def _version(t: torch.Tensor) -> tuple[int, int] | None:
@@ -147,7 +201,7 @@ async def _write(
     async with Publication(
         sched, steps.path(h.step), folder=True, priority=prio, fence=steps.fence if steps.writer else None
     ) as pub:
-        digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio, proven)
+        digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio, proven, incremental)
         # the same bytes as those files': their crc32c (tens of thousands of keys: in a thread)
         crcs, skip = await sched.call(_linked_crcs, plan, reused, priority=prio)
 
@@ -175,7 +229,7 @@ async def _write(
         await write_file(sched, os.path.join(pub.tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
         await steps.commit(h, pub.publish)
     if incremental is not None:
-        await sched.call(incremental.committed, m, steps.path(h.step), priority=prio)
+        await sched.call(incremental.committed, m, steps.path(h.step), sched.engine, priority=prio)
 
 
 def _linked_crcs(plan: SavePlan, reused: dict[str, int]) -> tuple[dict[str, int], frozenset[str]]:
@@ -204,13 +258,19 @@ def _manifest(
 
 
 async def _reuse(
-    sched: Scheduler, plan: SavePlan, arena: HostBuffer, folder: str, prio: int, proven: set[str]
+    sched: Scheduler,
+    plan: SavePlan,
+    arena: HostBuffer,
+    folder: str,
+    prio: int,
+    proven: set[str],
+    incremental: Incremental | None,
 ) -> tuple[dict[str, str], dict[str, int]]:
     """The blake3 digest of every candidate shard's staged bytes, and the shards linked into
     ``folder`` from an earlier step (file -> that step) because their digests are equal, or
     because staging compared every byte with that earlier shard's image (``proven``: no digest to
-    compute). An earlier file gone meanwhile, or a file system without hard links: the shard is
-    written."""
+    compute), once the earlier file is checked (:meth:`Incremental.intact`). An earlier file gone
+    meanwhile or changed on disk, or a file system without hard links: the shard is written."""
     hashed = [sh for sh in plan.shards if sh.candidate and sh.file not in proven]
     got = await sched.map(
         lambda sh: blake3.blake3(arena.view[sh.arena_offset : sh.arena_offset + sh.layout.file_size]).hexdigest(),
@@ -226,6 +286,10 @@ async def _reuse(
 
     def link(sh: Any, earlier: Previous) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
+            if incremental is not None and not await sched.call(incremental.intact, sched.engine, earlier, priority=prio):
+                log.warning("%s no longer holds what step %d's manifest says (damaged on disk): %s is written, not linked to it",
+                            earlier.path, earlier.step, sh.file)  # fmt: skip
+                return
             try:
                 await sched.call(sched.engine.link, earlier.path, os.path.join(folder, sh.file), priority=prio)
             except OSError as e:
