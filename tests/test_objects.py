@@ -602,6 +602,33 @@ async def test_wrong_credentials_are_a_clear_error_without_the_secret(s3: Any, r
 # --- tiered: a local store mirrored to a bucket -----------------------------------------------------
 
 
+async def test_uploads_behind_the_saves_keep_only_what_the_mirror_keeps_on_the_local_disk(
+    s3: Any, run: str, tmp_path: Any
+) -> None:
+    """An upload slower than the saves held every step committed meanwhile on the local disk
+    (helper-35: 29 steps of keep_last=2, growing without bound), and then uploaded each, only for
+    the mirror's retention to retire it. An upload not begun once mirror_keep_last newer steps
+    are committed is dropped, and its step retired here."""
+    async with aiotensor.TensorStore(
+        str(tmp_path / "node"), keep_last=2, mirror=f"s3://bucket/{run}lag", mirror_keep_last=2, incremental=False
+    ) as store:
+        first = store.save(0, train_state(0))
+        await first.mirrored
+        assert store._mirror is not None
+        handles = []
+        async with store._mirror.turn:  # an upload that takes long: the ones after it wait
+            for step in range(1, 11):
+                handles.append(store.save(step, train_state(step)))
+                await handles[-1]
+                assert len(store.steps()) <= 5, store.steps()
+        for h in handles:
+            await h.mirrored
+        assert store.mirrored_steps() == [9, 10]
+        assert set(store.steps()) <= {8, 9, 10} and same(await store.load(10), train_state(10))
+    async with aiotensor.TensorStore(f"s3://bucket/{run}lag", readonly=True) as bucket:
+        assert bucket.steps() == [9, 10] and same(await bucket.load(9), train_state(9))
+
+
 async def test_a_tiered_store_commits_locally_and_mirrors_in_the_background(s3: Any, run: str, tmp_path: Any) -> None:
     url = f"s3://bucket/{run}tier"
     local = str(tmp_path / "node1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -33,17 +34,17 @@ class Mirror:
         self.last: dict[str, str] = {}  # the newest mirrored step's shards, by blake3 digest: digest -> path
         self.uploaded = self.copied = 0  # bytes put, and bytes the server copied from an earlier step
 
-    async def upload(self, local: Engine, folder: str, step: int) -> None:
+    async def upload(self, local: Engine, folder: str, step: int, begin: Callable[[], bool] = lambda: True) -> None:
         """Copy the committed local step ``folder`` to the mirror as ``step``: its shards (several
         PUTs at once; a shard whose digest the newest mirrored step has, from an incremental save,
         is copied by the server from there instead), then, once the mirror's lease is renewed, its
-        manifest (the commit point).
+        manifest (the commit point). ``begin()``, called once its turn comes: False drops it.
 
         Raises:
             OSError, StoreLockedError: the upload failed; nothing of it is left in the mirror.
         """
         async with self.turn:
-            if step in self.steps.committed:
+            if not begin() or step in self.steps.committed:  # (its turn came: ``begin()`` says whether it still goes)
                 return
             sched = self.sched
             m = await sched.call(_root.read_manifest, local, folder, step, priority=Priority.BACKGROUND)

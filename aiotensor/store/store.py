@@ -155,6 +155,7 @@ class TensorStore:
         self._tier_lock: anyio.Lock | None = None  # opening the mirror (at open, or at an upload)
         self._tier_retry_at = 0.0  # not before then, once it could not be reached
         self._uploading: set[int] = set()
+        self._waiting: set[int] = set()  # uploads not begun, each holding its step here (_start_upload)
         self._behind = False  # an upload failed: the next that succeeds catches up
         if mirror is not None:
             self._tier = TensorStore(
@@ -545,24 +546,39 @@ class TensorStore:
 
     def _start_upload(self, h: SaveHandle) -> None:
         """Upload the committed step ``h.step`` to the mirror in the background (never retired
-        here meanwhile); ``h.mirrored`` resolves when it is done."""
+        here meanwhile); ``h.mirrored`` resolves when it is done. Uploads go one at a time: one
+        that has not begun when ``mirror_keep_last`` newer steps are committed is dropped (the
+        mirror's retention would retire that step at once), and lets its step go here, so that
+        uploads slower than saves do not keep every step on the local disk (helper-35: 29 steps
+        of keep_last=2, and growing)."""
         assert self._mirror is not None and self._tier is not None
         mirror, tier = self._mirror, self._tier
         self._steps.readers[h.step] += 1
         self._uploading.add(h.step)
+        self._waiting.add(h.step)
+        self._drop_overtaken()
+        began = False
+
+        def begin() -> bool:  # the upload's turn came: does it go on (still wanted, its step still held)?
+            nonlocal began
+            began = h.step in self._waiting
+            self._waiting.discard(h.step)
+            return began
 
         async def upload() -> None:
             error: Exception | None = None
             try:
                 if not await self._open_tier():
                     raise OSError(errno.EHOSTUNREACH, f"the mirror {tier.root} cannot be used now (tried again at a later save)")
-                await mirror.upload(self.engine, self.path(h.step), h.step)
+                await mirror.upload(self.engine, self.path(h.step), h.step, begin)
             except Exception as e:
                 error = e
                 self._behind = True
                 log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, tier.root, e)
             finally:
-                self._steps.readers[h.step] -= 1
+                if began or h.step in self._waiting:  # (else _drop_overtaken let it go)
+                    self._waiting.discard(h.step)
+                    self._steps.readers[h.step] -= 1
                 self._uploading.discard(h.step)
             h.set_mirrored(error)
             if error is None and self._behind:  # the mirror answers again: what it missed meanwhile
@@ -570,6 +586,18 @@ class TensorStore:
                 self._catch_up()
 
         self._tasks.start(upload)
+
+    def _drop_overtaken(self) -> None:
+        """Let go of the uploads not begun whose step has ``mirror_keep_last`` newer ones committed
+        (here or in the mirror): their steps may be retired here."""
+        keep = self._tier.keep_last if self._tier is not None else None
+        if keep is None or not self._waiting:
+            return
+        newest = sorted(set(self._steps.committed) | set(self._tier._steps.committed))[-keep:]  # type: ignore[union-attr]
+        for step in [s for s in self._waiting if newest and s < newest[0]]:
+            self._waiting.discard(step)
+            self._steps.readers[step] -= 1
+            log.info("%s: step %d is not mirrored: %d newer steps were committed before its upload began", self.root, step, keep)
 
     def _check_open(self) -> None:
         if not self._open:
