@@ -641,6 +641,16 @@ async def test_a_tiered_store_commits_locally_and_mirrors_in_the_background(s3: 
             assert step in store.mirrored_steps()
         assert store.mirrored_steps() == [1, 2] and store.steps() == [1, 2]
         assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-000000000002"]
+    # a new node, read-only (a model server): no local folder yet, the mirror's steps are read
+    # (it was "not a folder (a read-only store never creates it)": helper-35)
+    async with aiotensor.TensorStore(str(tmp_path / "server"), mirror=url, readonly=True) as server:
+        assert server.steps() == [1, 2] and same(await server.load(), train_state(2))
+    assert not os.path.exists(tmp_path / "server")
+    with pytest.raises(aiotensor.errors.CheckpointNotFoundError, match="mirror cannot be reached"):
+        async with aiotensor.TensorStore(
+            str(tmp_path / "server"), mirror="s3://bucket/x", readonly=True, storage_options={"endpoint": "http://127.0.0.1:9"}
+        ):
+            pass
     # a new node: an empty local folder restores from the mirror
     async with aiotensor.TensorStore(str(tmp_path / "node2"), mirror=url) as fresh:
         assert fresh.steps() == [1, 2] and fresh.latest() == 2

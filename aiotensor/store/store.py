@@ -212,7 +212,8 @@ class TensorStore:
 
         Raises:
             StoreLockedError: another writer holds the lock (after ``lock_timeout``).
-            CheckpointNotFoundError: a read-only store's root does not exist.
+            CheckpointNotFoundError: a read-only store's root does not exist (nor, with a
+                ``mirror``, can that be reached: a new node reads the mirror's steps).
             UnsafePathError: the lock file is not aiotensor's (a link, a FIFO, another file).
             OSError: the root cannot be created, locked or listed (naming it).
 
@@ -220,17 +221,23 @@ class TensorStore:
         """
         if self._open:
             raise RuntimeError("store is already open")
+        absent = False  # a read-only store's root that is not there: only its mirror's steps
         try:
             if self.distributed is not False:
                 await self._open_distributed()
             elif self._lock is None:
-                if not await call(self.scheduler, is_folder, self.engine, self.root, what=f"opening {self.root}"):
+                absent = not await call(self.scheduler, is_folder, self.engine, self.root, what=f"opening {self.root}")
+                if absent and self._tier is None:
                     raise CheckpointNotFoundError(f"{self.root} is not a folder (a read-only store never creates it)")
-                await self._steps.scan()
+                if not absent:
+                    await self._steps.scan()
             else:
                 await self._open_writer()
             self._tier_lock, self._tier_retry_at = anyio.Lock(), 0.0
-            await self._open_tier()
+            if not await self._open_tier() and absent:
+                raise CheckpointNotFoundError(
+                    f"{self.root} is not a folder (a read-only store never creates it), and its mirror cannot be reached"
+                )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._release()
