@@ -139,7 +139,6 @@ async def test_a_shard_damaged_on_disk_is_never_linked_into_later_steps(tmp_path
             await store.save(step, lora_state(step, base, adapters))
         shard = next(os.path.join(store.path(3), s["file"]) for s in manifest(store, 3)["shards"] if "reused_from" in s)
         _flip_a_byte(shard, keep_mtime=restart)
-        damaged = os.stat(shard).st_ino
         if restart:
             await store.close()
             store = TensorStore(str(tmp_path), keep_last=2)
@@ -148,12 +147,14 @@ async def test_a_shard_damaged_on_disk_is_never_linked_into_later_steps(tmp_path
             warnings.simplefilter("ignore")
             for step in range(4, 7):
                 await store.save(step, lora_state(step, base, adapters))
+                if step == 4:  # written again, not linked to the damaged file
+                    again = [s for s in manifest(store, 4)["shards"] if s["file"] == os.path.basename(shard)]
+                    assert again and "reused_from" not in again[0]
         assert store.steps() == [5, 6]
         for step in (5, 6):  # (the adapters change each step: the frozen part is what was damaged)
             got = (await store.load(step))["model"]
             assert same({k: got[k] for k in base}, base)
         assert same(got, {**base, **adapters})
-        assert all(os.stat(os.path.join(store.path(s), f)).st_ino != damaged for s in (5, 6) for f in os.listdir(store.path(s)))
         m = manifest(store, 6)
         assert [s for s in m["shards"] if "reused_from" in s]  # the new copy is reused from then on
         await store.close()
