@@ -58,6 +58,13 @@ async def test_a_handle_is_a_coroutine_for_tasks(tmp_path: Any, anyio_backend: A
                 await task
             assert 7 not in store.steps() and 8 not in store.steps()
             await store.save(7, small_state(7))  # not "already being saved"
+            # handle.wait() and handle.staged too: they timed out and the save went on and
+            # committed (helper-36)
+            for step, wait in ((9, lambda h: h.wait()), (10, lambda h: h.staged)):
+                h = store.save(step, small_state(step))
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(wait(h), 0)
+                assert h.done() and isinstance(h.exception(), SaveCancelledError) and step not in store.steps()
         async with anyio.create_task_group() as tg:
             tg.start_soon(store.save(6, small_state(6)).wait)
         assert 6 in store.steps()

@@ -15,15 +15,42 @@ def _cancellation(exc: Any) -> bool:
     return isinstance(exc, asyncio.CancelledError) or (isinstance(exc, type) and issubclass(exc, asyncio.CancelledError))
 
 
-class _Signal:
-    """An awaitable stage of a save (``handle.staged``); awaiting it twice is fine."""
+class _Wait(Coroutine[Any, Any, None]):
+    """A wait for a stage of a save (``event``: staged, or done), as an awaitable and as the
+    coroutine object asyncio's tasks and trio drive: cancelling it cancels the save, also where
+    the cancellation lands before it first ran (``asyncio.wait_for(handle.wait(), 0)`` throws into
+    a coroutine that never started, whose handler never ran: the save went on and committed,
+    helper-36). Awaiting it twice is fine; as a coroutine object it runs once."""
 
     def __init__(self, handle: SaveHandle, event: anyio.Event) -> None:
         self._handle = handle
         self._event = event
+        self._inner: Coroutine[Any, Any, None] | None = None
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._handle._wait(self._event).__await__()
+
+    def send(self, value: Any) -> Any:
+        if self._inner is None:
+            self._inner = self._handle._wait(self._event)
+        return self._inner.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._inner is None:
+            exc = val if val is not None else typ
+            if _cancellation(exc):  # a task cancelled before it first ran: the save is cancelled
+                self._handle.cancel()  # here, and the task ends once it stopped, as a started wait does
+                self._inner = self._handle._stopped(exc() if isinstance(exc, type) else exc)
+                return self._inner.send(None)
+            self._inner = self._handle._wait(self._event)
+        if val is None and tb is None:
+            return self._inner.throw(typ)
+        return self._inner.throw(typ, val, tb)  # pragma: no cover - the deprecated 3-argument form
+
+    def close(self) -> None:
+        """Close the coroutine (what a task that never ran does); the save goes on."""
+        if self._inner is not None:
+            self._inner.close()
 
 
 class _Mirrored:
@@ -73,13 +100,12 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self._started = anyio.current_time()
         self._staged_event = anyio.Event()
         self._done_event = anyio.Event()
-        self.staged = _Signal(self, self._staged_event)
         self._mirrored_event = anyio.Event()
         self._mirror_error: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancel_requested = False
         self._error: BaseException | None = None
-        self._inner: Coroutine[Any, Any, None] | None = None
+        self._co: _Wait | None = None  # the handle's own coroutine side
         self.observed = False
         self.committed = False
         self.warnings: list[str] = []  # trouble after the commit point (the save still succeeded)
@@ -105,44 +131,45 @@ class SaveHandle(Coroutine[Any, Any, None]):
         if self._scope is not None:
             self._scope.cancel()
 
-    async def wait(self) -> None:
-        """Wait until the save is committed (``await handle`` does the same).
+    @property
+    def staged(self) -> Coroutine[Any, Any, None]:
+        """``await handle.staged``: until every tensor is copied out (see the class's text). A
+        pre-staging failure (a state that cannot be stored) is raised here.
+
+        Cancellation: as for the handle (cancels the save)."""
+        return _Wait(self, self._staged_event)
+
+    def wait(self) -> Coroutine[Any, Any, None]:
+        """Wait until the save is committed (``await handle`` does the same); a coroutine object,
+        so ``tg.start_soon(handle.wait)`` and ``asyncio.wait_for(handle.wait(), t)`` work.
 
         Raises:
             OSError, SaveCancelledError: the save's failure.
 
-        Cancellation: as for the handle (cancels the save).
+        Cancellation: as for the handle (cancels the save), also where it lands before the wait
+        first ran (``asyncio.wait_for(handle.wait(), 0)``).
         """
-        await self._wait(self._done_event)
+        return _Wait(self, self._done_event)
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait(self._done_event).__await__()
 
     # the coroutine protocol, delegated to one wait: what asyncio.create_task and trio drive
+    # (``asyncio.wait_for(store.save(...), 0)`` cancels the save, as a started wait does)
     def send(self, value: Any) -> Any:
-        if self._inner is None:
-            self._inner = self._wait(self._done_event)
-        return self._inner.send(value)
+        return self._coroutine().send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        if self._inner is None:
-            exc = val if val is not None else typ
-            if _cancellation(exc):
-                # a task cancelled before it first ran (``asyncio.wait_for(store.save(...), 0)``)
-                # throws into a wait that never started, whose handler would never run: the save is
-                # cancelled here, and the task ends once it stopped, as a started wait does
-                self.cancel()
-                self._inner = self._stopped(exc() if isinstance(exc, type) else exc)
-                return self._inner.send(None)
-            self._inner = self._wait(self._done_event)
-        if val is None and tb is None:
-            return self._inner.throw(typ)
-        return self._inner.throw(typ, val, tb)  # pragma: no cover - the deprecated 3-argument form
+        return self._coroutine().throw(typ, val, tb)
 
     def close(self) -> None:
         """Close the coroutine side of the handle (what a task that never ran does); the save goes on."""
-        if self._inner is not None:
-            self._inner.close()
+        self._coroutine().close()
+
+    def _coroutine(self) -> _Wait:
+        if self._co is None:
+            self._co = _Wait(self, self._done_event)
+        return self._co
 
     async def _stopped(self, exc: BaseException) -> None:
         with anyio.CancelScope(shield=True):
