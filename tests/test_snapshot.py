@@ -120,6 +120,22 @@ async def test_cancelling_before_update_cancels_that_save_and_keeps_the_others(t
         assert not any(".tmp-" in n for n in os.listdir(tmp_path))
 
 
+async def test_a_training_loop_goes_on_after_a_before_update_timed_out(tmp_path: Any) -> None:
+    """The save a timed-out before_update cancelled is not raised again by the next calls (every
+    later save and drain raised SaveCancelledError for it: helper-36)."""
+    params = _params()
+    async with TensorStore(tmp_path, engine=_slow_disk(0.2)) as store:
+        snap = Snapshotter(store)
+        snap.save(1, {"params": params})
+        with anyio.move_on_after(0.005):
+            await snap.before_update()
+        await anyio.sleep(0.3)  # (the cancelled save has stopped)
+        snap.save(2, {"params": params})
+        await snap.before_update()
+        assert await snap.drain() == []
+        assert store.steps() == [2]
+
+
 async def test_every_failed_save_is_raised_as_its_own_error_in_turn(tmp_path: Any) -> None:
     """Two saves failing on a full disk: the snapshotter raised the first's OSError and dropped the
     second, which the store then raised from the next save as a SaveFailedError ("never awaited",
