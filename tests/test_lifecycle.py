@@ -4,6 +4,7 @@ a task, all-or-nothing loads, releasing staging memory. On asyncio, uvloop and t
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import anyio
@@ -12,6 +13,7 @@ import torch
 
 from aiotensor import TensorStore
 from aiotensor.errors import ChecksumError, SaveCancelledError
+from aiotensor.testing import FaultyEngine
 
 from .conftest import ALL_BACKENDS, assert_state_equal, small_state
 
@@ -68,6 +70,36 @@ async def test_a_handle_is_a_coroutine_for_tasks(tmp_path: Any, anyio_backend: A
         async with anyio.create_task_group() as tg:
             tg.start_soon(store.save(6, small_state(6)).wait)
         assert 6 in store.steps()
+
+
+def _slow_syncs(seconds: float) -> FaultyEngine:
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "sync":
+            time.sleep(seconds)  # in a worker thread: a disk slower than the trainer
+
+    return FaultyEngine(hook=hook)
+
+
+async def test_leaving_the_block_by_an_exception_keeps_the_saves_in_flight(tmp_path: Any) -> None:
+    """The trainer's last snapshot was staged and being written when its next step raised: leaving
+    ``async with`` cancelled the save, and the newest checkpoint was lost exactly when the run
+    crashed (helper-36). The saves in flight are waited for; a cancellation still cancels them."""
+    with pytest.raises(RuntimeError, match="loss is NaN"):
+        async with TensorStore(tmp_path, engine=_slow_syncs(0.2)) as store:
+            h = store.save(1, small_state(1))
+            await h.staged
+            raise RuntimeError("loss is NaN")
+    assert h.committed
+    with anyio.CancelScope() as scope:
+        async with TensorStore(tmp_path, engine=_slow_syncs(0.2)) as store:
+            cancelled = store.save(2, small_state(2))
+            await cancelled.staged
+            scope.cancel()
+            await anyio.sleep(5)
+    assert isinstance(cancelled.exception(), SaveCancelledError)
+    async with TensorStore(tmp_path, readonly=True) as reader:
+        assert reader.steps() == [1]
+        assert_state_equal(await reader.load(1), small_state(1))
 
 
 async def test_closing_with_cancel_cancels_saves_started_in_other_tasks(tmp_path: Any) -> None:

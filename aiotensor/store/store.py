@@ -196,7 +196,18 @@ class TensorStore:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self.close(cancel=exc is not None)
+        """:meth:`close`. Left by an exception (the training step raised), the saves in flight are
+        waited for: each holds what was staged, and the newest checkpoint of a run that crashed is
+        the one that matters (they were cancelled, and the last snapshot was lost: helper-36);
+        a save that failed meanwhile is logged, not raised over that exception. Left by a
+        cancellation, ``KeyboardInterrupt`` or ``SystemExit``, they are cancelled."""
+        if exc is None or not isinstance(exc, Exception):
+            await self.close(cancel=exc is not None)
+            return
+        try:
+            await self.close()
+        except SaveFailedError as e:
+            log.warning("%s: %s (%s); the exception that left the block is raised", self.root, e, e.__cause__)
 
     def __del__(self) -> None:
         if not hasattr(self, "_pid") or self._forked():  # a forked child's copy: the lock is its parent's
