@@ -549,8 +549,13 @@ class TensorStore:
                 error = cancelled
         except Exception as e:
             error = e
-        except BaseException:  # the loop itself is shutting down
+        except BaseException:  # the loop itself is shutting down (its tasks cancelled)
             error = cancelled
+            if not h.committed:  # (nothing else tells: helper-36's trainer lost three steps silently)
+                log.warning(
+                    "%s: step %d was not committed: the event loop ended while it was being saved (await its "
+                    "handle, Snapshotter.drain() or store.close() before the loop ends)", self.root, h.step,
+                )  # fmt: skip
             raise
         finally:
             del self._in_flight[h.step]
