@@ -213,19 +213,27 @@ class Publication:
         return self.sched.engine
 
     async def __aenter__(self) -> Publication:
-        if self.folder:
-            try:
-                await self._mkdir()
-            except FileExistsError:
-                if not (
-                    self.fence is not None
-                    and not self.engine.renames
-                    and await self._call(_unfinished, self.engine, self.tmp, what=f"checking {self.tmp}")
-                ):
-                    raise
-                await self.fence()  # still the writer: the leftover is no other writer's save in progress
-                await self._call(remove, self.engine, self.tmp, what=f"removing the unfinished {self.tmp}")
-                await self._mkdir()
+        if not self.folder:
+            return self
+        try:
+            await self._mkdir()
+        except FileExistsError:
+            if not (
+                self.fence is not None
+                and not self.engine.renames
+                and await self._call(_unfinished, self.engine, self.tmp, what=f"checking {self.tmp}")
+            ):
+                raise
+            await self.fence()  # still the writer: the leftover is no other writer's save in progress
+            await self._call(remove, self.engine, self.tmp, what=f"removing the unfinished {self.tmp}")
+            await self._mkdir()
+        except BaseException as e:
+            # a cancellation waits for the mkdir in its thread, then is raised here: the folder was
+            # made, and no __aexit__ runs to remove it (helper-36: a save cancelled then left its
+            # temporary folder until the next writer's open); a temporary name is this one's own
+            if self.engine.renames:
+                await self.__aexit__(type(e), e, e.__traceback__)
+            raise
         return self
 
     async def publish(self) -> None:

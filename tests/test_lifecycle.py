@@ -128,6 +128,22 @@ def test_saves_lost_to_the_end_of_the_loop_are_named(tmp_path: Any) -> None:
     assert lost and all(f"step {s} was not committed: the event loop ended" in got.stderr for s in lost), got.stderr
 
 
+async def test_a_save_cancelled_while_its_folder_is_made_leaves_no_folder(tmp_path: Any) -> None:
+    """The cancellation waits for the mkdir in its thread and is raised as the folder exists: it
+    was left until the next writer's open, against the documented promise (helper-36)."""
+
+    def slow_mkdir(op: tuple[Any, ...]) -> None:
+        if op[0] == "mkdir" and ".tmp-" in op[1]:
+            time.sleep(0.3)  # (NFS, a busy disk)
+
+    async with TensorStore(tmp_path, engine=FaultyEngine(hook=slow_mkdir)) as store:
+        h = store.save(1, small_state(1))
+        with anyio.move_on_after(0.1):
+            await h
+        assert isinstance(h.exception(), SaveCancelledError)
+        assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock"]
+
+
 async def test_closing_with_cancel_cancels_saves_started_in_other_tasks(tmp_path: Any) -> None:
     store = TensorStore(tmp_path)
     await store.open()
