@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -142,6 +143,47 @@ async def test_a_save_cancelled_while_its_folder_is_made_leaves_no_folder(tmp_pa
             await h
         assert isinstance(h.exception(), SaveCancelledError)
         assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock"]
+
+
+def test_a_store_busy_on_one_event_loop_refuses_another(tmp_path: Any) -> None:
+    """Two threads, each running its own loop, saving through one store: saves hung after 2-3
+    commits (helper-36). The second loop is refused while the first's work runs; one loop after
+    another is fine."""
+    store = TensorStore(tmp_path, engine=_slow_syncs(0.5))
+    asyncio.run(store.open())
+    started, got = threading.Event(), {}
+
+    def first() -> None:
+        async def run() -> None:
+            h = store.save(1, small_state(1))
+            started.set()
+            await h
+
+        asyncio.run(run())
+
+    def second() -> None:
+        async def run() -> None:
+            started.wait(10)
+            try:
+                store.save(2, small_state(2))
+            except RuntimeError as e:
+                got["error"] = str(e)
+
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert "busy on another event loop" in got.get("error", ""), got
+
+    async def after() -> None:  # another loop, once the first's work is done
+        await store.save(3, small_state(3))
+        await store.close()
+
+    asyncio.run(after())
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-000000000001", "step-000000000003"]
 
 
 async def test_closing_with_cancel_cancels_saves_started_in_other_tasks(tmp_path: Any) -> None:

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from .. import commit, knobs, sources
@@ -143,6 +144,7 @@ class TensorStore:
         self.staging = StagingPool(max_staged, pinning=cuda_.pinning if cuda_ is not None else None, nice=nice)
         self._lock = None if readonly else _root.writer_lock(self.engine, self.root)
         self._tasks = threads.Tasks()  # saves, loads, deletions in the background: close() waits for them
+        self._loop: anyio.lowlevel.EventLoopToken | None = None  # the event loop they run on (_check_loop)
         self._steps = Steps(
             self.scheduler, self.root, keep_last=keep_last, writer=not readonly, start=self._tasks.start, lock=self._lock
         )
@@ -372,6 +374,8 @@ class TensorStore:
         """
         if not self._open:
             return
+        if not self._forked():
+            self._check_loop()
         self._open = False  # no new saves or loads from here on
         if self._forked():  # a forked child's copy: the lock, saves and memory are its parent's
             return
@@ -622,11 +626,29 @@ class TensorStore:
             self._steps.readers[step] -= 1
             log.info("%s: step %d is not mirrored: %d newer steps were committed before its upload began", self.root, step, keep)
 
+    def _check_loop(self) -> None:
+        """A store serves one event loop at a time: its saves' events, locks and tasks belong to the
+        loop that started them, and a second loop's calls meanwhile hung (helper-36: two threads,
+        each running its own loop, saving through one store stopped after 2-3 commits). One loop
+        after another is fine.
+
+        Raises:
+            RuntimeError: work the store started on another event loop still runs."""
+        token = anyio.lowlevel.current_token()
+        if self._tasks and self._loop is not None and token != self._loop:
+            raise RuntimeError(
+                f"this store of {self.root} is busy on another event loop (saves or loads it started there still run): a "
+                "store serves one event loop at a time; give each loop (thread) a store of its own (readonly=True for "
+                "readers, or save from one loop)"
+            )
+        self._loop = token
+
     def _check_open(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
         if self._forked() and (is_object(self.root) or (self._tier is not None and is_object(self._tier.root))):
             self._refuse_in_child("its object-store client does not survive a fork (its calls would hang)")
+        self._check_loop()
 
     def _check_writable(self) -> None:
         self._check_open()
