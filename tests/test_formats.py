@@ -566,8 +566,9 @@ def test_crc_combine_matches_crc_of_concatenation(a: bytes, b: bytes) -> None:
 @pytest.mark.parametrize("kind", ["crc32c", "crc32"])
 def test_crcs_of_many_buffers_are_each_buffers_own(kind: str) -> None:
     bufs = [bytes(range(i % 251)) * (1 + i % 3) for i in range(2 * 1024 + 5)]  # past two C loops' worth
-    assert _checksum.each(kind, iter(bufs)) == [_checksum.of(kind, b) for b in bufs]
-    assert _checksum.each(kind, []) == []
+    bufs += [os.urandom(n) for n in (3 << 20, 1, 1 << 20, (1 << 20) + 1, 5)]  # slices cut by bytes: one buffer at least
+    assert _checksum.each(kind, iter(bufs), [len(b) for b in bufs]) == [_checksum.of(kind, b) for b in bufs]
+    assert _checksum.each(kind, [], []) == []
 
 
 def test_crc_combine_large_lengths() -> None:

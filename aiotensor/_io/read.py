@@ -296,7 +296,7 @@ def _crcs(targets: Sequence[Target], u: _ReadUnit, data: memoryview | None, bufs
         views = map(data.__getitem__, map(slice, begins, ends))
     kinds = list(map(_KIND, map(targets.__getitem__, idx)))
     if kinds.count(kinds[0]) == len(kinds):
-        return checksum.each(kinds[0], views)
+        return checksum.each(kinds[0], views, list(map(sub, ends, begins)))
     return list(map(checksum.of, kinds, views))
 
 
