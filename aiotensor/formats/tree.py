@@ -39,7 +39,7 @@ _MAX_DEPTH = 64
 
 
 def key_path(path: Path) -> str:
-    return ".".join(str(p) for p in path) or "<root>"
+    return ".".join(map(str, path)) or "<root>"
 
 
 def unique_key(key: str, used: set[str]) -> str:
@@ -63,11 +63,11 @@ def _float(x: float) -> Any:
 class _Flatten:
     """flatten's walk (a class, not a nested function: see the comment under _MAX_DEPTH)."""
 
-    def __init__(self, leaf: type = torch.Tensor) -> None:
+    def __init__(self, leaf: type = torch.Tensor, paths: bool = False) -> None:
         self.leaf = leaf  # what a tensor leaf is (matched() walks a saved tree's keys as leaves)
         self.tensors: list[tuple[str, Any]] = []
         self.used: set[str] = set()
-        self.paths: list[Path] = []  # each tensor's, in the order of tensors
+        self.paths: list[Path] | None = [] if paths else None  # each tensor's, in the order of tensors (matched())
 
     def walk(self, obj: Any, path: Path) -> Any:
         if len(path) > _MAX_DEPTH:
@@ -75,7 +75,8 @@ class _Flatten:
         if isinstance(obj, self.leaf):
             key = unique_key(key_path(path), self.used)
             self.tensors.append((key, obj))
-            self.paths.append(tuple(_NAN if k != k else k for k in path))  # (nan is no key's equal)
+            if self.paths is not None:
+                self.paths.append(tuple(_NAN if k != k else k for k in path))  # (nan is no key's equal)
             return {"tensor": key}
         if isinstance(obj, _SCALARS):
             return obj
@@ -132,15 +133,16 @@ def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tenso
     paths come from the same two walks a load and a save make (:func:`unflatten` with its keys as
     leaves, then flatten's). A tensor of ``state`` at a path the tree lacks keeps its own name
     (``#`` and a number where that is taken): the caller reports it."""
-    f = _Flatten()
+    f = _Flatten(paths=True)
     f.walk(state, ())
     if not any("#" in k for k, _ in f.tensors) and not any("#" in k for k in keys):  # no name made twice: names are paths
         return dict(f.tensors)
+    assert f.paths is not None
     by_path = {p: (k, t) for p, (k, t) in zip(f.paths, f.tensors, strict=True)}
-    walked = _Flatten(leaf=_Key)
+    walked = _Flatten(leaf=_Key, paths=True)
     walked.walk(unflatten(tree, _Key), ())
     out: dict[str, torch.Tensor] = {}
-    for (_, leaf), path in zip(walked.tensors, walked.paths, strict=True):
+    for (_, leaf), path in zip(walked.tensors, walked.paths or (), strict=True):
         if path in by_path:
             out[leaf.key] = by_path.pop(path)[1]
     used = set(out) | {leaf.key for _, leaf in walked.tensors}  # a tensor at a path the tree lacks takes no saved key
