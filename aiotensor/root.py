@@ -240,7 +240,8 @@ class Listing:
     latest: str | None = None  # the step folder `latest` names (None: no such file, or not the library's)
 
 
-def _manifest_key(meta: os.stat_result) -> tuple[int, int, int, int]:
+def stat_key(meta: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is replaced or written to (an object's entity tag stands for its inode)."""
     return (meta.st_dev, meta.st_ino, meta.st_size, meta.st_mtime_ns)
 
 
@@ -310,7 +311,7 @@ def _why_not_committed(
 
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    key = _manifest_key(mst)
+    key = stat_key(mst)
     if known.get(name) == (key, step):
         return None
     path = os.path.join(folder, MANIFEST)

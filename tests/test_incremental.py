@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -158,6 +159,37 @@ async def test_a_shard_damaged_on_disk_is_never_linked_into_later_steps(tmp_path
         m = manifest(store, 6)
         assert [s for s in m["shards"] if "reused_from" in s]  # the new copy is reused from then on
         await store.close()
+
+
+class _StatFails(FaultyEngine):
+    """A disk whose stat of a shard fails (EIO: a bad sector; a failed request on S3) once ``failing``."""
+
+    failing = False
+
+    def stat(self, path: str) -> os.stat_result:
+        if self.failing and "shard-" in path:
+            raise OSError(errno.EIO, "injected EIO on stat", path)
+        return super().stat(path)
+
+
+async def test_a_shard_that_cannot_be_checked_is_written_and_never_fails_a_save(tmp_path: Any) -> None:
+    """helper-38: the check before a link let an EIO through (the save failed, and every later one
+    with it), and the stat after the commit point failed a save that had committed."""
+    base, adapters = make()
+    eng = _StatFails()
+    async with TensorStore(str(tmp_path), engine=eng) as store:
+        for step in range(3):
+            await store.save(step, lora_state(step, base, adapters))
+        eng.failing = True  # from the check before a link to the marks taken after the commit
+        for step in (3, 4):
+            h = store.save(step, lora_state(step, base, adapters))
+            await h
+            assert h.committed and h.bytes_reused == 0
+        eng.failing = False
+        h = store.save(5, lora_state(5, base, adapters))
+        await h
+        assert h.bytes_reused > 0  # read whole once, then linked again
+        assert same((await store.load(5))["model"], {**base, **adapters})
 
 
 async def test_incremental_false_writes_every_byte(tmp_path: Any) -> None:

@@ -77,7 +77,13 @@ class Incremental:
         ``wrote``: this store just wrote (or linked, once checked) its files through that engine,
         so that they hold their digests' bytes as they are now; else each is read whole before its
         first link (:meth:`intact`)."""
-        self.known = {} if wrote is None else {p: _mark(wrote.stat(p)) for p in (os.path.join(folder, f) for f in m.digests)}
+        self.known = {}
+        for path in (os.path.join(folder, f) for f in m.digests):
+            try:
+                if wrote is not None:
+                    self.known[path] = _root.stat_key(wrote.stat(path))
+            except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
+                pass
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
             by_shard.setdefault(e.shard, []).append(e)
@@ -91,22 +97,21 @@ class Incremental:
 
     def intact(self, engine: Engine, earlier: Previous) -> bool:
         """Does ``earlier``'s file still hold the bytes its digest names (unchanged since it was
-        known to, or read whole now)? A file gone is left to the link, which then fails."""
+        known to, or read whole now)? A file gone is left to the link, which then fails; one that
+        cannot be read (EIO: a bad sector, a request that failed) is not: the shard is written."""
         try:
-            mark = _mark(engine.stat(earlier.path))
+            mark = _root.stat_key(engine.stat(earlier.path))
+            if self.known.get(earlier.path) == mark:
+                return True
+            if _digest_of(engine, earlier.path) != earlier.digest:
+                return False
         except FileNotFoundError:
             return True
-        if self.known.get(earlier.path) == mark:
-            return True
-        if _digest_of(engine, earlier.path) != earlier.digest:
+        except OSError as e:
+            log.info("%s could not be checked (%s): the shard is written", earlier.path, e)
             return False
         self.known[earlier.path] = mark
         return True
-
-
-def _mark(st: os.stat_result) -> tuple[Any, ...]:
-    """What changes when a file is written to (an object's entity tag stands for its inode)."""
-    return st.st_ino, st.st_size, st.st_mtime_ns if st.st_mtime_ns is not None else st.st_mtime
 
 
 def _digest_of(engine: Engine, path: str) -> str:
@@ -228,8 +233,12 @@ async def _write(
         await steps.fence()
         await write_file(sched, os.path.join(pub.tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
         await steps.commit(h, pub.publish)
-    if incremental is not None:
-        await sched.call(incremental.committed, m, steps.path(h.step), sched.engine, priority=prio)
+    if incremental is not None:  # past the commit point: a failure here only means the next save writes every byte
+        try:
+            await sched.call(incremental.committed, m, steps.path(h.step), sched.engine, priority=prio)
+        except Exception as e:
+            incremental.forget()
+            log.info("%s: step %d is not remembered for incremental saves (%s)", steps.root, h.step, e)
 
 
 def _linked_crcs(plan: SavePlan, reused: dict[str, int]) -> tuple[dict[str, int], frozenset[str]]:
