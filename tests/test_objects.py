@@ -645,6 +645,7 @@ async def test_a_tiered_store_commits_locally_and_mirrors_in_the_background(s3: 
     # (it was "not a folder (a read-only store never creates it)": helper-35)
     async with aiotensor.TensorStore(str(tmp_path / "server"), mirror=url, readonly=True) as server:
         assert server.steps() == [1, 2] and same(await server.load(), train_state(2))
+        assert await server.refresh() == [1, 2]  # (it listed the missing folder: helper-38)
     assert not os.path.exists(tmp_path / "server")
     with pytest.raises(aiotensor.errors.CheckpointNotFoundError, match="mirror cannot be reached"):
         async with aiotensor.TensorStore(

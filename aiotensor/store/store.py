@@ -439,7 +439,10 @@ class TensorStore:
         Cancellation: the listing finishes in its thread; the store's view is unchanged.
         """
         self._check_open()
-        await self._steps.scan()
+        # a read-only store with a mirror may have no local folder (a new node: helper-38)
+        local = self._tier is None or not self.readonly
+        if local or await call(self.scheduler, is_folder, self.engine, self.root, what=f"listing {self.root}"):
+            await self._steps.scan()
         if await self._open_tier():  # (one that could not be used at open is tried again)
             assert self._tier is not None
             await self._tier.refresh()
