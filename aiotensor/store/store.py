@@ -157,7 +157,7 @@ class TensorStore:
         self._tier_lock: anyio.Lock | None = None  # opening the mirror (at open, or at an upload)
         self._tier_retry_at = 0.0  # not before then, once it could not be reached
         self._uploading: set[int] = set()
-        self._waiting: set[int] = set()  # uploads not begun, each holding its step here (_start_upload)
+        self._waiting: dict[object, int] = {}  # uploads not begun (a token each), each holding its step here
         self._behind = False  # an upload failed: the next that succeeds catches up
         if mirror is not None:
             self._tier = TensorStore(
@@ -585,14 +585,14 @@ class TensorStore:
         mirror, tier = self._mirror, self._tier
         self._steps.readers[h.step] += 1
         self._uploading.add(h.step)
-        self._waiting.add(h.step)
+        token = object()  # (two uploads of one step may wait: a step deleted and saved again)
+        self._waiting[token] = h.step
         self._drop_overtaken()
         began = False
 
         def begin() -> bool:  # the upload's turn came: does it go on (still wanted, its step still held)?
             nonlocal began
-            began = h.step in self._waiting
-            self._waiting.discard(h.step)
+            began = self._waiting.pop(token, None) is not None
             return began
 
         async def upload() -> None:
@@ -606,8 +606,7 @@ class TensorStore:
                 self._behind = True
                 log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, tier.root, e)
             finally:
-                if began or h.step in self._waiting:  # (else _drop_overtaken let it go)
-                    self._waiting.discard(h.step)
+                if began or self._waiting.pop(token, None) is not None:  # (else _drop_overtaken let it go)
                     self._steps.readers[h.step] -= 1
                 self._uploading.discard(h.step)
             h.set_mirrored(error)
@@ -624,8 +623,8 @@ class TensorStore:
         if keep is None or not self._waiting:
             return
         newest = sorted(set(self._steps.committed) | set(self._tier._steps.committed))[-keep:]  # type: ignore[union-attr]
-        for step in [s for s in self._waiting if newest and s < newest[0]]:
-            self._waiting.discard(step)
+        for token, step in [(t, s) for t, s in self._waiting.items() if newest and s < newest[0]]:
+            del self._waiting[token]
             self._steps.readers[step] -= 1
             log.info("%s: step %d is not mirrored: %d newer steps were committed before its upload began", self.root, step, keep)
 
