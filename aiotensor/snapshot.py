@@ -6,7 +6,6 @@ import logging
 import time
 from typing import Any, Literal
 
-from .errors import SaveCancelledError
 from .store import SaveHandle, TensorStore
 
 Policy = Literal["skip", "wait"]
@@ -133,12 +132,11 @@ class Snapshotter:
     def _collect(self) -> None:
         """Forget finished saves; raise the error of the first failed one not raised yet, each in
         turn (the store would raise one the snapshotter holds as a SaveFailedError, no longer an
-        OSError that ``except OSError`` catches: helper-32's full disk). A save cancelled is not
-        raised again: its canceller was told (a ``before_update`` or ``drain`` cancelled by a
-        timeout made every later ``save`` raise SaveCancelledError: helper-36)."""
+        OSError that ``except OSError`` catches: helper-32's full disk). A save whose wait was
+        cancelled is observed (its canceller was told): a ``before_update`` or ``drain`` cancelled
+        by a timeout made every later ``save`` raise SaveCancelledError (helper-36)."""
         for h in self._handles:
-            failed = h.exception()
-            if h.done() and failed is not None and not h.observed and not isinstance(failed, SaveCancelledError):
+            if h.done() and h.exception() is not None and not h.observed:  # (drain raised an observed one)
                 h.observed = True
                 self._failed.append(h)
         self._handles = [h for h in self._handles if not h.done()]

@@ -174,6 +174,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
     async def _stopped(self, exc: BaseException) -> None:
         with anyio.CancelScope(shield=True):
             await self._done_event.wait()
+        self.observed = True  # its canceller is told (by the cancellation)
         raise exc
 
     async def _wait(self, event: anyio.Event) -> None:
@@ -183,6 +184,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
             self.cancel()
             with anyio.CancelScope(shield=True):
                 await self._done_event.wait()
+            self.observed = True  # its canceller is told (by the cancellation)
             raise
         # (a failed save's finish() also wakes staged-waiters: stage_seconds says whether it had staged)
         if self._error is not None and (event is self._done_event or self.stage_seconds is None):
