@@ -186,6 +186,31 @@ def test_a_store_busy_on_one_event_loop_refuses_another(tmp_path: Any) -> None:
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-000000000001", "step-000000000003"]
 
 
+def test_a_store_opened_on_a_loop_that_stopped_is_refused_elsewhere_not_hung(tmp_path: Any) -> None:
+    """A pytest-asyncio fixture of one loop scope opened the store (its loop then stopped, with
+    what open() started in the background still pending) and a test on another loop saved: the
+    save hung (helper-38). It is refused, saying why."""
+
+    async def seed() -> None:
+        async with TensorStore(tmp_path) as s:
+            await s.save(0, small_state(0))
+
+    asyncio.run(seed())
+    store = TensorStore(tmp_path)
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(store.open())  # (reads the newest manifest in the background)
+
+        async def elsewhere() -> None:
+            await asyncio.wait_for(store.save(1, small_state(1)), 10)
+
+        with pytest.raises(RuntimeError, match="busy on another event loop.*one loop_scope"):
+            asyncio.run(elsewhere())
+        first.run_until_complete(store.close())
+    finally:
+        first.close()
+
+
 async def test_closing_with_cancel_cancels_saves_started_in_other_tasks(tmp_path: Any) -> None:
     store = TensorStore(tmp_path)
     await store.open()

@@ -234,6 +234,7 @@ class TensorStore:
         """
         if self._open:
             raise RuntimeError("store is already open")
+        self._check_loop()  # (what open() starts in the background runs on this loop)
         absent = False  # a read-only store's root that is not there: only its mirror's steps
         try:
             if self.distributed is not False:
@@ -641,7 +642,7 @@ class TensorStore:
             raise RuntimeError(
                 f"this store of {self.root} is busy on another event loop (saves or loads it started there still run): a "
                 "store serves one event loop at a time; give each loop (thread) a store of its own (readonly=True for "
-                "readers, or save from one loop)"
+                "readers, or save from one loop); a pytest-asyncio fixture and the tests using it need one loop_scope"
             )
         self._loop = token
 
