@@ -270,9 +270,15 @@ class ObjectEngine(Engine):
         server did but whose response a dropped connection lost is retried by the client, and the
         retry fails: the object exists. A shard, a manifest or a folder's marker, each unique to
         one save, with those very bytes is ours.) Its ETag is compared with their MD5 (S3's ETag
-        of a single PUT), else its bytes with theirs."""
+        of a single PUT), else its bytes with theirs. An object that is not there does not; a
+        request that fails raises (OSError: it cannot tell)."""
         try:
             meta = self._obstore.head(store, key)
+        except FileNotFoundError:
+            return False
+        except Exception as e:
+            raise self._fail(e) from None
+        try:
             if int(meta["size"]) != sum(map(len, views)):
                 return False
             md5 = hashlib.md5(usedforsecurity=False)
@@ -289,8 +295,10 @@ class ObjectEngine(Engine):
                     if memoryview(self._obstore.get_range(store, key, start=at + a, length=len(piece))) != piece:
                         return False
                 at += len(v)
-        except Exception:
+        except FileNotFoundError:  # (replaced or removed meanwhile)
             return False
+        except Exception as e:
+            raise self._fail(e) from None
         return True
 
     def replace(self, path: str, tmp: str, data: bytes) -> None:
