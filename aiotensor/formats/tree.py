@@ -137,12 +137,12 @@ def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tenso
     f.walk(state, ())
     if not any("#" in k for k, _ in f.tensors) and not any("#" in k for k in keys):  # no name made twice: names are paths
         return dict(f.tensors)
-    assert f.paths is not None
-    by_path = {p: (k, t) for p, (k, t) in zip(f.paths, f.tensors, strict=True)}
     walked = _Flatten(leaf=_Key, paths=True)
     walked.walk(unflatten(tree, _Key), ())
+    assert f.paths is not None and walked.paths is not None
+    by_path = {p: (k, t) for p, (k, t) in zip(f.paths, f.tensors, strict=True)}
     out: dict[str, torch.Tensor] = {}
-    for (_, leaf), path in zip(walked.tensors, walked.paths or (), strict=True):
+    for (_, leaf), path in zip(walked.tensors, walked.paths, strict=True):
         if path in by_path:
             out[leaf.key] = by_path.pop(path)[1]
     used = set(out) | {leaf.key for _, leaf in walked.tensors}  # a tensor at a path the tree lacks takes no saved key

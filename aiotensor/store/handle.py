@@ -172,6 +172,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
         return self._co
 
     async def _stopped(self, exc: BaseException) -> None:
+        """Wait, shielded, until the cancelled save has stopped, then raise ``exc`` (its cancellation)."""
         with anyio.CancelScope(shield=True):
             await self._done_event.wait()
         self.observed = True  # its canceller is told (by the cancellation)
@@ -180,12 +181,9 @@ class SaveHandle(Coroutine[Any, Any, None]):
     async def _wait(self, event: anyio.Event) -> None:
         try:
             await event.wait()
-        except anyio.get_cancelled_exc_class():
+        except anyio.get_cancelled_exc_class() as cancelled:
             self.cancel()
-            with anyio.CancelScope(shield=True):
-                await self._done_event.wait()
-            self.observed = True  # its canceller is told (by the cancellation)
-            raise
+            await self._stopped(cancelled)
         # (a failed save's finish() also wakes staged-waiters: stage_seconds says whether it had staged)
         if self._error is not None and (event is self._done_event or self.stage_seconds is None):
             self.observed = True

@@ -78,12 +78,13 @@ class Incremental:
         so that they hold their digests' bytes as they are now; else each is read whole before its
         first link (:meth:`intact`)."""
         self.known = {}
-        for path in (os.path.join(folder, f) for f in m.digests):
-            try:
-                if wrote is not None:
+        if wrote is not None:
+            for file in m.digests:
+                path = os.path.join(folder, file)
+                try:
                     self.known[path] = _root.stat_key(wrote.stat(path))
-            except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
-                pass
+                except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
+                    pass
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
             by_shard.setdefault(e.shard, []).append(e)

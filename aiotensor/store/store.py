@@ -620,10 +620,11 @@ class TensorStore:
     def _drop_overtaken(self) -> None:
         """Let go of the uploads not begun whose step has ``mirror_keep_last`` newer ones committed
         (here or in the mirror): their steps may be retired here."""
-        keep = self._tier.keep_last if self._tier is not None else None
-        if keep is None or not self._waiting:
+        tier = self._tier
+        keep = tier.keep_last if tier is not None else None
+        if tier is None or keep is None or not self._waiting:
             return
-        newest = sorted(set(self._steps.committed) | set(self._tier._steps.committed))[-keep:]  # type: ignore[union-attr]
+        newest = sorted(set(self._steps.committed) | set(tier._steps.committed))[-keep:]
         for token, step in [(t, s) for t, s in self._waiting.items() if newest and s < newest[0]]:
             del self._waiting[token]
             self._steps.readers[step] -= 1
