@@ -369,6 +369,10 @@ def test_a_damaged_dcp_checkpoint_loads_exactly_or_raises_format_error(data: hs.
         except FormatError as e:
             assert case in str(e), str(e)
             return
+        except FileNotFoundError as e:  # DCP's own metadata pickle carries no checksum: a flip there
+            # can name another data file (hypothesis found 'relative_path', a field name), missing
+            assert writer == "theirs" and name == ".metadata" and case in str(e), str(e)
+            return
         if writer == "ours":  # sealed metadata, a crc32c per item: whatever loads is exact
             assert_state_equal(_dcp_state(), got)
         elif name != ".metadata":  # DCP's own: each tensor a zip whose CRC-32s are checked (its metadata
