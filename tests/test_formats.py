@@ -591,6 +591,19 @@ def test_plan_dedupes_tied_weights_and_aligns_by_itemsize() -> None:
     assert [t.dtype for t in shard.layout.tensors] == ["F64", "F32", "F32", "U8"]
 
 
+def test_plan_stores_each_different_view_of_one_address() -> None:
+    """Views that start where another does (the same data pointer) are one tensor only when shape,
+    strides, dtype and the lazy conj/neg bits agree too; empty views are never ties."""
+    w, c = torch.randn(4, 4), torch.randn(3, dtype=torch.complex64)
+    state = {
+        "w": w, "flat": w.view(16), "t": w.t(), "ints": w.view(torch.int32), "again": w.view(4, 4),
+        "e1": w[:0], "e2": w[:0], "c": c, "conj": c.conj(), "neg": c._neg_view(), "c2": c,
+    }  # fmt: skip
+    plan, sources = plan_save(state)
+    assert plan.aliases == {"again": "w", "c2": "c"}
+    assert set(sources) == set(state) - {"again", "c2"}
+
+
 def test_plan_splits_shards_by_size_without_splitting_tensors() -> None:
     state = {f"t{i}": torch.ones(1000) for i in range(5)}
     plan, _ = plan_save(state, shard_bytes=8000)

@@ -69,15 +69,18 @@ class _Flatten:
         self.used: set[str] = set()
         self.paths: list[Path] | None = [] if paths else None  # each tensor's, in the order of tensors (matched())
 
+    def tensor(self, t: Any, name: str) -> dict[str, str]:
+        key = unique_key(name, self.used)
+        self.tensors.append((key, t))
+        return {"tensor": key}
+
     def walk(self, obj: Any, path: Path) -> Any:
         if len(path) > _MAX_DEPTH:
             raise StateError(f"state nests deeper than {_MAX_DEPTH} levels at {key_path(path)!r}")
         if isinstance(obj, self.leaf):
-            key = unique_key(key_path(path), self.used)
-            self.tensors.append((key, obj))
             if self.paths is not None:
                 self.paths.append(tuple(_NAN if k != k else k for k in path))  # (nan is no key's equal)
-            return {"tensor": key}
+            return self.tensor(obj, key_path(path))
         if isinstance(obj, _SCALARS):
             return obj
         if isinstance(obj, float):
@@ -103,6 +106,15 @@ class _Flatten:
                         f"key {k!r} at {key_path(path)!r} is a {type(k).__name__}; keys must be str, int, float, bool or None"
                     )
             if all(isinstance(k, str) for k in keys):
+                if self.paths is None and len(path) < _MAX_DEPTH:  # a tensor's key made here: 1 us of 3 saved
+                    at = ".".join(map(str, path)) + "." if path else ""
+                    leaf, tensor = self.leaf, self.tensor
+                    return {
+                        "dict": {
+                            k: tensor(v, at + k or "<root>") if isinstance(v := obj[k], leaf) else self.walk(v, (*path, k))
+                            for k in keys
+                        }
+                    }
                 return {"dict": {k: self.walk(obj[k], (*path, k)) for k in keys}}
             return {"items": [[_float(k) if isinstance(k, float) else k, self.walk(obj[k], (*path, k))] for k in keys]}
         if isinstance(obj, (list, tuple)):
