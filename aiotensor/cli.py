@@ -53,9 +53,12 @@ def _size(text: str) -> int:
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = t[-1:] if t[-1:] in units else ""
     try:
-        return int(float(t[: len(t) - len(unit)]) * units[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 512M)") from None
+        n = int(float(t[: len(t) - len(unit)]) * units[unit])
+    except (ValueError, OverflowError):  # (inf)
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (a positive size, e.g. 2GB, 512M)")
+    return n
 
 
 def _path(text: str, objects: bool = False) -> str:
@@ -129,7 +132,7 @@ def _tensors(src: str, window: int = 64 << 20) -> AsyncIterator[tuple[str, torch
     return gen()
 
 
-_TENSOR = object()
+_TENSOR = torch.empty(0, device="meta")  # a tensor: a torch.save file's Parameter wraps it (an object() failed there)
 
 
 def _values(src: sources.Source) -> list[str]:
@@ -141,7 +144,7 @@ def _values(src: sources.Source) -> list[str]:
     seen: set[int] = set()
 
     def walk(obj: Any, path: str) -> None:
-        if obj is _TENSOR:
+        if isinstance(obj, torch.Tensor):  # _TENSOR, or a Parameter of it
             return
         if isinstance(obj, (dict, list, tuple)):
             if id(obj) in seen:
@@ -357,9 +360,11 @@ async def convert(
 
     Raises:
         FileExistsError: ``dst`` exists (a folder output must be new or empty).
-        ValueError: a file name for an output that needs shards.
+        ValueError: a file name for an output that needs shards; ``shard_size`` < 1.
         What reading ``src`` raises.
     """
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size}")
     root = step is not None and await anyio.to_thread.run_sync(_store_root, _engine(src), src)
     if root:  # `convert ROOT out.safetensors --step 10`: step 10 of the store (it wrote a store of the newest)
         assert step is not None
@@ -395,7 +400,8 @@ async def convert(
     dst = absolute(dst)
     if to != "checkpoint" and await anyio.to_thread.run_sync(_taken, engine, dst, folder, overwrite):
         raise FileExistsError(f"{dst} exists" + ("" if folder else ": pass --overwrite to replace it"))
-    dropped = _values(info) if to == "safetensors" else []
+    values = _values(info)
+    dropped = values if to == "safetensors" else []
     async with own_scheduler(scheduler, engine_for(dst, scheduler)) as sched:
         if folder:
             n = await _write_folder(sched, src, dst, total, shard_size, progress)
@@ -412,13 +418,25 @@ async def convert(
                     async with TensorStore(dst, engine=sched.engine) as store:
                         await store.save(step if step is not None else info.step or 0, state)  # a step keeps its number
             what = to
-    count = sum(len(e.names) for e in info.entries)
-    values = _values(info)
-    kept = f"{what}, {count} tensors" + (f" and {_count(len(values), 'other value')}" if to != "safetensors" and values else "")
+    names = [n for e in info.entries for n in e.names]
+    others = f" and {_count(len(values), 'other value')}" if to != "safetensors" and values else ""
+    kept = f"{what}, {len(names)} tensors{others}"
     if dropped:
         more = " ..." if len(dropped) > 8 else ""
         kept += f"; dropped {len(dropped)} values safetensors cannot hold: {', '.join(dropped[:8])}{more}"
+    if to == "safetensors" and (renamed := _renamed(names)):
+        more = " ..." if len(renamed) > 8 else ""
+        kept += (
+            f"; {_count(len(renamed), 'tensor')} renamed, their dotted names taken by another "
+            f"({{'a.b': x, 'a': {{'b': y}}}}, {{1: x, '1': y}}): {', '.join(renamed[:8])}{more}"
+        )
     return kept
+
+
+def _renamed(names: list[str]) -> list[str]:
+    """The names a flat output gives tensors whose dotted names collide (``key#2``...: formats.tree.unique_key)."""
+    have = set(names)
+    return [n for n in names if (cut := n.rpartition("#"))[1] and cut[2].isdigit() and cut[0] in have]
 
 
 def _taken(engine: Engine, dst: str, folder: bool, overwrite: bool) -> bool:

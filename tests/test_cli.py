@@ -164,6 +164,36 @@ def test_convert_between_formats(files: dict[str, Any]) -> None:
     anyio.run(check)
 
 
+def test_a_torch_file_of_parameters_inspects_and_converts_to_every_output(tmp_path: Any, capsys: Any) -> None:
+    """helper-39: a torch.save file holding nn.Parameters (state_dict(keep_vars=True), one with an
+    attribute) crashed inspect and convert (AttributeError), convert after writing its output."""
+    p = torch.nn.Parameter(torch.randn(2, 3))
+    p.tp_dim = 0  # Megatron-style
+    torch.save({"w": p, "b": torch.nn.Parameter(torch.ones(3), requires_grad=False), "lr": 0.5}, tmp_path / "p.pt")
+    assert main(["inspect", str(tmp_path / "p.pt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "torch"
+    assert main(["convert", str(tmp_path / "p.pt"), str(tmp_path / "p.safetensors")]) == 0
+    assert "dropped 1 values" in capsys.readouterr().out
+    assert torch.equal(anyio.run(load_file, tmp_path / "p.safetensors")["w"], p.detach())
+    assert main(["convert", str(tmp_path / "p.pt"), str(tmp_path / "q.pt")]) == 0
+    assert anyio.run(load_torch, tmp_path / "q.pt")["lr"] == 0.5
+    assert main(["convert", str(tmp_path / "p.pt"), str(tmp_path / "ck"), "--to", "checkpoint"]) == 0
+
+
+def test_convert_names_the_tensors_it_renames_and_refuses_a_shard_size_under_one_byte(tmp_path: Any, capsys: Any) -> None:
+    """helper-39: two paths of one dotted name were renamed (``a.b#2``) without a word; a shard
+    size of 0 or -1 wrote a shard per tensor, and inf was a traceback."""
+    torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, tmp_path / "dot.pt")
+    assert main(["convert", str(tmp_path / "dot.pt"), str(tmp_path / "dot.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "1 tensor renamed" in out and ": a.b#2)" in out, out
+    for bad in ("0", "-1", "inf", "0.1"):
+        with pytest.raises(SystemExit) as e:
+            main(["convert", str(tmp_path / "dot.pt"), str(tmp_path / f"o{bad}/"), "--shard-size", bad])
+        assert e.value.code == 2 and "positive size" in capsys.readouterr().err, bad
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("o")]
+
+
 def test_progress_on_a_terminal_only(files: dict[str, Any]) -> None:
     target = str(files["root"] / "m.safetensors")
     r = cli("verify", target)
