@@ -80,6 +80,25 @@ async def test_round_trip_every_dtype_and_layout(tmp_path: Any, engine: aiotenso
     assert out["slice"].data_ptr() != out["base"].data_ptr(), "partly overlapping views come back unshared"
 
 
+async def test_a_relative_root_stays_where_it_was_when_the_working_folder_changes(tmp_path: Any, monkeypatch: Any) -> None:
+    """helper-39: a store of a relative root followed a later os.chdir: a reader's refresh() served
+    another run's checkpoint of the same relative name, a writer's save blamed a moved lock."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    async with TensorStore("ck") as s:
+        await s.save(5, {"other_run": torch.zeros(2)})
+    monkeypatch.chdir(tmp_path / "a")
+    async with TensorStore("ck") as w, TensorStore("ck", readonly=True) as r:
+        await w.save(10, {"w": torch.ones(2)})
+        await r.refresh()
+        assert w.root == r.root == str(tmp_path / "a" / "ck")
+        monkeypatch.chdir(tmp_path / "b")
+        await w.save(11, {"w": torch.full((2,), 2.0)})
+        await r.refresh()
+        assert r.steps() == [10, 11] and torch.equal((await r.load())["w"], torch.full((2,), 2.0))
+
+
 async def test_nested_optimizer_state_round_trips_exactly(tmp_path: Any) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

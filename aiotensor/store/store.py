@@ -38,7 +38,7 @@ from ..errors import (
     UnsupportedLocationError,
 )
 from ..files import TensorInfo
-from ..location import engine_for, is_folder, is_object, local_path
+from ..location import engine_for, is_folder, is_object, where
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
@@ -64,7 +64,8 @@ class TensorStore:
 
     Args:
         root: the folder (created by a writer if missing), or ``s3://bucket/prefix`` on an object
-            store (``docs/store.md``: the commit and the writer lease there).
+            store (``docs/store.md``: the commit and the writer lease there). A relative folder is
+            made absolute here (``self.root``): a later ``os.chdir`` does not move the store.
         keep_last: after each commit, retire all but the newest ``keep_last`` steps (None: keep all).
         readonly: open for reading only (no lock, no writes, no clean-up).
         lock_timeout: seconds ``open()`` waits for another writer (0: fail at once; None: forever).
@@ -122,7 +123,7 @@ class TensorStore:
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        self.root = local_path(root, objects=True)
+        self.root = where(root)  # absolute: a later os.chdir (a notebook, a library) must not move the store
         if engine is None:
             engine = engine_for(self.root, storage_options=storage_options)
         if shard_bytes is None:
