@@ -501,19 +501,44 @@ def _check_selected(keys: Keys, found: set[str], every: Iterable[str], path: str
         raise MismatchError(f"{path}: keys select nothing for {', '.join(hints)}")
 
 
-def with_rows(e: Entry, rows: tuple[int, int]) -> Entry:
-    """Only rows ``[a, b)`` (dim 0) of a tensor that is one span of its file: a shorter read at a
-    later offset; its crc32c covers the whole tensor, so the slice is unverified."""
+def with_rows(e: Entry, rows: tuple[int, int], path: str = "") -> Entry:
+    """Only rows ``[a, b)`` (dim 0) of a tensor whose bytes lie in one piece of its file (a
+    safetensors tensor, a step's, a torch.save tensor that is a contiguous view of its storage, a
+    DCP tensor of one chunk): a shorter read at a later offset; its checksum covers the whole
+    tensor (or storage), so the slice is unverified.
+
+    Raises:
+        ValueError: ``rows`` not within the tensor's first dimension.
+        MismatchError: the tensor is not in one piece (chunks of several ranks, a strided view).
+    """
     a, b = rows
-    span = e.whole
-    if span is None or not e.shape or not 0 <= a <= b <= e.shape[0]:
-        raise ValueError(
-            f"rows {rows} of {e.names[0]!r} (shape {list(e.shape)}): need one stored tensor and 0 <= a <= b <= {e.shape[:1]}"
+    if not e.shape or not (st.is_count(a) and st.is_count(b) and a <= b <= e.shape[0]):
+        raise ValueError(f"rows {rows} of {e.names[0]!r} (shape {list(e.shape)}): need 0 <= a <= b <= {e.shape[:1]}")
+    span = _in_one_piece(e)
+    if span is None:
+        how = f"{len(e.parts)} chunks" if len(e.parts) > 1 else "a strided view of its storage"
+        raise MismatchError(
+            f"{path}: rows {rows} of {e.names[0]!r}: it is stored as {how}, not in one piece; load it whole and slice it"
         )
     s = span.spec
     row = s.nbytes // e.shape[0] if e.shape[0] else 0
     spec = st.TensorSpec(s.key, s.dtype, (b - a, *s.shape[1:]), s.offset + a * row, (b - a) * row)
     return Entry(e.names[:1], e.dtype, (b - a, *e.shape[1:]), (Part(Span(span.path, spec, None)),), e.requires_grad)
+
+
+def _in_one_piece(e: Entry) -> Span | None:
+    """The span of the file that holds ``e``'s bytes in order, if one does."""
+    if len(e.parts) != 1 or e.parts[0].at is not None:
+        return None
+    span, v = e.parts[0].span, e.parts[0].view
+    if v is None:
+        return span
+    if not v.contiguous or v.conj or v.neg or v.dtype != e.dtype:
+        return None
+    spec = spec_for(span.spec.key, e.dtype, e.shape)._replace(offset=span.spec.offset + v.storage_offset * e.dtype.itemsize)
+    if spec.offset + spec.nbytes > span.spec.offset + span.spec.nbytes:
+        return None
+    return Span(span.path, spec, None, span.kind)
 
 
 def spec_for(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> st.TensorSpec:

@@ -681,6 +681,30 @@ async def test_row_slices_read_only_those_rows(tmp_path: Any) -> None:
         await collect(stream(tmp_path / "m.safetensors", rows={"a": (90, 101)}))
 
 
+async def test_row_slices_of_torch_save_files_and_dcp_checkpoints(tmp_path: Any) -> None:
+    """helper-39: rows= of a torch.save file or a DCP checkpoint raised a ValueError whose message
+    was false ("need one stored tensor and 0 <= a <= b"); a tensor in one piece of its file (a
+    contiguous view, one chunk) is sliced now, and one that is not is a MismatchError saying so."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    big = torch.randn(20, 4)
+    w = {"w": torch.randn(8, 4), "v": big[5:15], "big": big, "t": torch.randn(4, 8).t()}
+    torch.save(w, tmp_path / "m.pt")
+    got = await collect(stream(tmp_path / "m.pt", keys=["w", "v"], rows={"w": (1, 3), "v": (2, 9)}))
+    assert torch.equal(got["w"], w["w"][1:3]) and torch.equal(got["v"], big[7:14])
+    with pytest.raises(MismatchError, match="'t': it is stored as a strided view"):
+        await collect(stream(tmp_path / "m.pt", keys=["t"], rows={"t": (0, 2)}))
+    with pytest.raises(ValueError, match=r"need 0 <= a <= b <= \(8,\)"):
+        await collect(stream(tmp_path / "m.pt", keys=["w"], rows={"w": (3, 9)}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": w["w"], "e": torch.randn(5, 3)}, checkpoint_id=str(tmp_path / "dcp"))
+    got = await collect(stream(tmp_path / "dcp", rows={"w": (2, 8), "e": (0, 0)}))
+    assert torch.equal(got["w"], w["w"][2:8]) and got["e"].shape == (0, 3)
+
+
 async def test_aligned_torch_save_files_open_with_torch_load(tmp_path: Any) -> None:
     import zipfile
 

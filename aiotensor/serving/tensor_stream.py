@@ -45,7 +45,9 @@ def _planned(
         unknown = sorted(set(rows) - selected)
         if unknown:
             raise MismatchError(f"{src.path}: rows= names {unknown[:5]}, which this stream does not read")
-        chosen = [(sources.with_rows(e, rows[names[0]]), names[:1]) if names[0] in rows else (e, names) for e, names in chosen]
+        chosen = [
+            (sources.with_rows(e, rows[names[0]], src.path), names[:1]) if names[0] in rows else (e, names) for e, names in chosen
+        ]
     entries = [e for e, _ in chosen]
     spans = [e.parts[0].span for e in entries]
     # units: runs of entries over one span (a storage's views go together), and the bytes of each
@@ -334,7 +336,9 @@ class TensorStream:
     ``keys`` selects what is read: one name, names and prefixes (a prefix ends with ``.``), or a
     predicate; the bytes of other tensors are never read, and a name or prefix that selects nothing
     is an error. ``rows={"name": (a, b)}`` reads only rows ``a:b`` along dim 0 of that tensor (a
-    tensor-parallel shard; its checksum covers the whole tensor, so a row slice is not verified).
+    tensor-parallel shard; its checksum covers the whole tensor, so a row slice is not verified): a
+    tensor whose bytes lie in one piece (safetensors, a step, a torch.save tensor that is a contiguous
+    view, a DCP tensor one process saved); one in chunks of several ranks is a MismatchError.
     ``dtype`` converts floating-point tensors as they arrive, as ``nn.Module.to(dtype)`` does,
     packed 4-bit ones excepted (``dtype=lambda name, d: torch.bfloat16`` converts every tensor;
     return None to keep one; anything else is a TypeError, raised here).
