@@ -267,12 +267,21 @@ class Publication:
                 else:  # a file: no commit records under it to drop first
                     await self._call(self.engine.remove_file, self.tmp, what=f"removing {self.tmp}")
             except OSError as cleanup:
+                if not await self._there():  # never made (its creation failed: a read-only folder), or gone
+                    return
                 if e is None:
                     raise
                 who = "a store's next writer removes it" if self.folder else "nothing else removes it: delete it"
                 note = f"clean-up could not remove the unfinished {self.tmp} ({cleanup}); {who}"
                 e.add_note(note)
                 log.warning("%s", note)
+
+    async def _there(self) -> bool:
+        """Is ``tmp`` there (True where that cannot be told)?"""
+        try:
+            return bool(await self._call(self.engine.exists, self.tmp, what=f"checking {self.tmp}"))
+        except OSError:
+            return True
 
     async def _mkdir(self) -> None:
         made = await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")

@@ -412,6 +412,20 @@ async def test_the_real_error_is_raised_and_the_clean_up_failure_is_a_note(tmp_p
     assert tmp_leftovers(str(tmp_path)) == []
 
 
+async def test_a_file_never_made_is_not_named_for_the_user_to_delete(tmp_path: Any, caplog: Any) -> None:
+    """helper-39: on a read-only folder, save_file's temporary file failed to be made, then its
+    clean-up failed too (EROFS) and a warning told the user to delete a file that was never there."""
+    eng = FaultyEngine(fail={"create": (1, errno.EROFS), "remove_file": (1, errno.EROFS)})
+    with pytest.raises(OSError) as ei:
+        await aiotensor.save_file({"a": torch.ones(4)}, tmp_path / "x.safetensors", scheduler=aiotensor.Scheduler(eng))
+    assert ei.value.errno == errno.EROFS and not getattr(ei.value, "__notes__", [])
+    assert "delete it" not in caplog.text and os.listdir(tmp_path) == []
+    made = FaultyEngine(fail={"sync": (1, errno.EIO), "remove_file": (1, errno.EROFS)})  # a file made, then left
+    with pytest.raises(OSError) as ei:
+        await aiotensor.save_file({"a": torch.ones(4)}, tmp_path / "y.safetensors", scheduler=aiotensor.Scheduler(made))
+    assert any("delete it" in n for n in getattr(ei.value, "__notes__", [])) and "delete it" in caplog.text
+
+
 # --- the user's own files: never removed, replaced or written into ------------------------------
 
 
