@@ -165,6 +165,31 @@ async def test_counters_sizes_and_bytes_read_as_torch_load_reads_them(tmp_path: 
         await load_torch(tmp_path / "s.pt")
 
 
+@pytest.mark.parametrize("protocol", [2, 4])
+async def test_python_values_torch_load_admits_read_as_it_reads_them(tmp_path: Any, protocol: int) -> None:
+    """helper-39: a set, complex, bytearray, torch.device, layout or qscheme in a state (a device in
+    a saved config) was refused (UnsafeFileError) where torch.load(weights_only=True) loads them
+    (from the default protocol 2; torch's own reader refuses protocol 4's opcodes); a bytearray
+    of a size (bytearray(10**12) would allocate it) and a device of anything but a name and an
+    index are still refused."""
+    state = {
+        "set": {1, 2}, "complex": complex(1, 2), "bytearray": bytearray(b"x\0y"), "device": torch.device("cuda", 1),
+        "cpu": torch.device("cpu"), "layout": torch.strided, "qscheme": torch.per_tensor_affine, "w": torch.ones(2),
+    }  # fmt: skip
+    torch.save(state, tmp_path / "m.pt", pickle_protocol=protocol)
+    want = torch.load(tmp_path / "m.pt", weights_only=True) if protocol == 2 else state
+    got = await load_torch(tmp_path / "m.pt")
+    assert {k: (type(v), v) for k, v in got.items() if k != "w"} == {k: (type(v), v) for k, v in want.items() if k != "w"}
+    assert torch.equal(got["w"], want["w"])
+    for name, args in (("bytearray", b"J\x00\x10\xa5\xd4\x85"), ("device", b"X\x03\x00\x00\x00cpuX\x01\x00\x00\x00x\x86")):
+        pkl = b"\x80\x02}X\x01\x00\x00\x00xc__builtin__\n" if name == "bytearray" else b"\x80\x02}X\x01\x00\x00\x00xctorch\n"
+        pkl += name.encode() + b"\n" + args + b"Rs."
+        torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
+        _rezip(str(tmp_path / "ok.pt"), str(tmp_path / f"{name}.pt"), replace={"data.pkl": pkl})
+        with pytest.raises(UnsafeFileError, match="refused"):
+            await load_torch(tmp_path / f"{name}.pt")
+
+
 async def test_a_parameter_with_attributes_and_complex128_read_as_torch_load_reads_them(tmp_path: Any) -> None:
     p = torch.nn.Parameter(torch.randn(2, 3))
     p.tensor_model_parallel, p.partition_dim, p.note = True, 0, ["a", 1]  # Megatron marks its parameters so

@@ -139,7 +139,7 @@ def header_length(prefix: bytes, file_size: int, path: object) -> int:
 
 def _not_safetensors(prefix: bytes, n: int, file_size: int) -> str:
     if prefix.startswith(b"PK\x03\x04"):
-        return "is a zip archive (a torch.save file?), not a safetensors file; open it with torch.load(weights_only=True)"
+        return "is a zip archive (a torch.save file?), not a safetensors file; read it with aiotensor.load_torch"
     if prefix[:1] == b"\x80":
         return (
             "is a pickle (a legacy torch.save file, _use_new_zipfile_serialization=False?), not a safetensors file or "

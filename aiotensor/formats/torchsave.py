@@ -1,7 +1,8 @@
 """torch.save files (the zip format), read without unrestricted pickle.
 
 ``data.pkl`` is unpickled by a restricted unpickler that knows only what state_dicts are made of
-(tensors, parameters, storages, dtypes, ``OrderedDict``, Python containers and scalars), like
+(tensors, parameters, storages, dtypes, ``OrderedDict``, Python containers and scalars, and the
+``set``, ``complex``, ``bytearray``, ``torch.device``, layout and qscheme values it also admits), like
 ``torch.load(weights_only=True)``; any other global refuses the file with
 :class:`~aiotensor.errors.UnsafeFileError` before anything runs. Storages are never unpickled:
 their zip entries must be stored uncompressed, their sizes must match what the pickle declares,
@@ -124,8 +125,14 @@ class _Unpickler(pickle.Unpickler):
             return _UNTYPED
         if module == "torch" and name in _LEGACY_STORAGES:
             return _LegacyStorage(_LEGACY_STORAGES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.qscheme)):
             return getattr(torch, name)
+        if module in ("builtins", "__builtin__") and name in _BUILTINS:  # (protocol 2 names the module __builtin__)
+            return _BUILTINS[name]
+        if (module, name) == ("torch", "device"):
+            return _device
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return _layout
         raise UnsafeFileError(f"refusing the global {module}.{name}: not part of a state_dict (nothing was run)", self.path)
 
     def persistent_load(self, pid: Any) -> Storage:
@@ -161,6 +168,34 @@ def _plain_value(v: Any) -> bool:
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
     return isinstance(v, (list, tuple)) and len(v) <= 64 and all(x is None or isinstance(x, (bool, int, float, str)) for x in v)
+
+
+def _bytearray(data: Any = b"", encoding: Any = None) -> bytearray:
+    """``bytearray`` of the bytes a pickle holds (never of a size: bytearray(10**12) would allocate it)."""
+    if not isinstance(data, (bytes, str)):
+        raise UnsafeFileError(f"bytearray of a {type(data).__name__}, not of bytes: refused")
+    return bytearray(data, encoding) if isinstance(data, str) else bytearray(data)
+
+
+def _device(*args: Any) -> torch.device:
+    if not (1 <= len(args) <= 2 and isinstance(args[0], str) and all(type(a) is int for a in args[1:])):
+        raise UnsafeFileError(f"torch.device{args!r}: refused")
+    try:
+        return torch.device(*args)
+    except RuntimeError as e:  # an unknown device type, an index out of range
+        raise ValueError(str(e)) from None
+
+
+def _layout(name: Any) -> torch.layout:
+    got = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(got, torch.layout):
+        raise UnsafeFileError(f"no layout {str(name)[:80]!r}")
+    return got
+
+
+# what torch.load(weights_only=True) admits of Python's own types beyond containers and scalars
+# (a set of milestones, a complex hyper-parameter, a device in a config)
+_BUILTINS: dict[str, Any] = {"set": set, "complex": complex, "bytearray": _bytearray}
 
 
 def _latin1(text: Any, encoding: Any) -> bytes:
