@@ -619,19 +619,29 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
     ``path`` may be an ``s3://`` URL (``storage_options`` as for :class:`AiotensorReader`).
 
     Raises:
+        CheckpointNotFoundError: ``path`` holds no checkpoint (a store root: its step folders do).
         FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
             reading, naming the file and the item.
     """
     folder = where(path)
 
     async def load(sched: Scheduler) -> Any:
-        src = await sched.call(sources.step, sched.engine, folder)
+        src = await sched.call(_checkpoint, sched.engine, folder)
         tensors = await read(sched, src.entries, torch.device("cpu"), verify)
         by_name = {n: t for e, t in zip(src.entries, tensors, strict=True) for n in e.names}
         assert src.state is not None
         return src.state(by_name.__getitem__)
 
     return _Runner(folder, None, None, None, storage_options).run(load)
+
+
+def _checkpoint(engine: Engine, folder: str) -> sources.Source:
+    """The DCP checkpoint (or step) ``folder``, or a CheckpointNotFoundError saying what it is instead."""
+    names = set(engine.listdir(folder))
+    if not names & {dm.JSON_NAME, dm.PICKLE_NAME, _root.MANIFEST}:
+        hint = ": a store root, pass one of its step folders (step-...)" if _root.is_store(names) else ""
+        raise errors.CheckpointNotFoundError(f"{folder} is not a DCP checkpoint (no {dm.PICKLE_NAME}){hint}")
+    return sources.step(engine, folder)
 
 
 def unwrap(exc: CheckpointException, what: str) -> BaseException:

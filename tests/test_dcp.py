@@ -509,6 +509,26 @@ def test_hostile_dcp_metadata_is_refused_before_anything_is_read(tmp_path: Any, 
     assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
 
 
+def test_load_full_of_a_store_root_or_an_empty_folder_says_what_to_pass(tmp_path: Any) -> None:
+    """helper-39: load_full(store root) raised a bare FileNotFoundError for '.../.metadata'."""
+    import anyio
+
+    from aiotensor.dcp import load_full
+    from aiotensor.errors import CheckpointNotFoundError
+
+    async def save() -> None:
+        async with TensorStore(tmp_path / "root") as s:
+            await s.save(3, {"w": torch.ones(2)})
+
+    anyio.run(save)
+    with pytest.raises(CheckpointNotFoundError, match="a store root, pass one of its step folders"):
+        load_full(tmp_path / "root")
+    assert torch.equal(load_full(tmp_path / "root" / "step-000000000003")["w"], torch.ones(2))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"empty is not a DCP checkpoint \(no \.metadata\)$"):
+        load_full(tmp_path / "empty")
+
+
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_a_dcp_data_file_that_is_not_a_regular_file_of_the_folder_is_refused(tmp_path: Any, kind: str) -> None:
     from aiotensor.dcp import load_full
