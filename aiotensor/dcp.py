@@ -296,7 +296,7 @@ class AiotensorWriter(StorageWriter):
         try:
             self.nbytes = self.runner.run(write)
         except OSError as e:
-            raise OSError(e.errno, f"rank {self.rank}: {e}") from e
+            raise OSError(e.errno, f"rank {self.rank}: {e.strerror or e}") from e  # (str(e) has "[Errno n]" already)
         return _done(results)
 
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:

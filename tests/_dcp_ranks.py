@@ -8,7 +8,9 @@ Modes: ``ok``/``fail`` (DCP with AiotensorWriter), ``store`` (a TensorStore unde
 retention, a resharding load), ``stages`` (each rank its own tensors, strict), ``load`` (WORLD ranks load the ``store`` root into their shards),
 ``store-fail`` (rank 1 hits ENOSPC), ``kill`` (rank 1 is SIGKILLed while writing), ``cancel-one``
 (rank 1 cancels a save the others make), ``steps-differ`` (each rank saves a step of its own),
-``values`` (a numpy float saved, an argparse.Namespace refused), ``rollback`` (rollback and delete on every rank).
+``values`` (a numpy float saved, an argparse.Namespace refused), ``rollback`` (rollback and delete on every rank),
+``two-roots`` (two stores on one group, saves and loads interleaved), ``destroyed`` (the group destroyed
+under a save).
 """
 
 from __future__ import annotations
@@ -132,6 +134,32 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 except Exception as e:
                     report["error"] = f"{type(e).__name__}: {e}"
                 report["steps"] = store.steps()
+            elif mode == "two-roots":  # two stores on one group, a load called after a save
+                async with TensorStore(path + "-b", distributed=True) as other:
+                    loads = []
+                    for step in range(1, 7):
+                        ha = store.save(step, sharded(step))
+                        await anyio.sleep(0.004 * rank * (step % 2))  # the ranks' calls a little apart
+                        hb = other.save(step, {"w": distribute_tensor(-full(step), mesh, [Shard(0)])})
+                        if step > 1:  # called after save(step): it runs after it, on every rank
+                            into = sharded(0)
+                            await store.load(step - 1, into=into)
+                            loads.append(bool(torch.equal(into["w"].full_tensor(), full(step - 1))))
+                        await ha
+                        await hb
+                    report["loads_ok"] = loads
+                    report["a_ok"] = [bool(torch.equal((await store.load(s))["w"], full(s))) for s in store.steps()]
+                    report["b_ok"] = [bool(torch.equal((await other.load(s))["w"], -full(s))) for s in other.steps()]
+            elif mode == "destroyed":  # the group destroyed under a save in flight
+                await store.save(1, sharded(1))
+                h = store.save(2, sharded(2))
+                await h.staged
+                dist.destroy_process_group()
+                try:
+                    await h
+                    report["error"] = None
+                except Exception as e:
+                    report["error"] = f"{type(e).__name__}: {e}"
             elif mode == "load":
                 into = sharded(0)
                 await store.load(3, into=into)
@@ -166,7 +194,7 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
     finally:
         with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
             json.dump(report, f)
-        if mode != "kill":
+        if mode != "kill" and dist.is_initialized():
             dist.destroy_process_group()
 
 

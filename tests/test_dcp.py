@@ -205,6 +205,31 @@ def test_ranks_out_of_step_abandon_that_save_on_every_rank(tmp_path: Any, mode: 
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000000001", "step-000000000003"]
 
 
+def test_two_stores_on_one_group_and_a_load_after_a_save_run_in_call_order_on_every_rank(tmp_path: Any) -> None:
+    """helper-40: the operations of two distributed stores took a process-wide lock in whichever
+    order their threads got it, different on each rank: rank 0's save into root A paired with rank
+    1's save into B, and A committed B's rows (checksums and all, `verify` said OK); a load called
+    after a save overtook it on one rank (both failed). Now each operation takes its turn when it
+    is called."""
+    r = _spawn(tmp_path / "root", 2, "two-roots", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rep in _reports(tmp_path / "out", 2):
+        assert rep["loads_ok"] == [True] * 5 and rep["a_ok"] == [True] * 2 and rep["b_ok"] == [True] * 6, rep
+
+
+def test_a_group_destroyed_under_a_save_commits_nothing_and_every_rank_says_so(tmp_path: Any) -> None:
+    """helper-40: destroy_process_group() with a save in flight: DCP took each rank for a process
+    of its own, one rank committed its half of the step (`latest` named it, loads failed) and said
+    it succeeded."""
+    root = tmp_path / "root"
+    r = _spawn(root, 2, "destroyed", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rep in _reports(tmp_path / "out", 2):
+        assert rep["error"].startswith("DistributedError: saving step 2") and "destroy_process_group" in rep["error"], rep
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000000000001"]
+    assert (root / "latest").read_text().strip() == "step-000000000001"
+
+
 def test_a_distributed_save_keeps_values_as_a_store_does_and_refuses_what_it_cannot_load(tmp_path: Any) -> None:
     """A numpy float64 (a float subclass, which DCP pickled as numpy's) committed a step that every
     load then refused, and `ls` failed on the root; an argparse.Namespace too (a store in one
@@ -630,10 +655,12 @@ def test_a_single_process_step_with_optimizer_state_loads_through_dcp(tmp_path: 
 
 
 @pytest.mark.anyio
-async def test_a_turn_cancelled_while_waiting_for_the_side_group_gives_its_lock_back() -> None:
-    """A store of this process waiting for the side group's lock (another store's save holds it)
-    is cancelled: the thread that was taking the lock still takes it, and must give it back, or
-    every later save and load of every store on those ranks waits forever."""
+async def test_a_turn_cancelled_while_waiting_passes_it_on_and_turns_go_in_ticket_order() -> None:
+    """A store's operation waiting for its turn (another store's save holds the side group) is
+    cancelled: its thread still waits for its turn, then must pass it on, or every later save and
+    load of every store on those ranks waits forever; a ticket given up before its turn (a save
+    that failed before its collectives) is skipped; turns run in ticket order (call order), not
+    in the order their threads got there (helper-40)."""
     import threading
 
     import anyio
@@ -641,17 +668,32 @@ async def test_a_turn_cancelled_while_waiting_for_the_side_group_gives_its_lock_
     from aiotensor.store.distributed import Group, Side
 
     g = Group.__new__(Group)
-    g.lock, g.side = anyio.Lock(), Side(None, threading.Lock())
-    g.side.lock.acquire()  # another store's collectives
-    threading.Timer(0.1, g.side.lock.release).start()
+    g.side = Side(None)
+    first = g.ticket()  # another store's collectives: its turn until the timer ends it
+    threading.Timer(0.1, g.passed, (first,)).start()
     with anyio.move_on_after(0.02) as scope:
         async with g.turn():
             pass
     assert scope.cancelled_caught
+    skipped = g.ticket()
+    order: list[int] = []
+    tickets = [g.ticket() for _ in range(3)]
+    g.passed(skipped)
+
+    async def run(t: int) -> None:
+        async with g.turn(t):
+            order.append(t)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for t in reversed(tickets):  # their threads start in the reverse order
+                tg.start_soon(run, t)
+                await anyio.sleep(0.01)
+    assert order == tickets
+    g.passed(tickets[0])  # again, after its turn: nothing
     with anyio.fail_after(5):
         async with g.turn():
             pass
-    assert not g.side.lock.locked()
 
 
 def test_a_partial_resume_of_a_dcp_step_and_under_a_process_group(tmp_path: Any, one_rank_group: Any) -> None:

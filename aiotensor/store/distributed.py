@@ -8,11 +8,12 @@ Imported only by stores opened with ``distributed=``, so plain users never impor
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -53,26 +54,38 @@ class Group:
         self.sched = sched
         self.side: Side | None = None  # once opened
         self.saver: Saver | None = None
-        self.lock = anyio.Lock()
 
     @property
     def group(self) -> Any:
         assert self.side is not None, "the store opened"
         return self.side.group
 
-    @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """This store's turn (its calls in call order), then the side group's: another store of this
-        process on the same ranks waits, so their collectives never interleave either."""
+    def ticket(self) -> int:
+        """A place in the order of this process's operations on the side group: take it where the
+        operation is called (before any await), and give it to :meth:`turn`, or to :meth:`passed`
+        if the operation ends before its turn."""
         assert self.side is not None, "the store opened"
-        lock = self.side.lock
-        async with self.lock:
-            # cancelled while waiting, the thread still takes the lock: the clean-up gives it back
-            await threads.run_sync(lock.acquire, cleanup=lambda _: lock.release())
-            try:
-                yield
-            finally:
-                lock.release()
+        return self.side.ticket()
+
+    def passed(self, ticket: int) -> None:
+        assert self.side is not None, "the store opened"
+        self.side.done(ticket)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, ticket: int | None = None) -> AsyncIterator[None]:
+        """The turn of ``ticket`` (taken now if None): the operations of every store of this process
+        on the same ranks run one at a time, in call order, so their collectives pair up across the
+        ranks and never interleave."""
+        side = self.side
+        assert side is not None, "the store opened"
+        if ticket is None:
+            ticket = side.ticket()
+        try:
+            # cancelled while waiting, the thread still waits for the turn: the clean-up passes it on
+            await threads.run_sync(side.wait, ticket, cleanup=lambda _: side.done(ticket))
+            yield
+        finally:
+            side.done(ticket)
 
     async def opened(self, problem: BaseException | None, root: str) -> None:
         """Join the side group (every rank of the user's takes part), then every rank learns
@@ -87,7 +100,7 @@ class Group:
         if text:
             raise DistributedError(f"rank 0 could not open {root} as its writer: {text}")
 
-    async def save(self, h: SaveHandle, state: Any, path: str, steps: Steps, cancelled: Callable[[], bool]) -> None:
+    async def save(self, h: SaveHandle, state: Any, path: str, steps: Steps, cancelled: Callable[[], bool], ticket: int) -> None:
         """Stage this rank's part, write it, and commit once every rank's file is durable (DCP plans,
         aiotensor writes, rank 0 commits; its last collective carries the outcome to every rank).
         Collectives cannot be left half-way: cancelling waits for the end on this rank; a save
@@ -96,12 +109,18 @@ class Group:
         what = f"saving step {h.step} in {steps.root}"
         assert self.saver is not None, "the store opened"
         with anyio.CancelScope(shield=True):
-            async with self.turn():
+            async with self.turn(ticket):
                 staged = await self.sched.run_sync(self.saver.stage, state, what, h.step, cancelled)
                 del state
                 h.set_staged(0)
                 token = anyio.lowlevel.current_token()
-                fence = None if steps.writer_lock is None else steps.writer_lock.check
+                lock, group = steps.writer_lock, self.group
+
+                def fence() -> None:  # on every rank: one that DCP makes its coordinator (the group gone) refuses
+                    live(group, f"{what}: committing it")
+                    if lock is not None:
+                        lock.check()
+
                 h.nbytes = await self.sched.run_sync(self.saver.write, staged, path, what, self.sched, token, fence)
             await steps.commit(h, None)
 
@@ -148,9 +167,41 @@ class Group:
             self.saver.close()
 
 
-class Side(NamedTuple):
-    group: Any
-    lock: threading.Lock  # held for each store operation's collectives
+class Side:
+    """aiotensor's gloo group over a set of ranks, and the turns of the operations of every store of
+    this process on it: each operation takes a ticket when it is called (on the event loop's thread,
+    before it awaits anything) and runs its collectives when its ticket comes up, so that the
+    operations run in call order on every rank, whichever store they are of (helper-40: the
+    thread that won a lock first ran first, and rank 0's save into one root paired with rank 1's
+    save into another: each root committed the other's rows)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._turns = threading.Condition()
+        self._next = 0  # the next ticket
+        self._serving = 0  # the ticket whose turn it is
+        self._passed: set[int] = set()  # tickets done (or given up) before their turn
+
+    def ticket(self) -> int:
+        with self._turns:
+            self._next += 1
+            return self._next - 1
+
+    def wait(self, ticket: int) -> None:
+        """Block until ``ticket``'s turn."""
+        with self._turns:
+            self._turns.wait_for(lambda: self._serving == ticket)
+
+    def done(self, ticket: int) -> None:
+        """``ticket``'s turn is over, or it will not be taken (once, or again: a no-op)."""
+        with self._turns:
+            if ticket < self._serving:
+                return
+            self._passed.add(ticket)
+            while self._serving in self._passed:
+                self._passed.remove(self._serving)
+                self._serving += 1
+            self._turns.notify_all()
 
 
 _SIDES: dict[tuple[int, ...], Side] = {}
@@ -178,7 +229,7 @@ def side_group(parent: Any) -> Side:
             except Exception:  # no backend for that device, or no options: (a private API) gloo's default timeout
                 continue
         group = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
-        _SIDES[ranks] = side = Side(group, threading.Lock())
+        _SIDES[ranks] = side = Side(group)
         return side
 
 
@@ -211,9 +262,9 @@ def share_outcome(error: str, group: Any, what: str) -> str:
     src = _coordinator(group)
     data = torch.frombuffer(bytearray(error.encode()[:4000] or b"\0"), dtype=torch.uint8)
     size = torch.tensor([data.numel()])
-    collective(lambda: dist.broadcast(size, src, group=group), what)
+    collective(lambda: dist.broadcast(size, src, group=group), what, group)
     buf = data if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8)
-    collective(lambda: dist.broadcast(buf, src, group=group), what)
+    collective(lambda: dist.broadcast(buf, src, group=group), what, group)
     return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
@@ -223,6 +274,7 @@ class Saver:
 
     def __init__(self, group: Any) -> None:
         self.group = group
+        self.rank = dist.get_rank(group)
         self.opts, self.stager = self._stager()
 
     @staticmethod
@@ -264,8 +316,11 @@ class Saver:
 
         writer = AiotensorWriter(path, latest=False, scheduler=sched, token=token, fence=fence)
         try:
-            collective(lambda: dcp_save(staged, storage_writer=writer, process_group=self.group), what)
+            collective(lambda: dcp_save(staged, storage_writer=writer, process_group=self.group), what, self.group)
         except BaseException as e:
+            if isinstance(e, DistributedError) and self.rank != 0:  # (helper-40)
+                step = os.path.basename(path)
+                e.add_note(f"if rank 0 stopped while committing, {step} may be committed: a store opened again lists it")
             try:  # rank 0, after every rank left write_data (or died): nothing writes there now
                 writer.abort()
             except OSError as cleanup:
@@ -325,7 +380,7 @@ def gather(values: list[int], group: Any, what: str) -> list[list[int]]:
     DistributedError, as in DCP's collectives)."""
     mine = torch.tensor([int(v) for v in values], dtype=torch.int64)
     got = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    collective(lambda: dist.all_gather(got, mine, group=group), what)
+    collective(lambda: dist.all_gather(got, mine, group=group), what, group)
     return [t.tolist() for t in got]
 
 
@@ -340,7 +395,7 @@ def vote(
     DistributedError where another rank did (``failing``: what it could not do), or where the ranks
     name different steps (``doing`` them): each rank must save, load and delete the same steps, in
     the same order."""
-    votes = gather([problem is not None, step, cancelled], group, what)
+    votes = gather([problem is not None, step, cancelled, _KINDS.index(doing)], group, what)
     failed = [r for r, v in enumerate(votes) if v[0]]
     if problem is not None:
         if len(failed) > 1:
@@ -348,6 +403,12 @@ def vote(
         raise problem
     if failed:
         raise DistributedError(f"{what} was abandoned: ranks {failed} {failing}")
+    if len({v[3] for v in votes}) > 1:  # (tickets keep the order: ranks that called them in different orders)
+        each = ", ".join(f"rank {r}: {_KINDS[v[3]]} step {v[1]}" for r, v in enumerate(votes))
+        raise DistributedError(
+            f"{what} was abandoned: the ranks are at different operations ({each}); every rank must call the same "
+            "operations of its stores (save, load, delete) in the same order (nothing was changed)"
+        )
     if len({v[1] for v in votes}) > 1:
         each = ", ".join(f"rank {r}: {v[1]}" for r, v in enumerate(votes))
         raise DistributedError(
@@ -355,6 +416,9 @@ def vote(
             "call with the same step, in the same order (nothing was changed)"
         )
     return [r for r, v in enumerate(votes) if v[2]]
+
+
+_KINDS = ("saving", "loading", "deleting")  # what a vote's ``doing`` names
 
 
 def load(into: Any, step: int, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True) -> None:
@@ -373,7 +437,7 @@ def load(into: Any, step: int, path: str, group: Any, what: str, sched: Schedule
         problem = e
     vote(problem, step, group, what, "loading", "could not read the checkpoint's metadata")
     planner = _Planner(allow_partial_load=not strict)
-    collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what)
+    collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what, group)
     if strict:  # DCP loads only the keys `into` has: the saved values it lacks are put there, as in one process
         src = sources.step(sched.engine, path)
         assert src.state is not None
@@ -404,10 +468,24 @@ class _Planner(DefaultLoadPlanner):
         return super().create_global_plan(global_plan)
 
 
-def collective(fn: Callable[[], Any], what: str) -> None:
-    """Run DCP's ``fn`` with its errors made ordinary: see :func:`unwrap`; a rank that died or hung
-    shows up as the backend's error (at the latest after the group's timeout), raised as
-    :class:`DistributedError`."""
+def live(group: Any, what: str) -> None:
+    """A DistributedError unless torch.distributed is initialized and ``group`` still registered:
+    after ``destroy_process_group()`` DCP takes itself for a single process, and each rank would
+    plan, write and commit a step of its own part alone (helper-40: rank 0 committed half a
+    checkpoint, `latest` named it, and it said the save succeeded)."""
+    if not (dist.is_initialized() and _alive(group)):
+        raise DistributedError(
+            f"{what} failed: the process group was destroyed (destroy_process_group) while the store was open; nothing "
+            "was committed by this rank (close the store, or await its saves, before destroying the group)"
+        )
+
+
+def collective(fn: Callable[[], Any], what: str, group: Any) -> None:
+    """Run DCP's ``fn`` (collectives on ``group``) with its errors made ordinary: see
+    :func:`unwrap`; a rank that died or hung shows up as the backend's error (at the latest after
+    the group's timeout), raised as :class:`DistributedError`, as is a group destroyed before or
+    meanwhile (:func:`live`)."""
+    live(group, what)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notices, once per call
@@ -417,7 +495,11 @@ def collective(fn: Callable[[], Any], what: str) -> None:
 
         raise unwrap(e, what) from None
     except RuntimeError as e:  # the backend's (DistBackendError, gloo's "Connection reset by peer")
+        live(group, what)
         raise DistributedError(f"{what} failed: another rank stopped answering ({str(e)[:300]})") from e
+    except ValueError:  # torch.distributed's "Group ... is not registered", for a group destroyed meanwhile
+        live(group, what)
+        raise
 
 
 __all__ = ["Group", "Saver", "gather", "group_of", "load", "share_outcome", "vote"]

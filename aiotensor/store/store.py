@@ -521,11 +521,25 @@ class TensorStore:
         handle = SaveHandle(step)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
-        self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress))
+        # under a process group: its place among this process's store operations, taken now (call order)
+        ticket = self._group.ticket() if self._group is not None else None
+        try:
+            self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress, ticket))
+        except BaseException:
+            if ticket is not None:
+                self._group.passed(ticket)
+            del self._in_flight[step]
+            raise
         return handle
 
     async def _run_save(
-        self, h: SaveHandle, state: Any, prio: int, producers: dict[Any, Any], progress: ProgressCallback | None
+        self,
+        h: SaveHandle,
+        state: Any,
+        prio: int,
+        producers: dict[Any, Any],
+        progress: ProgressCallback | None,
+        ticket: int | None = None,
     ) -> None:
         cancelled = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         error: BaseException | None = None
@@ -540,7 +554,8 @@ class TensorStore:
                         await self._remembered.wait()  # at once, but for a first save right after open()
                 with self.scheduler.operation():  # from the walk of the state to the commit
                     if self._group is not None:
-                        await self._group.save(h, state, self.path(h.step), self._steps, lambda: scope.cancel_called)
+                        assert ticket is not None
+                        await self._group.save(h, state, self.path(h.step), self._steps, lambda: scope.cancel_called, ticket)
                     else:
                         await saving.save(
                             self.scheduler,
@@ -567,6 +582,8 @@ class TensorStore:
                 )  # fmt: skip
             raise
         finally:
+            if ticket is not None:  # (a save that ended before its turn gives it up; a no-op after it)
+                self._group.passed(ticket)
             del self._in_flight[h.step]
             if isinstance(error, Exception) and not isinstance(error, SaveCancelledError):
                 self._unobserved.append(h)
