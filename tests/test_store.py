@@ -99,6 +99,31 @@ async def test_a_relative_root_stays_where_it_was_when_the_working_folder_change
         assert r.steps() == [10, 11] and torch.equal((await r.load())["w"], torch.full((2,), 2.0))
 
 
+async def test_load_into_a_fresh_sequential_lr_restores_its_last_lr(tmp_path: Any) -> None:
+    """helper-40: a fresh SequentialLR's state_dict holds one list at two places (its _last_lr is
+    its first scheduler's); load(into=) filled it in place twice, the last place's values won,
+    and get_last_lr() after the resume was the warm-up's, not the step's."""
+
+    def make() -> tuple[Any, Any]:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-3)
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10, eta_min=1e-4)
+        return opt, torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[3])
+
+    opt, sched = make()
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    async with TensorStore(tmp_path) as store:
+        await store.save(4, {"sched": sched.state_dict()})
+        _, fresh = make()
+        into = {"sched": fresh.state_dict()}
+        assert into["sched"]["_last_lr"] is into["sched"]["_schedulers"][0]["_last_lr"]  # the shared list
+        await store.load(into=into)
+    fresh.load_state_dict(into["sched"])
+    assert fresh.get_last_lr() == sched.get_last_lr() and fresh.state_dict() == sched.state_dict()
+
+
 async def test_nested_optimizer_state_round_trips_exactly(tmp_path: Any) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

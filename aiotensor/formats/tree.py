@@ -16,6 +16,7 @@ as those (a ``torch.Size`` as a tuple, a named tuple as a tuple, a ``defaultdict
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
@@ -360,13 +361,25 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
     ``partial`` (a load with ``strict=False``): only where ``into`` has the place, a list or tuple
     only element by element (one of another length is left as it is; a named tuple keeps its
     type), never a value that holds a tensor the load did not read (:data:`UNREAD`), never over a
-    place of ``into`` that holds tensors."""
+    place of ``into`` that holds tensors.
+
+    A dict or list that ``into`` holds at two places (a fresh ``SequentialLR``'s ``_last_lr`` is its
+    first scheduler's) is updated in place at the first, and replaced by an updated copy at the
+    others: in place, the last place's saved values overwrote the first's (helper-40)."""
+    return _update(into, saved, partial, set())
+
+
+def _update(into: Any, saved: Any, partial: bool, done: set[int]) -> Any:
     if saved is UNREAD or isinstance(into, torch.Tensor):
         return into
+    if isinstance(into, (MutableMapping, list)) and isinstance(saved, (Mapping, list)):
+        if id(into) in done:  # a second place of one container: a copy of its own
+            into = copy.copy(into)
+        done.add(id(into))
     if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
         for k, v in saved.items():
             if k in into:
-                into[k] = update(into[k], v, partial)
+                into[k] = _update(into[k], v, partial, done)
             elif not partial and not _holds(v, _is_unread):  # (another rank's tensors, under a process group)
                 into[k] = v
         return into
@@ -375,12 +388,12 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
     if (lists or tuples) and not same and partial:
         return into  # an optimizer's param_groups' "params" after the model changed: `into`'s own
     if lists and same:
-        into[:] = [update(a, b, partial) for a, b in zip(into, saved, strict=True)]
+        into[:] = [_update(a, b, partial, done) for a, b in zip(into, saved, strict=True)]
         return into
     if tuples and same and type(into) is tuple:
-        return tuple(update(a, b, partial) for a, b in zip(into, saved, strict=True))
+        return tuple(_update(a, b, partial, done) for a, b in zip(into, saved, strict=True))
     if tuples and same and partial and hasattr(type(into), "_make"):  # a named tuple: its own type kept
-        return type(into)._make(update(a, b, partial) for a, b in zip(into, saved, strict=True))
+        return type(into)._make(_update(a, b, partial, done) for a, b in zip(into, saved, strict=True))
     if partial and (_holds(saved, _is_unread) or _holds(into, _is_tensor)):
         return into  # a value the load did not read, or a place of `into` whose tensors it keeps
     return saved
