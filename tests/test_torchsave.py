@@ -190,6 +190,48 @@ async def test_python_values_torch_load_admits_read_as_it_reads_them(tmp_path: A
             await load_torch(tmp_path / f"{name}.pt")
 
 
+async def test_the_values_torch_load_admits_are_made_within_bounds_and_errors_are_typed(tmp_path: Any) -> None:
+    """helper-41's review of the admitted values: a set hashes its members as they go in (a tuple a
+    million deep overflowed the C stack, one shared with itself 40 times took 2**40 steps), a set
+    of tensors came back as internal objects, an encoding or a huge int raised LookupError or
+    OverflowError, a memo made 400 copies of a 1 MB bytearray from a 1 MB pickle, and a torch
+    global looked up by name imported torch._dynamo."""
+    import pickle
+    import sys
+
+    class R:
+        def __init__(self, f: Any, *a: Any) -> None:
+            self.f, self.a = f, a
+
+        def __reduce__(self) -> Any:
+            return (self.f, self.a)
+
+    t: Any = "x"
+    for _ in range(40):
+        t = (t, t)
+    shared = pickle.dumps(t, protocol=2)[2:-1]
+    big = b"a" * (1 << 20)
+    cases = {
+        "deep": b"\x80\x02c__builtin__\nset\nX\x01\x00\x00\x00x" + b"\x85" * 100_000 + b"\x85\x85R.",
+        "shared": b"\x80\x02c__builtin__\nset\n" + shared + b"\x85\x85R.",
+        "encoding": pickle.dumps({"x": R(bytearray, "abc", "rot13")}, protocol=2),
+        "overflow": pickle.dumps({"x": R(complex, 10**400)}, protocol=2),
+        "copies": pickle.dumps({"x": [R(bytearray, big) for _ in range(40)]}, protocol=4),  # (one big, memoized)
+        "dynamo": b"\x80\x02}X\x01\x00\x00\x00xctorch.serialization\n_get_layout\nX\x0c\x00\x00\x00torch._dynamo\x85Rs.",
+    }
+    torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
+    had_dynamo = "torch._dynamo" in sys.modules
+    for name, pkl in cases.items():
+        _rezip(str(tmp_path / "ok.pt"), str(tmp_path / f"{name}.pt"), replace={"data.pkl": pkl})
+        with pytest.raises(UnsafeFileError):
+            await load_torch(tmp_path / f"{name}.pt")
+    assert had_dynamo or "torch._dynamo" not in sys.modules
+    for protocol in (2, 4):  # a set of tensors: refused, never handed out as what describes them
+        torch.save({"s": {torch.ones(2)}}, tmp_path / "s.pt", pickle_protocol=protocol)
+        with pytest.raises(UnsafeFileError, match="set"):
+            await load_torch(tmp_path / "s.pt")
+
+
 async def test_a_parameter_with_attributes_and_complex128_read_as_torch_load_reads_them(tmp_path: Any) -> None:
     p = torch.nn.Parameter(torch.randn(2, 3))
     p.tensor_model_parallel, p.partition_dim, p.note = True, 0, ["a", 1]  # Megatron marks its parameters so

@@ -109,6 +109,7 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self.storages = storages  # key -> (file offset, nbytes, crc32 or None) of its zip entry
         self.path = path
+        self.size, self.made = len(data), 0
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
@@ -118,22 +119,67 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) == ("torch", "Size"):
             return torch.Size
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
-            return _latin1
+            return self._latin1
         if module == "torch._utils" and name in _REBUILDS:
             return getattr(_Rebuild, name)
         if module == "torch.storage" and name == "UntypedStorage":
             return _UNTYPED
         if module == "torch" and name in _LEGACY_STORAGES:
             return _LegacyStorage(_LEGACY_STORAGES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.qscheme)):
-            return getattr(torch, name)
-        if module in ("builtins", "__builtin__") and name in _BUILTINS:  # (protocol 2 names the module __builtin__)
-            return _BUILTINS[name]
+        if module == "torch" and isinstance(got := vars(torch).get(name), (torch.dtype, torch.qscheme)):
+            return got  # (vars: torch's getattr imports a lazy submodule of that name, torch._dynamo's 800)
+        if module in ("builtins", "__builtin__") and name in ("set", "complex", "bytearray"):  # (protocol 2: __builtin__)
+            return getattr(self, f"_{name}")
         if (module, name) == ("torch", "device"):
             return _device
         if (module, name) == ("torch.serialization", "_get_layout"):
             return _layout
         raise UnsafeFileError(f"refusing the global {module}.{name}: not part of a state_dict (nothing was run)", self.path)
+
+    # what torch.load(weights_only=True) admits of Python's own types beyond containers and scalars
+    # (a set of milestones, a complex hyper-parameter, a device in a config), made within bounds
+
+    def _made(self, n: int) -> None:
+        """Count ``n`` bytes (or members) a constructor makes: a memo lets a pickle ask for one
+        object's copy over and over (400 copies of 1 MB from a pickle of 1 MB), so what they make
+        in all is bounded by the pickle's own size."""
+        self.made += n
+        if self.made > 4 * self.size + (1 << 20):
+            raise UnsafeFileError(f"the pickle makes more than {4 * self.size + (1 << 20)} bytes of values from {self.size}")
+
+    def _latin1(self, text: Any, encoding: Any) -> bytes:
+        """``_codecs.encode`` as a protocol-2 pickle of ``bytes`` calls it, and only so."""
+        if not (type(text) is str and encoding == "latin1"):
+            raise UnsafeFileError("_codecs.encode called other than for bytes (a str and latin1): refused")
+        self._made(len(text))
+        return text.encode("latin1")
+
+    def _bytearray(self, data: Any = b"", encoding: Any = None) -> bytearray:
+        """Of the bytes a pickle holds (protocol 2: a str and latin-1), never of a size:
+        ``bytearray(10**12)`` would allocate it."""
+        if not ((type(data) is bytes and encoding is None) or (type(data) is str and encoding in ("latin-1", "latin1"))):
+            raise UnsafeFileError(f"bytearray of a {type(data).__name__} ({str(encoding)[:20]}), not of bytes: refused")
+        self._made(len(data))
+        return bytearray(data, "latin-1") if isinstance(data, str) else bytearray(data)
+
+    def _set(self, items: Any = ()) -> set[Any]:
+        """Of plain values only (what a state holds in a set: milestones, names): a member is
+        hashed as it goes in, and a tuple nested a million deep overflows the C stack there, or
+        one shared with itself 40 times over takes 2**40 steps; a tensor in a set would never be
+        read."""
+        items = list(items) if isinstance(items, (list, tuple)) else None
+        if items is None or not all(map(_plain_member, items)):
+            raise UnsafeFileError("a set of other than plain values (None, bool, int, float, str, bytes): refused")
+        self._made(len(items))
+        return set(items)
+
+    def _complex(self, *args: Any) -> complex:
+        if not (len(args) <= 2 and all(type(a) in (int, float) for a in args)):
+            raise UnsafeFileError(f"complex of {[type(a).__name__ for a in args]}: refused")
+        try:
+            return complex(*args)
+        except OverflowError as e:  # an int past a float's range
+            raise UnsafeFileError(f"complex: {e}") from None
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -170,13 +216,6 @@ def _plain_value(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and len(v) <= 64 and all(x is None or isinstance(x, (bool, int, float, str)) for x in v)
 
 
-def _bytearray(data: Any = b"", encoding: Any = None) -> bytearray:
-    """``bytearray`` of the bytes a pickle holds (never of a size: bytearray(10**12) would allocate it)."""
-    if not isinstance(data, (bytes, str)):
-        raise UnsafeFileError(f"bytearray of a {type(data).__name__}, not of bytes: refused")
-    return bytearray(data, encoding) if isinstance(data, str) else bytearray(data)
-
-
 def _device(*args: Any) -> torch.device:
     if not (1 <= len(args) <= 2 and isinstance(args[0], str) and all(type(a) is int for a in args[1:])):
         raise UnsafeFileError(f"torch.device{args!r}: refused")
@@ -186,23 +225,15 @@ def _device(*args: Any) -> torch.device:
         raise ValueError(str(e)) from None
 
 
+def _plain_member(v: Any) -> bool:
+    return v is None or type(v) in (bool, int, float, str, bytes)
+
+
 def _layout(name: Any) -> torch.layout:
-    got = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    got = vars(torch).get(name.removeprefix("torch.")) if isinstance(name, str) else None
     if not isinstance(got, torch.layout):
         raise UnsafeFileError(f"no layout {str(name)[:80]!r}")
     return got
-
-
-# what torch.load(weights_only=True) admits of Python's own types beyond containers and scalars
-# (a set of milestones, a complex hyper-parameter, a device in a config)
-_BUILTINS: dict[str, Any] = {"set": set, "complex": complex, "bytearray": _bytearray}
-
-
-def _latin1(text: Any, encoding: Any) -> bytes:
-    """``_codecs.encode`` as a protocol-2 pickle of ``bytes`` calls it, and only so."""
-    if not (type(text) is str and encoding == "latin1"):
-        raise UnsafeFileError("_codecs.encode called other than for bytes (a str and latin1): refused")
-    return text.encode("latin1")
 
 
 def _no_build(obj: object) -> None:
@@ -330,7 +361,7 @@ def parse(f: io.BufferedIOBase, size: int, path: object, prefetch: Prefetch | No
         if e.path is None:
             raise UnsafeFileError(e.reason, path) from None
         raise
-    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError, LookupError, ArithmeticError) as e:
         raise UnsafeFileError(f"data.pkl is malformed ({type(e).__name__}: {str(e)[:200]})", path) from None
 
 
@@ -552,6 +583,8 @@ class _Names:
             raise UnsafeFileError(f"the state nests deeper than {MAX_DEPTH} containers, at {key_path(path[:8])!r}...")
         if isinstance(obj, Storage):
             raise UnsafeFileError(f"a bare storage at {key_path(path[:8])!r}, not a tensor: aiotensor reads tensors")
+        if isinstance(obj, (set, frozenset)) and any(isinstance(x, (TensorRef, Storage)) for x in obj):
+            raise UnsafeFileError(f"a set of tensors at {key_path(path[:8])!r}: aiotensor reads tensors by their place")
         is_ref = isinstance(obj, TensorRef)
         if not is_ref and (not isinstance(obj, (dict, list, tuple)) or id(obj) in self.empty):
             return False
