@@ -144,8 +144,8 @@ def _values(src: sources.Source) -> list[str]:
     seen: set[int] = set()
 
     def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):  # _TENSOR, or a Parameter of it
-            return
+        if isinstance(obj, torch.Tensor) and obj.is_meta:  # _TENSOR, or a Parameter of it (a tensor of a DCP
+            return  # checkpoint's pickled value is a value safetensors drops)
         if isinstance(obj, (dict, list, tuple)):
             if id(obj) in seen:
                 return
@@ -424,7 +424,7 @@ async def convert(
     if dropped:
         more = " ..." if len(dropped) > 8 else ""
         kept += f"; dropped {len(dropped)} values safetensors cannot hold: {', '.join(dropped[:8])}{more}"
-    if to == "safetensors" and (renamed := _renamed(names)):
+    if to == "safetensors" and info.state is not None and (renamed := _renamed(names)):  # (a flat file renames nothing)
         more = " ..." if len(renamed) > 8 else ""
         kept += (
             f"; {_count(len(renamed), 'tensor')} renamed, their dotted names taken by another "

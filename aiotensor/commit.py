@@ -277,11 +277,15 @@ class Publication:
                 log.warning("%s", note)
 
     async def _there(self) -> bool:
-        """Is ``tmp`` there (True where that cannot be told)?"""
+        """Is ``tmp`` there (True where that cannot be told: only a stat that says it is missing
+        says no)?"""
         try:
-            return bool(await self._call(self.engine.exists, self.tmp, what=f"checking {self.tmp}"))
+            await self._call(self.engine.stat, self.tmp, what=f"checking {self.tmp}")
+        except FileNotFoundError:
+            return False
         except OSError:
-            return True
+            pass
+        return True
 
     async def _mkdir(self) -> None:
         made = await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")

@@ -514,31 +514,32 @@ def with_rows(e: Entry, rows: tuple[int, int], path: str = "") -> Entry:
     a, b = rows
     if not e.shape or not (st.is_count(a) and st.is_count(b) and a <= b <= e.shape[0]):
         raise ValueError(f"rows {rows} of {e.names[0]!r} (shape {list(e.shape)}): need 0 <= a <= b <= {e.shape[:1]}")
-    span = _in_one_piece(e)
+    span, how = _in_one_piece(e)
     if span is None:
-        how = f"{len(e.parts)} chunks" if len(e.parts) > 1 else "a strided view of its storage"
-        raise MismatchError(
-            f"{path}: rows {rows} of {e.names[0]!r}: it is stored as {how}, not in one piece; load it whole and slice it"
-        )
+        raise MismatchError(f"{path}: rows {rows} of {e.names[0]!r}: it is {how}; load it whole and slice it")
     s = span.spec
     row = s.nbytes // e.shape[0] if e.shape[0] else 0
     spec = st.TensorSpec(s.key, s.dtype, (b - a, *s.shape[1:]), s.offset + a * row, (b - a) * row)
     return Entry(e.names[:1], e.dtype, (b - a, *e.shape[1:]), (Part(Span(span.path, spec, None)),), e.requires_grad)
 
 
-def _in_one_piece(e: Entry) -> Span | None:
-    """The span of the file that holds ``e``'s bytes in order, if one does."""
+def _in_one_piece(e: Entry) -> tuple[Span | None, str]:
+    """The span of the file that holds ``e``'s bytes in order, if one does; else why not."""
     if len(e.parts) != 1 or e.parts[0].at is not None:
-        return None
+        return None, f"stored in {len(e.parts)} chunks (of several ranks)"
     span, v = e.parts[0].span, e.parts[0].view
     if v is None:
-        return span
-    if not v.contiguous or v.conj or v.neg or v.dtype != e.dtype:
-        return None
+        return span, ""
+    if v.conj or v.neg:
+        return None, "a lazily conjugated or negated view"
+    if not v.contiguous or v.dtype != e.dtype:
+        return None, "a strided view of its storage"
+    if e.dtype not in TORCH_TO_SAFETENSORS:
+        return None, f"a {e.dtype} tensor (read whole only)"
     spec = spec_for(span.spec.key, e.dtype, e.shape)._replace(offset=span.spec.offset + v.storage_offset * e.dtype.itemsize)
     if spec.offset + spec.nbytes > span.spec.offset + span.spec.nbytes:
-        return None
-    return Span(span.path, spec, None, span.kind)
+        return None, "not within its storage"
+    return Span(span.path, spec, None, span.kind), ""
 
 
 def spec_for(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> st.TensorSpec:

@@ -187,6 +187,11 @@ def test_convert_names_the_tensors_it_renames_and_refuses_a_shard_size_under_one
     assert main(["convert", str(tmp_path / "dot.pt"), str(tmp_path / "dot.safetensors")]) == 0
     out = capsys.readouterr().out
     assert "1 tensor renamed" in out and ": a.b#2)" in out, out
+    from safetensors.torch import save_file as st_save  # a flat file's own "x#2" is no rename (helper-41)
+
+    st_save({"x": torch.ones(1), "x#2": torch.zeros(1)}, tmp_path / "h.safetensors")
+    assert main(["convert", str(tmp_path / "h.safetensors"), str(tmp_path / "h2.safetensors")]) == 0
+    assert "renamed" not in capsys.readouterr().out
     for bad in ("0", "-1", "inf", "0.1"):
         with pytest.raises(SystemExit) as e:
             main(["convert", str(tmp_path / "dot.pt"), str(tmp_path / f"o{bad}/"), "--shard-size", bad])
@@ -253,3 +258,7 @@ def test_dcp_checkpoints_inspect_verify_and_convert(tmp_path: Any, capsys: Any) 
         assert main(["convert", str(path), str(out)]) == 0
         assert torch.equal(anyio.run(load_file, out)["model.w"], w["model"]["w"])
         capsys.readouterr()
+    # a tensor inside a pickled value (a tuple) is a value the safetensors output drops, named (helper-41)
+    dcp.save({"w": torch.randn(3), "pair": (torch.ones(2), 3)}, checkpoint_id=tmp_path / "pair")
+    assert main(["convert", str(tmp_path / "pair"), str(tmp_path / "pair.safetensors")]) == 0
+    assert "dropped 2 values safetensors cannot hold: pair.0, pair.1" in capsys.readouterr().out

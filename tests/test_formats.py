@@ -591,6 +591,19 @@ def test_plan_dedupes_tied_weights_and_aligns_by_itemsize() -> None:
     assert [t.dtype for t in shard.layout.tensors] == ["F64", "F32", "F32", "U8"]
 
 
+def test_flatten_names_a_tensor_under_a_str_subclass_key_by_its_str() -> None:
+    """helper-41: flatten's fast path named {K.W: t} (a str Enum) 'layer.weight' where the walk
+    (and matched(), which pairs a load's into=) says 'layer.K.W'."""
+    import enum
+
+    class K(str, enum.Enum):  # noqa: UP042 (a StrEnum's str() is its value: the case is one whose str() is not)
+        W = "weight"
+
+    t = torch.ones(1)
+    _, tensors = flatten({"layer": {K.W: t, "b": t}, "": t})
+    assert [k for k, _ in tensors] == ["layer.K.W", "layer.b", "<root>"]
+
+
 def test_plan_stores_each_different_view_of_one_address() -> None:
     """Views that start where another does (the same data pointer) are one tensor only when shape,
     strides, dtype and the lazy conj/neg bits agree too; empty views are never ties."""

@@ -425,6 +425,17 @@ async def test_a_file_never_made_is_not_named_for_the_user_to_delete(tmp_path: A
         await aiotensor.save_file({"a": torch.ones(4)}, tmp_path / "y.safetensors", scheduler=aiotensor.Scheduler(made))
     assert any("delete it" in n for n in getattr(ei.value, "__notes__", [])) and "delete it" in caplog.text
 
+    class Unseen(FaultyEngine):  # the leftover's stat fails too: it may be there, so it is named
+        def stat(self, path: str) -> os.stat_result:
+            if ".tmp-" in path:
+                raise OSError(errno.EIO, "injected EIO on stat", path)
+            return super().stat(path)
+
+    unseen = Unseen(fail={"sync": (1, errno.EIO), "remove_file": (1, errno.EIO)})
+    with pytest.raises(OSError) as ei:
+        await aiotensor.save_file({"a": torch.ones(4)}, tmp_path / "z.safetensors", scheduler=aiotensor.Scheduler(unseen))
+    assert any("delete it" in n for n in getattr(ei.value, "__notes__", []))
+
 
 # --- the user's own files: never removed, replaced or written into ------------------------------
 

@@ -694,10 +694,20 @@ async def test_row_slices_of_torch_save_files_and_dcp_checkpoints(tmp_path: Any)
     torch.save(w, tmp_path / "m.pt")
     got = await collect(stream(tmp_path / "m.pt", keys=["w", "v"], rows={"w": (1, 3), "v": (2, 9)}))
     assert torch.equal(got["w"], w["w"][1:3]) and torch.equal(got["v"], big[7:14])
-    with pytest.raises(MismatchError, match="'t': it is stored as a strided view"):
+    with pytest.raises(MismatchError, match="'t': it is a strided view"):
         await collect(stream(tmp_path / "m.pt", keys=["t"], rows={"t": (0, 2)}))
     with pytest.raises(ValueError, match=r"need 0 <= a <= b <= \(8,\)"):
         await collect(stream(tmp_path / "m.pt", keys=["w"], rows={"w": (3, 9)}))
+    # helper-41: a complex128 tensor (no safetensors dtype) was a KeyError; a tied weight's second
+    # name's rows were ignored (both names got the whole tensor)
+    c, tied = torch.randn(6, 2, dtype=torch.complex128), torch.randn(6, 4)
+    torch.save({"c": c, "a": tied, "b": tied, "n": torch.randn(3, 2, dtype=torch.complex64).conj()}, tmp_path / "t.pt")
+    with pytest.raises(MismatchError, match="a torch.complex128 tensor"):
+        await collect(stream(tmp_path / "t.pt", keys=["c"], rows={"c": (1, 3)}))
+    with pytest.raises(MismatchError, match="conjugated or negated view"):
+        await collect(stream(tmp_path / "t.pt", keys=["n"], rows={"n": (0, 1)}))
+    got = await collect(stream(tmp_path / "t.pt", keys=["a", "b"], rows={"b": (0, 2)}))
+    assert torch.equal(got["a"], tied) and torch.equal(got["b"], tied[:2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"w": w["w"], "e": torch.randn(5, 3)}, checkpoint_id=str(tmp_path / "dcp"))

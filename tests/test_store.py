@@ -97,6 +97,15 @@ async def test_a_relative_root_stays_where_it_was_when_the_working_folder_change
         await w.save(11, {"w": torch.full((2,), 2.0)})
         await r.refresh()
         assert r.steps() == [10, 11] and torch.equal((await r.load())["w"], torch.full((2,), 2.0))
+    # made absolute as the system finds it (helper-41): link/../ck is beside the link's target
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    os.symlink(tmp_path / "real" / "deep", tmp_path / "a" / "link")
+    monkeypatch.chdir(tmp_path / "a")
+    async with TensorStore("link/../ck2") as s:
+        await s.save(1, {"w": torch.ones(1)})
+    assert (tmp_path / "real" / "ck2" / "latest").exists() and not (tmp_path / "a" / "ck2").exists()
+    with pytest.raises(ValueError, match="root is empty"):  # an unset variable: not the working folder
+        TensorStore(os.environ.get("AIOTENSOR_NO_SUCH_VARIABLE", ""))
 
 
 async def test_load_into_a_fresh_sequential_lr_restores_its_last_lr(tmp_path: Any) -> None:

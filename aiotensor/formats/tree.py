@@ -112,7 +112,7 @@ class _Flatten:
                     leaf, tensor = self.leaf, self.tensor
                     return {
                         "dict": {
-                            k: tensor(v, at + k or "<root>") if isinstance(v := obj[k], leaf) else self.walk(v, (*path, k))
+                            k: tensor(v, at + str(k) or "<root>") if isinstance(v := obj[k], leaf) else self.walk(v, (*path, k))
                             for k in keys
                         }
                     }

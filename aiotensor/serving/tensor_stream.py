@@ -45,9 +45,7 @@ def _planned(
         unknown = sorted(set(rows) - selected)
         if unknown:
             raise MismatchError(f"{src.path}: rows= names {unknown[:5]}, which this stream does not read")
-        chosen = [
-            (sources.with_rows(e, rows[names[0]], src.path), names[:1]) if names[0] in rows else (e, names) for e, names in chosen
-        ]
+        chosen = [piece for e, names in chosen for piece in _sliced(e, names, rows, src.path)]
     entries = [e for e, _ in chosen]
     spans = [e.parts[0].span for e in entries]
     # units: runs of entries over one span (a storage's views go together), and the bytes of each
@@ -90,6 +88,15 @@ def _pairs(names: list[tuple[str, ...]], got: list[torch.Tensor]) -> list[tuple[
 
 
 _FIRST = itemgetter(0)
+
+
+def _sliced(
+    e: Entry, names: tuple[str, ...], rows: Mapping[str, tuple[int, int]], path: str
+) -> list[tuple[Entry, tuple[str, ...]]]:
+    """``e`` (under ``names``) as the stream reads it: whole under the names without ``rows``, and
+    a slice under each name with them (a tied weight's second name's rows were ignored: helper-41)."""
+    whole = tuple(n for n in names if n not in rows)
+    return [(e, whole)] * bool(whole) + [(sources.with_rows(e, rows[n], path), (n,)) for n in names if n in rows]
 
 
 def _prepare(entries: list[Entry], device: torch.device, verify: bool, stream: Any) -> Assembly:

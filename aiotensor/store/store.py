@@ -38,7 +38,7 @@ from ..errors import (
     UnsupportedLocationError,
 )
 from ..files import TensorInfo
-from ..location import engine_for, is_folder, is_object, where
+from ..location import engine_for, is_folder, is_object, local_path
 from ..root import step_dir_name
 from . import saving
 from .handle import SaveHandle
@@ -47,6 +47,17 @@ from .mirror import Mirror
 from .steps import Steps, call, check_step, take_lock
 
 log = logging.getLogger("aiotensor")
+
+
+def _absolute(root: str | os.PathLike[str]) -> str:
+    """``root`` made absolute as it is now (a later ``os.chdir``, a notebook's or a library's, must
+    not move the store), against the working folder without rewriting it (``link/../ck`` is where
+    the system finds it, not where ``os.path.abspath`` would put it); an empty root (an unset
+    variable) is a ValueError, not the working folder."""
+    path = local_path(root, objects=True)
+    if not path:
+        raise ValueError("TensorStore root is empty: name a folder (or s3://bucket/prefix)")
+    return path if is_object(path) or os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
 
 class TensorStore:
@@ -123,7 +134,7 @@ class TensorStore:
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        self.root = where(root)  # absolute: a later os.chdir (a notebook, a library) must not move the store
+        self.root = _absolute(root)
         if engine is None:
             engine = engine_for(self.root, storage_options=storage_options)
         if shard_bytes is None:
