@@ -412,6 +412,26 @@ async def test_the_real_error_is_raised_and_the_clean_up_failure_is_a_note(tmp_p
     assert tmp_leftovers(str(tmp_path)) == []
 
 
+async def test_a_writer_refuses_a_folder_that_is_a_checkpoint_itself(tmp_path: Any) -> None:
+    """helper-40: TensorStore(a DCP checkpoint folder) opened it as an empty root and dropped its
+    lock file into the user's checkpoint; a step folder of a store too."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"))
+    async with TensorStore(tmp_path / "root") as s:
+        await s.save(1, w(1))
+    for folder in (tmp_path / "dcp", tmp_path / "root" / "step-000000000001"):
+        before = sorted(os.listdir(folder))
+        with pytest.raises(aiotensor.errors.CheckpointExistsError, match="is a checkpoint itself"):
+            async with TensorStore(folder):
+                pass
+        assert sorted(os.listdir(folder)) == before
+
+
 async def test_a_file_never_made_is_not_named_for_the_user_to_delete(tmp_path: Any, caplog: Any) -> None:
     """helper-39: on a read-only folder, save_file's temporary file failed to be made, then its
     clean-up failed too (EROFS) and a warning told the user to delete a file that was never there."""

@@ -49,6 +49,23 @@ from .steps import Steps, call, check_step, take_lock
 log = logging.getLogger("aiotensor")
 
 
+def _checkpoint_record(names: list[str]) -> str | None:
+    """The file that makes a folder of these ``names`` a checkpoint itself (a DCP checkpoint, a
+    step of a store), if one does (a project's own manifest.json beside no shards does not)."""
+    if dcp := next((n for n in (commit.DCP_METADATA, ".metadata") if n in names), None):
+        return dcp
+    shards = any(n.startswith("shard-") and n.endswith(".safetensors") for n in names)
+    return commit.MANIFEST if commit.MANIFEST in names and shards else None
+
+
+def _names(folder: str) -> list[str]:
+    """``folder``'s entries ([] where there is no such folder)."""
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _absolute(root: str | os.PathLike[str]) -> str:
     """``root`` made absolute as it is now (a later ``os.chdir``, a notebook's or a library's, must
     not move the store), against the working folder without rewriting it (``link/../ck`` is where
@@ -356,6 +373,12 @@ class TensorStore:
 
     async def _open_writer(self) -> None:
         if self.engine.renames:  # an object store's folder is a key prefix: nothing to make
+            names = await call(self.scheduler, _names, self.root, what=f"listing {self.root}")
+            if record := _checkpoint_record(names):
+                raise CheckpointExistsError(
+                    f"{self.root} is a checkpoint itself (it holds {record}), not a store root of steps: read it "
+                    "(aiotensor.load_file, stream, dcp.load_full, a store opened on its parent), or write the store elsewhere"
+                )
             await call(self.scheduler, os.makedirs, self.root, 0o777, True, what=f"creating the store folder {self.root}")
         await take_lock(self.scheduler, self._lock, self.root, self.lock_timeout)  # type: ignore[arg-type]
         await self._steps.repair(await self._steps.scan())
