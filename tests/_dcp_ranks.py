@@ -148,6 +148,16 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                         await ha
                         await hb
                     report["loads_ok"] = loads
+                    # called in different orders on the ranks (helper-42): refused, not paired across roots
+                    first, second = (store, other) if rank == 0 else (other, store)
+                    handles = [first.save(7, sharded(7)), second.save(7, sharded(7))]
+                    report["crossed"] = []
+                    for h in handles:
+                        try:
+                            await h
+                            report["crossed"].append("committed")
+                        except Exception as e:
+                            report["crossed"].append(f"{type(e).__name__}: {e}")
                     report["a_ok"] = [bool(torch.equal((await store.load(s))["w"], full(s))) for s in store.steps()]
                     report["b_ok"] = [bool(torch.equal((await other.load(s))["w"], -full(s))) for s in other.steps()]
             elif mode == "destroyed":  # the group destroyed under a save in flight

@@ -215,6 +215,7 @@ def test_two_stores_on_one_group_and_a_load_after_a_save_run_in_call_order_on_ev
     assert r.returncode == 0, r.stderr[-3000:]
     for rep in _reports(tmp_path / "out", 2):
         assert rep["loads_ok"] == [True] * 5 and rep["a_ok"] == [True] * 2 and rep["b_ok"] == [True] * 6, rep
+        assert all(c.startswith("DistributedError") and "different operations or stores" in c for c in rep["crossed"]), rep
 
 
 def test_a_group_destroyed_under_a_save_commits_nothing_and_every_rank_says_so(tmp_path: Any) -> None:
@@ -694,6 +695,35 @@ async def test_a_turn_cancelled_while_waiting_passes_it_on_and_turns_go_in_ticke
     with anyio.fail_after(5):
         async with g.turn():
             pass
+
+
+def test_a_save_whose_task_never_started_passes_its_turn_on(tmp_path: Any, one_rank_group: Any) -> None:
+    """helper-42: a save called in the loop step that ends the loop (Ctrl-C) had taken its turn's
+    ticket, and its task was cancelled before it started, so its own clean-up never ran: every later
+    operation of every store on those ranks waited for that turn for ever."""
+    import asyncio
+    import warnings
+
+    import anyio
+
+    async def first() -> None:
+        store = TensorStore(tmp_path / "a", distributed=True)
+        await store.open()
+        store.save(1, {"w": torch.ones(2)})
+        raise KeyboardInterrupt  # the loop ends before the save's task takes its first step
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the store left open)
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(first())
+
+    async def second() -> list[int]:
+        with anyio.fail_after(20):
+            async with TensorStore(tmp_path / "b", distributed=True) as s:
+                await s.save(1, {"w": torch.ones(2)})
+                return s.steps()
+
+    assert asyncio.run(second()) == [1]
 
 
 def test_a_partial_resume_of_a_dcp_step_and_under_a_process_group(tmp_path: Any, one_rank_group: Any) -> None:

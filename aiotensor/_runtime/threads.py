@@ -256,19 +256,30 @@ async def wait_out(done: anyio.Event) -> BaseException | None:
 _keep_alive: set[asyncio.Task[None]] = set()
 
 
-def spawn(fn: Callable[[], Awaitable[None]]) -> None:
+def spawn(fn: Callable[[], Awaitable[None]], finally_: Callable[[], object] | None = None) -> None:
     """Run ``fn()`` as a task of the running loop, owned by no caller's task or task group: a
-    store opened in one task may be used and closed from any other. ``fn`` never raises."""
+    store opened in one task may be used and closed from any other. ``fn`` never raises.
+    ``finally_()`` runs once the task is done, even where it never started (asyncio cancels a task
+    before its first step when its loop ends: ``fn``'s own ``finally`` never runs then)."""
     try:
         loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio: trio
+    except RuntimeError:  # not asyncio: trio (whose tasks always start, so fn's own finally runs)
         import trio
 
-        trio.lowlevel.spawn_system_task(fn)
+        async def run() -> None:
+            try:
+                await fn()
+            finally:
+                if finally_ is not None:
+                    finally_()
+
+        trio.lowlevel.spawn_system_task(run)
         return
     task: asyncio.Task[None] = loop.create_task(fn())  # type: ignore[arg-type]
     _keep_alive.add(task)
     task.add_done_callback(_keep_alive.discard)
+    if finally_ is not None:
+        task.add_done_callback(lambda _: finally_())
 
 
 def spawner() -> Callable[[Callable[[], Awaitable[None]]], None]:
@@ -324,8 +335,9 @@ class Tasks:
     def __bool__(self) -> bool:
         return bool(self._busy)
 
-    def start(self, fn: Callable[[], Awaitable[None]]) -> None:
-        """Run ``fn()`` in the background (``fn`` never raises)."""
+    def start(self, fn: Callable[[], Awaitable[None]], finally_: Callable[[], object] | None = None) -> None:
+        """Run ``fn()`` in the background (``fn`` never raises); then ``finally_()``, even where
+        the task never started (:func:`spawn`)."""
         done = anyio.Event()
         self._busy.add(done)
 
@@ -336,7 +348,7 @@ class Tasks:
                 self._busy.discard(done)
                 done.set()
 
-        spawn(run)
+        spawn(run, finally_)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

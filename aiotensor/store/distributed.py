@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -110,7 +111,7 @@ class Group:
         assert self.saver is not None, "the store opened"
         with anyio.CancelScope(shield=True):
             async with self.turn(ticket):
-                staged = await self.sched.run_sync(self.saver.stage, state, what, h.step, cancelled)
+                staged = await self.sched.run_sync(self.saver.stage, state, what, h.step, cancelled, steps.root)
                 del state
                 h.set_staged(0)
                 token = anyio.lowlevel.current_token()
@@ -145,7 +146,8 @@ class Group:
                     gone, problem = doomed(), None
                 except Exception as e:
                     gone, problem = [], e
-                await anyio.to_thread.run_sync(vote, problem, step, self.group, what, "deleting", "could not delete")
+                args = (problem, step, self.group, what, "deleting", "could not delete", False, steps.root)
+                await anyio.to_thread.run_sync(vote, *args)
                 error: Exception | None = None
                 if self.rank == 0:
                     try:
@@ -285,7 +287,7 @@ class Saver:
                               use_async_staging=False, use_non_blocking_copy=False)  # fmt: skip
         return opts, DefaultStager(opts)
 
-    def stage(self, state: Any, what: str, step: int, cancelled: Callable[[], bool]) -> Any:
+    def stage(self, state: Any, what: str, step: int, cancelled: Callable[[], bool], root: str) -> Any:
         """A CPU copy of this rank's part of ``state`` (DCP's stager: DTensor and ShardedTensor kept
         as such). Every rank learns whether every other one could, saves the same ``step``, and
         has not ``cancelled()`` the save, before anyone starts writing: a rank that failed or
@@ -300,7 +302,7 @@ class Saver:
             staged, problem = None, e
         if spent(self.stager):
             self.opts, self.stager = self._stager()
-        stopped = vote(problem, step, self.group, what, "saving", "could not stage their state", cancelled())
+        stopped = vote(problem, step, self.group, what, "saving", "could not stage their state", cancelled(), root)
         if dist.get_rank(self.group) in stopped:
             raise SaveCancelledError(f"the save of step {step} was cancelled; nothing was committed (on any rank)")
         if stopped:
@@ -385,7 +387,14 @@ def gather(values: list[int], group: Any, what: str) -> list[list[int]]:
 
 
 def vote(
-    problem: Exception | None, step: int, group: Any, what: str, doing: str, failing: str, cancelled: bool = False
+    problem: Exception | None,
+    step: int,
+    group: Any,
+    what: str,
+    doing: str,
+    failing: str,
+    cancelled: bool = False,
+    root: str = "",
 ) -> list[int]:
     """The ranks' vote before the collectives of a save, a load or a deletion, which every rank
     learns alike: whether each could do its part (``problem``: this rank's failure), the ``step``
@@ -395,7 +404,9 @@ def vote(
     DistributedError where another rank did (``failing``: what it could not do), or where the ranks
     name different steps (``doing`` them): each rank must save, load and delete the same steps, in
     the same order."""
-    votes = gather([problem is not None, step, cancelled, _KINDS.index(doing)], group, what)
+    # the store: its folder's name (a root's absolute path may differ across nodes, its name not)
+    store = zlib.crc32(os.path.basename(root.rstrip("/")).encode())
+    votes = gather([problem is not None, step, cancelled, _KINDS.index(doing), store], group, what)
     failed = [r for r, v in enumerate(votes) if v[0]]
     if problem is not None:
         if len(failed) > 1:
@@ -403,11 +414,12 @@ def vote(
         raise problem
     if failed:
         raise DistributedError(f"{what} was abandoned: ranks {failed} {failing}")
-    if len({v[3] for v in votes}) > 1:  # (tickets keep the order: ranks that called them in different orders)
+    if len({(v[3], v[4]) for v in votes}) > 1:  # (tickets keep the order: ranks that called them in different orders)
         each = ", ".join(f"rank {r}: {_KINDS[v[3]]} step {v[1]}" for r, v in enumerate(votes))
         raise DistributedError(
-            f"{what} was abandoned: the ranks are at different operations ({each}); every rank must call the same "
-            "operations of its stores (save, load, delete) in the same order (nothing was changed)"
+            f"{what} was abandoned: the ranks are at different operations or stores ({each}; the stores are told "
+            "apart by their folder's name); every rank must call the same operations of the same stores (save, "
+            "load, delete) in the same order (nothing was changed)"
         )
     if len({v[1] for v in votes}) > 1:
         each = ", ".join(f"rank {r}: {v[1]}" for r, v in enumerate(votes))
@@ -435,7 +447,7 @@ def load(into: Any, step: int, path: str, group: Any, what: str, sched: Schedule
         problem: Exception | None = None
     except Exception as e:
         problem = e
-    vote(problem, step, group, what, "loading", "could not read the checkpoint's metadata")
+    vote(problem, step, group, what, "loading", "could not read the checkpoint's metadata", False, os.path.dirname(path))
     planner = _Planner(allow_partial_load=not strict)
     collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what, group)
     if strict:  # DCP loads only the keys `into` has: the saved values it lacks are put there, as in one process
