@@ -160,6 +160,32 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                             report["crossed"].append(f"{type(e).__name__}: {e}")
                     report["a_ok"] = [bool(torch.equal((await store.load(s))["w"], full(s))) for s in store.steps()]
                     report["b_ok"] = [bool(torch.equal((await other.load(s))["w"], -full(s))) for s in other.steps()]
+            elif mode == "open-late":  # rank 0's open waits for its lock while another store's save is called
+                other = TensorStore(path + "-b", distributed=True)
+                if rank == 0:  # (a departing writer's lock, say)
+                    taking = other._open_writer
+
+                    async def slow() -> None:
+                        await anyio.sleep(1.0)
+                        await taking()
+
+                    other._open_writer = slow  # type: ignore[method-assign]
+
+                async def save_a() -> None:
+                    await anyio.sleep(0.3)  # called after the open, on every rank
+                    await store.save(1, sharded(1))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(other.open)
+                    tg.start_soon(save_a)
+                try:
+                    await other.save(1, sharded(11))
+                    report["loaded_ok"] = [
+                        bool(torch.equal((await store.load(1))["w"], full(1))),
+                        bool(torch.equal((await other.load(1))["w"], full(11))),
+                    ]
+                finally:
+                    await other.close()
             elif mode == "destroyed":  # the group destroyed under a save in flight
                 await store.save(1, sharded(1))
                 h = store.save(2, sharded(2))

@@ -218,6 +218,15 @@ def test_two_stores_on_one_group_and_a_load_after_a_save_run_in_call_order_on_ev
         assert all(c.startswith("DistributedError") and "different operations or stores" in c for c in rep["crossed"]), rep
 
 
+def test_an_open_takes_its_turn_where_it_is_called(tmp_path: Any) -> None:
+    """helper-42: an open took its turn only after rank 0 had taken the root's lock, so an open
+    waiting for it paired with another store's save called later (both failed after the group's
+    timeout)."""
+    r = _spawn(tmp_path / "root", 2, "open-late", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [rep["loaded_ok"] for rep in _reports(tmp_path / "out", 2)] == [[True, True]] * 2
+
+
 def test_a_group_destroyed_under_a_save_commits_nothing_and_every_rank_says_so(tmp_path: Any) -> None:
     """helper-40: destroy_process_group() with a save in flight: DCP took each rank for a process
     of its own, one rank committed its half of the step (`latest` named it, loads failed) and said
@@ -669,7 +678,7 @@ async def test_a_turn_cancelled_while_waiting_passes_it_on_and_turns_go_in_ticke
     from aiotensor.store.distributed import Group, Side
 
     g = Group.__new__(Group)
-    g.side = Side(None)
+    g.side = Side()
     first = g.ticket()  # another store's collectives: its turn until the timer ends it
     threading.Timer(0.1, g.passed, (first,)).start()
     with anyio.move_on_after(0.02) as scope:

@@ -45,21 +45,26 @@ class Group:
     blocks (collectives) runs in worker threads of the store's scheduler.
 
     The store's collectives run on a gloo group of aiotensor's over the same ranks (see
-    :func:`side_group`), as torch's ``async_save`` advises: a save runs in the background while the
+    :class:`Side`), as torch's ``async_save`` advises: a save runs in the background while the
     trainer's own collectives (FSDP's all-gathers, a DTensor's ``full_tensor()``) run on the
     user's group, and two threads issuing collectives on one group interleave them (gloo aborts
     the process: "Received data size doesn't match expected size")."""
 
     def __init__(self, distributed: Any, sched: Scheduler) -> None:
+        """Made where the store's ``open()`` is called, before it awaits anything: its open takes
+        its turn here (helper-42: taken after rank 0 had waited for the root's lock, an open paired
+        with another store's save across the ranks)."""
         self.parent, self.rank, self.world = group_of(distributed)
         self.sched = sched
-        self.side: Side | None = None  # once opened
+        self.side: Side | None = side_for(self.parent)
+        self.opening = self.side.ticket()
+        self._group: Any = None  # aiotensor's group, once opened
         self.saver: Saver | None = None
 
     @property
     def group(self) -> Any:
-        assert self.side is not None, "the store opened"
-        return self.side.group
+        assert self._group is not None, "the store opened"
+        return self._group
 
     def ticket(self) -> int:
         """A place in the order of this process's operations on the side group: take it where the
@@ -89,13 +94,14 @@ class Group:
             side.done(ticket)
 
     async def opened(self, problem: BaseException | None, root: str) -> None:
-        """Join the side group (every rank of the user's takes part), then every rank learns
-        whether rank 0 could open ``root`` as its writer (``problem``)."""
-        self.side = await anyio.to_thread.run_sync(side_group, self.parent)
-        self.saver = Saver(self.group)
+        """In the open's turn: join the side group (every rank of the user's takes part), then every
+        rank learns whether rank 0 could open ``root`` as its writer (``problem``)."""
+        assert self.side is not None
         mine = "" if problem is None else f"{type(problem).__name__}: {problem}"
-        async with self.turn():
-            text = await anyio.to_thread.run_sync(share_outcome, mine, self.group, f"opening {root}")
+        async with self.turn(self.opening):
+            self._group = await anyio.to_thread.run_sync(self.side.joined)
+            self.saver = Saver(self._group)
+            text = await anyio.to_thread.run_sync(share_outcome, mine, self._group, f"opening {root}")
         if problem is not None:
             raise problem
         if text:
@@ -177,8 +183,9 @@ class Side:
     thread that won a lock first ran first, and rank 0's save into one root paired with rank 1's
     save into another: each root committed the other's rows)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, ranks: tuple[int, ...] = (), timeout: Any = None) -> None:
+        self.ranks, self.timeout = ranks, timeout
+        self.group: Any = None  # made by the first store that opens on these ranks (:meth:`joined`)
         self._turns = threading.Condition()
         self._next = 0  # the next ticket
         self._serving = 0  # the ticket whose turn it is
@@ -188,6 +195,14 @@ class Side:
         with self._turns:
             self._next += 1
             return self._next - 1
+
+    def joined(self) -> Any:
+        """aiotensor's gloo group over these ranks, made where there is none (or the one there was
+        destroyed with ``destroy_process_group()``); blocking, a collective of the ranks: called in
+        an open's turn, so that every rank makes it at the same place of its order."""
+        if self.group is None or not _alive(self.group):
+            self.group = dist.new_group(list(self.ranks), timeout=self.timeout, backend="gloo", use_local_synchronization=True)
+        return self.group
 
     def wait(self, ticket: int) -> None:
         """Block until ``ticket``'s turn."""
@@ -210,28 +225,26 @@ _SIDES: dict[tuple[int, ...], Side] = {}
 _MAKING = threading.Lock()
 
 
-def side_group(parent: Any) -> Side:
-    """aiotensor's gloo group over ``parent``'s ranks (None: the default group's), with its timeout:
-    one per set of ranks for the process's life (its members make it the first time a store opens
-    on them), shared by the stores of the process. Not one per store: a group made with local
+def side_for(parent: Any) -> Side:
+    """The :class:`Side` of ``parent``'s ranks (None: the default group's), with its timeout: one
+    per set of ranks for the process's life, shared by the stores of the process (its group is
+    made by the first open: :meth:`Side.joined`). Not one group per store: a group made with local
     synchronization and destroyed leaves its name free, the next one takes it and finds the old
-    one's addresses in the rendezvous store (gloo: "Connect timeout")."""
+    one's addresses in the rendezvous store (gloo: "Connect timeout"). Not blocking."""
     pg = dist.group.WORLD if parent is None else parent
     assert pg is not None, "torch.distributed is not initialized"
     ranks = tuple(dist.get_process_group_ranks(pg))
     with _MAKING:
         side = _SIDES.get(ranks)
-        if side is not None and _alive(side.group):
-            return side
-        timeout = None
-        for device in ("cpu", "cuda"):
-            try:
-                timeout = pg._get_backend(torch.device(device)).options._timeout
-                break
-            except Exception:  # no backend for that device, or no options: (a private API) gloo's default timeout
-                continue
-        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
-        _SIDES[ranks] = side = Side(group)
+        if side is None:
+            timeout = None
+            for device in ("cpu", "cuda"):
+                try:
+                    timeout = pg._get_backend(torch.device(device)).options._timeout
+                    break
+                except Exception:  # no backend for that device, or no options: (a private API) gloo's default timeout
+                    continue
+            _SIDES[ranks] = side = Side(ranks, timeout)
         return side
 
 

@@ -387,17 +387,20 @@ class TensorStore:
     async def _open_distributed(self) -> None:
         from .distributed import Group  # torch.distributed: imported only here
 
-        self._group = Group(self.distributed, self.scheduler)
-        if self._group.rank != 0:  # only rank 0 locks, cleans and commits
-            self._lock = None
-            self._steps.writer = False
-        problem: BaseException | None = None
-        if self._group.rank == 0:
-            try:
-                await self._open_writer()
-            except Exception as e:
-                problem = e
-        await self._group.opened(problem, self.root)
+        self._group = group = Group(self.distributed, self.scheduler)  # (its open's turn taken here, before any await)
+        try:
+            if group.rank != 0:  # only rank 0 locks, cleans and commits
+                self._lock = None
+                self._steps.writer = False
+            problem: BaseException | None = None
+            if group.rank == 0:
+                try:
+                    await self._open_writer()
+                except Exception as e:
+                    problem = e
+            await group.opened(problem, self.root)
+        finally:
+            group.passed(group.opening)  # (an open that failed before its turn gives it up)
         await self._steps.scan()
 
     async def close(self, *, cancel: bool = False) -> None:
