@@ -186,6 +186,25 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                     ]
                 finally:
                     await other.close()
+            elif mode == "cancel-load":  # asyncio's own cancellation of a load waiting for its turn, on rank 1
+                import asyncio
+
+                states = [sharded(k) for k in range(4)]  # (distribute_tensor is a collective: made first)
+                await store.save(1, states[1])
+                if rank == 0:
+                    await asyncio.sleep(1.0)
+                h = store.save(2, states[2])  # rank 1's load waits behind it (rank 0 comes later)
+                try:
+                    if rank == 1:
+                        await asyncio.wait_for(store.load(1, into=states[0]), 0.3)
+                    else:
+                        await store.load(1, into=states[0])
+                    report["load"] = "loaded"
+                except BaseException as e:
+                    report["load"] = f"{type(e).__name__}: {e}"
+                await h
+                await store.save(3, states[3])  # the ranks are still in step
+                report["steps"] = store.steps()
             elif mode == "destroyed":  # the group destroyed under a save in flight
                 await store.save(1, sharded(1))
                 h = store.save(2, sharded(2))

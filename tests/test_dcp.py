@@ -227,6 +227,18 @@ def test_an_open_takes_its_turn_where_it_is_called(tmp_path: Any) -> None:
     assert [rep["loaded_ok"] for rep in _reports(tmp_path / "out", 2)] == [[True, True]] * 2
 
 
+def test_a_load_cancelled_by_asyncio_on_one_rank_is_abandoned_on_every_rank(tmp_path: Any) -> None:
+    """helper-42: asyncio.wait_for(store.load(...)) timing out on one rank while the load waited for
+    its turn skipped it there alone: the other rank's load paired with its next save, and the
+    ranks were out of step from then on. The cancelled rank now votes it abandoned, in its turn."""
+    r = _spawn(tmp_path / "root", 2, "cancel-load", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    reps = _reports(tmp_path / "out", 2)
+    assert reps[1]["load"].startswith("TimeoutError"), reps[1]
+    assert reps[0]["load"].startswith("DistributedError") and "rank [1] cancelled it" in reps[0]["load"], reps[0]
+    assert [rep["steps"] for rep in reps] == [[2, 3], [2, 3]]
+
+
 def test_a_group_destroyed_under_a_save_commits_nothing_and_every_rank_says_so(tmp_path: Any) -> None:
     """helper-40: destroy_process_group() with a save in flight: DCP took each rank for a process
     of its own, one rank committed its half of the step (`latest` named it, loads failed) and said

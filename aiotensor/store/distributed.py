@@ -8,6 +8,7 @@ Imported only by stores opened with ``distributed=``, so plain users never impor
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -78,17 +79,28 @@ class Group:
         self.side.done(ticket)
 
     @contextlib.asynccontextmanager
-    async def turn(self, ticket: int | None = None) -> AsyncIterator[None]:
+    async def turn(self, ticket: int | None = None, abandon: Callable[[], object] | None = None) -> AsyncIterator[None]:
         """The turn of ``ticket`` (taken now if None): the operations of every store of this process
         on the same ranks run one at a time, in call order, so their collectives pair up across the
-        ranks and never interleave."""
+        ranks and never interleave. Cancelled while waiting (asyncio's own ``Task.cancel()``, which
+        no shield holds), the thread still waits for the turn, runs ``abandon()`` in it (the
+        operation's vote, saying this rank cancelled it, so that every rank gives it up: skipped
+        on one rank alone, the ranks went out of step, helper-42) and passes it on."""
         side = self.side
         assert side is not None, "the store opened"
         if ticket is None:
             ticket = side.ticket()
+
+        def give_up(_: object) -> None:
+            try:
+                if abandon is not None:
+                    with contextlib.suppress(Exception):  # (the others learn it, or their group failed)
+                        abandon()
+            finally:
+                side.done(ticket)
+
         try:
-            # cancelled while waiting, the thread still waits for the turn: the clean-up passes it on
-            await threads.run_sync(side.wait, ticket, cleanup=lambda _: side.done(ticket))
+            await threads.run_sync(side.wait, ticket, cleanup=give_up)
             yield
         finally:
             side.done(ticket)
@@ -135,8 +147,10 @@ class Group:
         """Fill ``into`` (this rank's sharded state) through DCP, which reshards (``strict=False``:
         its partial load), once every rank names the same ``step``. As :meth:`save`, cancelling
         waits for the end on this rank."""
+        root = os.path.dirname(path)
+        abandon = functools.partial(vote, None, step, self.group, what, "loading", "", True, root)
         with anyio.CancelScope(shield=True):
-            async with self.turn():
+            async with self.turn(abandon=abandon):
                 token = anyio.lowlevel.current_token()
                 await self.sched.run_sync(load, into, step, path, self.group, what, self.sched, token, strict)
 
@@ -146,14 +160,15 @@ class Group:
         how it went and lists the root again (a rank that did it alone renamed steps without the
         lock, or left the others' views naming deleted steps: their next save raised at once while
         rank 0 waited in its collectives). Returns the steps doomed. Cancellation: it completes."""
+        abandon = functools.partial(vote, None, step, self.group, what, "deleting", "", True, steps.root)
         with anyio.CancelScope(shield=True):
-            async with self.turn():
+            async with self.turn(abandon=abandon):
                 try:
                     gone, problem = doomed(), None
                 except Exception as e:
                     gone, problem = [], e
                 args = (problem, step, self.group, what, "deleting", "could not delete", False, steps.root)
-                await anyio.to_thread.run_sync(vote, *args)
+                abandoned(await anyio.to_thread.run_sync(vote, *args), what)
                 error: Exception | None = None
                 if self.rank == 0:
                     try:
@@ -446,6 +461,12 @@ def vote(
 _KINDS = ("saving", "loading", "deleting")  # what a vote's ``doing`` names
 
 
+def abandoned(stopped: list[int], what: str) -> None:
+    """A DistributedError where ranks ``stopped`` (cancelled) the operation: every rank gives it up."""
+    if stopped:
+        raise DistributedError(f"{what} was abandoned: rank{'s' * (len(stopped) > 1)} {stopped} cancelled it")
+
+
 def load(into: Any, step: int, path: str, group: Any, what: str, sched: Scheduler, token: Any, strict: bool = True) -> None:
     """Fill ``into`` (this rank's sharded state) from a checkpoint; DCP reshards by chunk. The
     reads run on ``sched`` (the store's, on the event loop of ``token``). ``strict=False``: DCP's
@@ -460,7 +481,10 @@ def load(into: Any, step: int, path: str, group: Any, what: str, sched: Schedule
         problem: Exception | None = None
     except Exception as e:
         problem = e
-    vote(problem, step, group, what, "loading", "could not read the checkpoint's metadata", False, os.path.dirname(path))
+    abandoned(
+        vote(problem, step, group, what, "loading", "could not read the checkpoint's metadata", False, os.path.dirname(path)),
+        what,
+    )
     planner = _Planner(allow_partial_load=not strict)
     collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what, group)
     if strict:  # DCP loads only the keys `into` has: the saved values it lacks are put there, as in one process
