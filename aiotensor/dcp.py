@@ -652,6 +652,8 @@ def unwrap(exc: CheckpointException, what: str) -> BaseException:
     me = dist.get_rank() if dist.is_initialized() else 0
     lines = {r: f"rank {r}: {type(e).__name__}: {e}"[:600] for r, (e, _tb) in sorted(failures.items())}
     own = failures.get(me, (None, None))[0]
+    if type(own) is ValueError and "validate global plan" in str(own):  # DCP's coordinator: the ranks' states
+        own = errors.MismatchError(f"{what}: the ranks' states do not fit together ({own})")  # (a ValueError too)
     if isinstance(own, Exception):
         if len(failures) > 1:
             own.add_note(f"{what} also failed on " + "; ".join(ln for r, ln in lines.items() if r != me))

@@ -205,6 +205,15 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                 await h
                 await store.save(3, states[3])  # the ranks are still in step
                 report["steps"] = store.steps()
+            elif mode == "keys-differ":  # one DTensor under another name on each rank: DCP's plan fails
+                w = sharded(1)["w"]
+                try:
+                    await store.save(1, {"w" if rank == 0 else "v": w})
+                    report["error"] = None
+                except Exception as e:
+                    report["error"] = f"{type(e).__name__}: {e}"
+                await store.save(2, sharded(2))  # in step again
+                report["steps"] = store.steps()
             elif mode == "destroyed":  # the group destroyed under a save in flight
                 await store.save(1, sharded(1))
                 h = store.save(2, sharded(2))

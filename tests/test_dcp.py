@@ -239,6 +239,17 @@ def test_a_load_cancelled_by_asyncio_on_one_rank_is_abandoned_on_every_rank(tmp_
     assert [rep["steps"] for rep in reps] == [[2, 3], [2, 3]]
 
 
+def test_ranks_whose_states_do_not_fit_together_get_typed_errors(tmp_path: Any) -> None:
+    """helper-40: a DTensor saved under another name on each rank failed DCP's plan validation, and
+    the coordinator raised DCP's bare ValueError (the others a DistributedError naming it)."""
+    r = _spawn(tmp_path / "root", 2, "keys-differ", tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    reps = _reports(tmp_path / "out", 2)
+    assert reps[0]["error"].startswith("MismatchError: saving step 1") and "do not fit together" in reps[0]["error"], reps[0]
+    assert reps[1]["error"].startswith("DistributedError: saving step 1"), reps[1]
+    assert [rep["steps"] for rep in reps] == [[2], [2]]
+
+
 def test_a_group_destroyed_under_a_save_commits_nothing_and_every_rank_says_so(tmp_path: Any) -> None:
     """helper-40: destroy_process_group() with a save in flight: DCP took each rank for a process
     of its own, one rank committed its half of the step (`latest` named it, loads failed) and said
