@@ -637,8 +637,8 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
 
 def _checkpoint(engine: Engine, folder: str) -> sources.Source:
     """The DCP checkpoint (or step) ``folder``, or a CheckpointNotFoundError saying what it is instead."""
-    names = set(engine.listdir(folder))
-    if not names & {dm.JSON_NAME, dm.PICKLE_NAME, _root.MANIFEST}:
+    names = engine.listdir(folder)
+    if _root.checkpoint_record(names) is None:
         hint = ": a store root, pass one of its step folders (step-...)" if _root.is_store(names) else ""
         raise errors.CheckpointNotFoundError(f"{folder} is not a DCP checkpoint (no {dm.PICKLE_NAME}){hint}")
     return sources.step(engine, folder)

@@ -29,6 +29,7 @@ from .commit import is_leftover
 from .engines import Engine
 from .engines.objects import FOLDER_MARKER, ObjectEngine, ObjectLease
 from .errors import FormatError, ManifestError, StoreLockedError, UnsafePathError
+from .formats import dcp_metadata as dm
 from .formats import manifest as mf
 
 MANIFEST, DCP_METADATA = commit.MANIFEST, commit.DCP_METADATA
@@ -36,6 +37,13 @@ LATEST = "latest"
 LOCK = ".aiotensor.lock"
 _STEP = re.compile(r"step-([0-9]{12})")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def checkpoint_record(names: Iterable[str]) -> str | None:
+    """The file among a folder's entry ``names`` that makes the folder a checkpoint itself, if one
+    does: a DCP checkpoint's metadata (aiotensor's writer's, or DCP's own pickle), a step's manifest."""
+    have = set(names)
+    return next((n for n in (DCP_METADATA, dm.PICKLE_NAME, MANIFEST) if n in have), None)
 
 
 def is_store(names: Iterable[str]) -> bool:

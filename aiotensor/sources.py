@@ -103,7 +103,7 @@ def resolve(engine: Engine, path: str) -> Source:
 
 def _folder(engine: Engine, folder: str) -> Source:
     names = set(engine.listdir(folder))
-    if _root.MANIFEST in names or dm.JSON_NAME in names or dm.PICKLE_NAME in names:
+    if _root.checkpoint_record(names) is not None:
         return step(engine, folder)
     if names & {_root.LATEST, _root.LOCK} or any(_root.parse_step(n) is not None for n in names):
         listing = _root.scan(engine, folder, {})
@@ -525,11 +525,12 @@ def with_rows(e: Entry, rows: tuple[int, int], path: str = "") -> Entry:
 
 def _in_one_piece(e: Entry) -> tuple[Span | None, str]:
     """The span of the file that holds ``e``'s bytes in order, if one does; else why not."""
+    if (whole := e.whole) is not None:
+        return whole, ""
     if len(e.parts) != 1 or e.parts[0].at is not None:
         return None, f"stored in {len(e.parts)} chunks (of several ranks)"
     span, v = e.parts[0].span, e.parts[0].view
-    if v is None:
-        return span, ""
+    assert v is not None  # (else it is whole)
     if v.conj or v.neg:
         return None, "a lazily conjugated or negated view"
     if not v.contiguous or v.dtype != e.dtype:

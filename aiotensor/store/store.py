@@ -50,21 +50,16 @@ from .steps import Steps, call, check_step, take_lock
 log = logging.getLogger("aiotensor")
 
 
-def _checkpoint_record(names: list[str]) -> str | None:
-    """The file that makes a folder of these ``names`` a checkpoint itself (a DCP checkpoint, a
-    step of a store), if one does (a project's own manifest.json beside no shards does not)."""
-    if dcp := next((n for n in (commit.DCP_METADATA, ".metadata") if n in names), None):
-        return dcp
-    shards = any(n.startswith("shard-") and n.endswith(".safetensors") for n in names)
-    return commit.MANIFEST if commit.MANIFEST in names and shards else None
-
-
-def _names(folder: str) -> list[str]:
-    """``folder``'s entries ([] where there is no such folder)."""
+def _checkpoint_record(engine: Engine, folder: str) -> str | None:
+    """The file that makes ``folder`` a checkpoint itself (:func:`aiotensor.root.checkpoint_record`),
+    if one does; a manifest.json counts only beside shards (a project's own manifest.json does not)."""
     try:
-        return os.listdir(folder)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        names = engine.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):  # (no folder yet: the writer makes it)
+        return None
+    record = _root.checkpoint_record(names)
+    shards = any(n.startswith("shard-") and n.endswith(".safetensors") for n in names)
+    return None if record == _root.MANIFEST and not shards else record
 
 
 def _absolute(root: str | os.PathLike[str]) -> str:
@@ -374,8 +369,7 @@ class TensorStore:
 
     async def _open_writer(self) -> None:
         if self.engine.renames:  # an object store's folder is a key prefix: nothing to make
-            names = await call(self.scheduler, _names, self.root, what=f"listing {self.root}")
-            if record := _checkpoint_record(names):
+            if record := await call(self.scheduler, _checkpoint_record, self.engine, self.root, what=f"listing {self.root}"):
                 raise CheckpointExistsError(
                     f"{self.root} is a checkpoint itself (it holds {record}), not a store root of steps: read it "
                     "(aiotensor.load_file, stream, dcp.load_full, a store opened on its parent), or write the store elsewhere"
@@ -561,13 +555,14 @@ class TensorStore:
         prio = Priority.BACKGROUND if background else Priority.SAVE
         # under a process group: its place among this process's store operations, taken now (call order)
         ticket = self._group.ticket() if self._group is not None else None
-        group = self._group
-        passed = None if group is None or ticket is None else functools.partial(group.passed, ticket)
-        try:  # (passed: even where the task never starts, a loop ending at once, helper-42)
+        # passed on once the save's task is done (before its turn, or a no-op after it), even where
+        # the task never started (a loop ending at once: helper-42)
+        passed = None if self._group is None or ticket is None else functools.partial(self._group.passed, ticket)
+        try:
             self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress, ticket), passed)
         except BaseException:
-            if ticket is not None:
-                self._group.passed(ticket)
+            if passed is not None:
+                passed()
             del self._in_flight[step]
             raise
         return handle
@@ -622,8 +617,6 @@ class TensorStore:
                 )  # fmt: skip
             raise
         finally:
-            if ticket is not None:  # (a save that ended before its turn gives it up; a no-op after it)
-                self._group.passed(ticket)
             del self._in_flight[h.step]
             if isinstance(error, Exception) and not isinstance(error, SaveCancelledError):
                 self._unobserved.append(h)
