@@ -11,8 +11,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain, compress, repeat
-from operator import add, attrgetter, is_not, itemgetter, sub
+from itertools import chain, compress, groupby, islice, repeat
+from operator import add, attrgetter, is_not, itemgetter, le, sub
 from typing import Any
 
 import anyio
@@ -384,17 +384,15 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     :data:`knobs.HOST_READ_BYTES`)."""
     units: list[_ReadUnit] = []
     host = _read_piece(sched, odirect)
-    blocks: dict[Block, list[int]] = {}
+    blocks, others = _by_block(targets)  # (a block is host memory, which no engine reads into itself)
     small: list[int] = []  # read together, then copied out (knobs.GATHER_TENSOR_BYTES)
     gather = knobs.GATHER_TENSOR_BYTES if sched.engine.read_bytes is None else knobs.CARVE_TENSOR_BYTES
-    for i, t in enumerate(targets):
+    for i in others:
+        t = targets[i]
         spec, dst = t.spec, t.tensor
         if spec.nbytes == 0:
             continue
         engine_reads = sched.engine.handles_device(dst)  # device memory the engine reads into itself
-        if t.block is not None and not engine_reads:
-            blocks.setdefault(t.block, []).append(i)
-            continue
         part = (i,) if t.crc is not None else ()
         # memmove into memory torch allocated only: a read-only mapping (from_numpy of np.load's
         # mmap) is an OSError to pread, a crash to memmove
@@ -418,9 +416,23 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
             parts = tuple((j, 0, n) for j in part)
             units.append(_ReadUnit(spec.offset + r0 * row_bytes, None, n, parts, target=i, row0=r0, row1=r1))
     for block, members in blocks.items():
-        units += _block_units(block, [(i, targets[i]) for i in members], host, odirect)
+        units += _block_units(block, targets, members, host, odirect)
     units += _gathered(targets, small, host)
     return units, sum(u.nbytes for u in units)
+
+
+def _by_block(targets: Sequence[Target]) -> tuple[dict[Block, list[int]], list[int]]:
+    """The targets carved from each block, and the others, by index, in order: C loops and a step
+    per run of one block's (a loop over 20,000 targets cost ~10 ms)."""
+    blocks: dict[Block, list[int]] = {}
+    others: list[int] = []
+    of = gil.listed(map(_BLOCK, targets))
+    for block, run in groupby(range(len(of)), of.__getitem__):
+        if block is None:
+            others += gil.listed(run)
+        else:
+            blocks.setdefault(block, []).extend(gil.listed(run))
+    return blocks, others
 
 
 def _gathered(targets: Sequence[Target], chosen: list[int], most: int) -> list[_ReadUnit]:
@@ -470,21 +482,23 @@ def _gathered(targets: Sequence[Target], chosen: list[int], most: int) -> list[_
 _WALK = 16
 
 
-def _block_units(block: Block, members: list[tuple[int, Target]], piece: int, odirect: bool) -> list[_ReadUnit]:
-    """A block's pieces, each with the parts of the tensors it holds that have a crc; from its
-    page-aligned start for O_DIRECT reads, else from its first tensor's first byte. A piece's
-    parts are found by bisection and made by C loops (a block may hold 30,000 tensors)."""
-    members.sort(key=lambda m: m[1].spec.offset)
+def _block_units(block: Block, targets: Sequence[Target], members: list[int], piece: int, odirect: bool) -> list[_ReadUnit]:
+    """A block's pieces, each with the parts of the tensors it holds (``targets[i]`` for ``i`` in
+    ``members``) that have a crc; from its page-aligned start for O_DIRECT reads, else from its
+    first tensor's first byte. A piece's parts are found by bisection and made by C loops (a block
+    may hold 30,000 tensors)."""
+    mine = gil.listed(map(targets.__getitem__, members))
+    starts = gil.listed(map(_OFFSET_OF, mine))
+    if not all(map(le, starts, islice(starts, 1, None))):  # (carved in file order: nearly always)
+        order = sorted(range(len(mine)), key=starts.__getitem__)
+        members, mine, starts = [members[k] for k in order], [mine[k] for k in order], [starts[k] for k in order]
     odirect = odirect and block.end - block.offset >= knobs.DIRECT_MIN_BYTES
     mem = byte_view(block.memory)
-    base = block.offset if odirect else members[0][1].spec.offset
-    checked = [(i, t.spec.offset, t.spec.offset + t.spec.nbytes) for i, t in members if t.crc is not None]
-    idx: list[int] = []
-    starts: list[int] = []
-    ends: list[int] = []
-    for some in gil.slices(checked):  # (one zip(*checked) of 20,000 held the GIL ~1 ms)
-        for column, got in zip((idx, starts, ends), zip(*some, strict=True), strict=True):
-            column += got
+    base = block.offset if odirect else starts[0]
+    checked = gil.listed(map(is_not, map(_CRC, mine), repeat(None)))
+    idx = gil.listed(compress(members, checked))
+    ends = gil.listed(compress(map(add, starts, map(_NBYTES, mine)), checked))
+    starts = gil.listed(compress(starts, checked))
     out = []
     for a, b in spans(block.end - base, piece):
         lo, hi = base + a, base + b
@@ -601,6 +615,7 @@ def _combined(
 
 _KIND, _PARTS, _CRC, _FIRST, _SECOND = attrgetter("kind"), attrgetter("parts"), attrgetter("crc"), itemgetter(0), itemgetter(1)
 _TENSOR, _NBYTES, _OFFSET_OF = attrgetter("tensor"), attrgetter("spec.nbytes"), attrgetter("spec.offset")
+_BLOCK = attrgetter("block")
 
 
 async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], priority: int) -> None:
@@ -613,18 +628,16 @@ async def verify_mapped(sched: Scheduler, path: str, targets: Sequence[Target], 
     def plan() -> list[_ReadUnit]:
         # views of a mapping (their block) in big pieces of it, each piece's crc parts per tensor
         # (a byte view per tensor was four torch ops each: 20,000 of them cost more than the crcs)
-        blocks: dict[Block, list[tuple[int, Target]]] = {}
+        blocks, others = _by_block(targets)
         units = []
-        for i, t in enumerate(targets):
+        for i in others:
+            t = targets[i]
             if t.crc is None:
-                continue
-            if t.block is not None:
-                blocks.setdefault(t.block, []).append((i, t))
                 continue
             mem = byte_view(t.tensor)
             units += [_ReadUnit(t.spec.offset + a, mem[a:b], b - a, ((i, 0, b - a),)) for a, b in spans(t.spec.nbytes, step)]
         for block, members in blocks.items():
-            units += _block_units(block, members, step, False)
+            units += [u for u in _block_units(block, targets, members, step, False) if u.parts]  # (checked pieces only)
         return units
 
     units = await sched.call(plan, priority=priority)
