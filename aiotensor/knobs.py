@@ -56,6 +56,9 @@ JSON_CHUNK_VALUES = 2048
 # A new staging arena is touched in pieces of this, the GIL released between them (bench_cpu.py:
 # a fresh store's first save).
 TOUCH_BYTES = 16 * MiB
+# A staging arena of at least this many bytes is mapped only where the host's memory (a container's
+# limit) has room for it (buffers.memory_room: a few reads of /proc and /sys, ~0.1 ms).
+ROOM_CHECK_BYTES = 64 * MiB
 # A single file of at least this many bytes (of few, large tensors) is assembled in page-aligned
 # bounce slots and written with O_DIRECT (bench_cpu.py: durable save_file).
 IMAGE_MIN_BYTES = 4 * MiB

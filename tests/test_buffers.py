@@ -219,3 +219,18 @@ def test_disjoint_is_the_pairwise_check(ranges: list[tuple[int, int]]) -> None:
     clash = any(a1 == a2 or (a1 < a2 + n2 and a2 < a1 + n1) for i, (a1, n1) in enumerate(ranges) for a2, n2 in ranges[i + 1 :])
     want = None if clash or not ranges else (min(addresses), max(a + n for a, n in ranges))
     assert buffers.disjoint(addresses, sizes) == want
+
+
+async def test_an_arena_the_system_refuses_to_map_is_an_oserror_saying_what(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-43: an address-space limit (ulimit -v) made a save fail with a bare OSError(12,
+    'Cannot allocate memory'), naming nothing; the pool counts no arena for it."""
+    import errno
+
+    def refused(*a: object) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    pool = StagingPool(2)
+    monkeypatch.setattr(buffers.HostBuffer, "__init__", refused)
+    with pytest.raises(OSError, match=r"Cannot allocate memory: mapping 5 MiB of staging memory for a save") as e:
+        await pool.acquire(5 << 20)
+    assert e.value.errno == errno.ENOMEM and pool._count == 0

@@ -271,6 +271,102 @@ async def test_open_reserves_staging_memory_in_the_background(tmp_path: Any) -> 
             assert store.staging.mapped_bytes == mapped, "the first save used the reserved arena"
 
 
+async def test_a_save_right_after_open_waits_for_the_reserved_arena(tmp_path: Any) -> None:
+    # helper-43: the first save, started while the reservation was still mapping, mapped a second
+    # arena beside it: two states' worth of staging memory kept for good, for saves that never overlap
+    state = {f"w{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MiB
+    async with TensorStore(tmp_path, reserve=state) as store:
+        await store.save(1, state)
+        await store.save(2, state)
+        assert store.staging._count == 1, "one arena: the reserved one"
+
+
+async def test_a_save_past_the_memory_limit_is_a_memory_error_and_a_second_arena_waits(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """helper-43: in a container (a memory cgroup), touching a staging arena the limit has no room
+    for had the kernel kill the trainer without a word, and with the default max_staged=2 a second
+    arena did so where one fits. A new arena is mapped only where memory_room() has room for it:
+    where none can be, MemoryError, the earlier checkpoint intact; where one exists, saves wait for
+    it, and a Snapshotter's "skip" then reads max_arenas 1."""
+    from aiotensor import Snapshotter, knobs
+    from aiotensor._runtime import buffers
+
+    monkeypatch.setattr(knobs, "ROOM_CHECK_BYTES", 1 << 20)
+    small, big = {"w": torch.randn(1 << 19)}, {"w": torch.randn(3 << 20)}  # 2 MiB, 12 MiB
+    room = [1 << 62, 1 << 62]
+    monkeypatch.setattr(buffers, "memory_room", lambda: tuple(room))
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, small)
+        room[:] = [8 << 20, 8 << 20]  # the state grew past what the limit leaves
+        with pytest.raises(MemoryError, match=r"needs 12 MiB of staging memory .* at most 8 MiB left under its memory limit"):
+            await store.save(2, big)
+        assert store.steps() == [1] and store.staging._count == 0
+        assert_state_equal(await store.load(), small)
+        room[:] = [10 << 20, 40 << 20]  # one arena fits, a second does not for sure
+        snap = Snapshotter(store)
+        first = snap.save(3, big)
+        await snap.before_update()
+        assert snap.save(4, big) is not None  # not known yet: started, it waits for the arena
+        with caplog.at_level("WARNING", logger="aiotensor"):
+            await snap.drain()
+        assert store.staging._count == 1 and store.staging.max_arenas == 1
+        assert "stages 1 save(s) at a time from now on" in caplog.text
+        assert first is not None and store.steps() == [1, 3, 4]
+        snap.save(5, big)
+        assert snap.save(6, big) is None, "skipped: one arena, busy"
+        await snap.drain()
+
+
+_IN_A_CGROUP = r"""
+import asyncio, os, sys
+import torch
+import aiotensor
+group, limit, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+state = {"w": torch.ones(96 << 18)}  # 96 MiB, charged to the cgroup the process was in when it was made
+with open(os.path.join(group, "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))  # what it allocates from here on is charged to the new group
+with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+    f.write(str(limit << 20))
+async def main():
+    async with aiotensor.TensorStore(sys.argv[4]) as store:
+        try:
+            for h in [store.save(i, state) for i in range(steps)]:
+                await h
+        except MemoryError as e:
+            print("MemoryError", e)
+        print("steps", store.steps(), "arenas", store.staging._count)
+asyncio.run(main())
+"""
+
+
+def test_a_container_memory_limit_gets_a_memory_error_or_one_arena_not_the_oom_killer(tmp_path: Any) -> None:
+    """The same in a real memory cgroup (v1, as root; a container's limit): where a 96 MiB state's
+    staging arena cannot fit, MemoryError, where one fits but not two, the saves stage one at a
+    time; before, the kernel killed the process (exit -9) in both."""
+    base = "/sys/fs/cgroup/memory"
+    if not os.access(base, os.W_OK) or not os.path.exists(os.path.join(base, "memory.limit_in_bytes")):
+        pytest.skip("needs a writable cgroup v1 memory hierarchy (root)")
+    outs = []
+    for limit, steps in ((60, 1), (230, 3)):
+        group = os.path.join(base, f"aiotensor-test-{os.getpid()}-{limit}")
+        os.mkdir(group)
+        try:
+            root = tmp_path / str(limit)
+            r = subprocess.run(
+                [sys.executable, "-c", _IN_A_CGROUP, group, str(limit), str(steps), str(root)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        finally:
+            os.rmdir(group)  # (its process has ended: nothing is left in it)
+        assert r.returncode == 0, f"killed ({r.returncode}): {r.stderr[-2000:]}"
+        outs.append(r.stdout)
+    assert "MemoryError a save needs 96 MiB of staging memory" in outs[0] and "steps [] arenas 0" in outs[0]
+    assert "steps [0, 1, 2] arenas 1" in outs[1]
+
+
 async def test_progress_is_reported_for_saves_and_loads(tmp_path: Any) -> None:
     state = {f"w{i}": torch.randn(1 << 16) for i in range(8)}  # 2 MiB in 256 KiB pieces
     seen: list[tuple[int, int]] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import logging
 import mmap
 import os
 import weakref
@@ -25,6 +26,7 @@ from .. import knobs
 from . import threads
 
 PAGE = mmap.PAGESIZE
+log = logging.getLogger("aiotensor")
 
 
 def round_up(n: int, to: int = PAGE) -> int:
@@ -212,6 +214,75 @@ def same_bytes(a: int, b: int, nbytes: int) -> bool:
     return nbytes == 0 or libc().memcmp(a, b, nbytes) == 0
 
 
+def memory_room() -> tuple[int, int]:
+    """Host memory this process may still take, ``(sure, most)``, by its memory cgroup (v1 or v2,
+    the lowest limit on the way up: a container's) and the machine's ``/proc/meminfo``: ``sure``
+    counts as free only what the kernel reclaims without harm (page cache no process maps, less
+    64 MiB), ``most`` every file page and swap too. A number past both is not there: touching it
+    calls the OOM killer, which kills the process without a word. Unknown: ``1 << 62``."""
+    sure = most = 1 << 62
+    info = _numbers("/proc/meminfo", kib=True)
+    if "MemAvailable" in info and "AnonPages" in info:
+        sure = info["MemAvailable"]
+        most = info["MemTotal"] - info["AnonPages"] - info.get("Shmem", 0) + info.get("SwapFree", 0)
+    for limit, anon, mapped, swaps in _cgroup_limits():
+        sure = min(sure, limit - anon - mapped)
+        if not (swaps and info.get("SwapFree", 0)):
+            most = min(most, limit - anon)
+    return sure - (64 << 20), most
+
+
+def _cgroup_limits() -> list[tuple[int, int, int, bool]]:
+    """This process's memory cgroup limits: each ``(limit, anonymous and shared memory charged,
+    file pages mapped, whether it may swap)``; none where there is none or it cannot be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1: one folder, its limit already the lowest on the way up
+            base = next((b for b in (f"/sys/fs/cgroup/memory{path}", "/sys/fs/cgroup/memory") if os.path.isdir(b)), None)
+            stat = _numbers(f"{base}/memory.stat") if base else {}
+            limit = stat.get("hierarchical_memory_limit", 1 << 62)  # (its own and its parents' lowest)
+            if "total_rss" in stat and limit < 1 << 60:
+                swap = _numbers(f"{base}/memory.memsw.limit_in_bytes").get("", 1 << 62) > limit
+                out.append((limit, stat["total_rss"] + stat.get("total_shmem", 0), stat.get("total_mapped_file", 0), swap))
+        elif controllers == "" and line.startswith("0::"):  # v2: every folder on the way up may limit
+            at = "/sys/fs/cgroup" + path.rstrip("/")
+            at = at if os.path.isdir(at) else "/sys/fs/cgroup"  # (a container's namespace: its own is the root)
+            while True:
+                limit = _numbers(f"{at}/memory.max").get("")
+                stat = _numbers(f"{at}/memory.stat")
+                if limit is not None and "anon" in stat:
+                    swap = _numbers(f"{at}/memory.swap.max").get("", 1 << 62) > 0
+                    out.append((limit, stat["anon"] + stat.get("shmem", 0), stat.get("file_mapped", 0), swap))
+                if not at.startswith("/sys/fs/cgroup/"):
+                    return out
+                at = os.path.dirname(at)
+    return out
+
+
+def _numbers(path: str, kib: bool = False) -> dict[str, int]:
+    """The ``name value`` lines of a kernel file as numbers (``/proc/meminfo``'s in kB: ``kib``);
+    a file of one number (``max`` is none) under the name ``""``; nothing where it cannot be read."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        words = line.replace(":", " ").split()
+        if len(words) == 1 and words[0].isdigit():
+            out[""] = int(words[0])
+        elif len(words) >= 2 and words[1].isdigit():
+            out[words[0]] = int(words[1]) * (1024 if kib else 1)
+    return out
+
+
 class HostBuffer:
     """One anonymous mapping, seen as a memoryview and as a uint8 tensor (both share its pages); it
     is unmapped (and unpinned first, where pinned) when the last of them goes.
@@ -284,14 +355,23 @@ class StagingPool:
         self._free: list[HostBuffer] = []
         self._count = 0
         self._changed: anyio.Event | None = None
+        # reservations (a store's reserve=) under way: a save waits for the arena one maps rather
+        # than map another beside it (helper-43: both stayed mapped, twice the memory for good)
+        self.reserving = 0
+        self._mapping = 0  # bytes of arenas being mapped now, not yet charged to the process
 
     @property
     def mapped_bytes(self) -> int:
         """Bytes mapped by idle arenas (busy ones are not counted)."""
         return sum(a.nbytes for a in self._free)
 
-    async def acquire(self, nbytes: int) -> HostBuffer:
+    async def acquire(self, nbytes: int, *, reservation: bool = False) -> HostBuffer:
         """Wait for an arena of at least ``nbytes``; mapping a new one runs in a worker thread.
+        A new arena is mapped only where the host's memory has room for it (:func:`memory_room`:
+        a container's limit): where another arena exists, a save waits for it instead, and
+        ``max_arenas`` is lowered to the arenas there are (a warning); where none does, MemoryError
+        says so, where touching the arena's pages would have had the process killed. While a
+        ``reservation`` maps one, other saves wait for it.
 
         Cancellation: nothing is taken if cancelled while waiting; if cancelled while a new arena is
         being mapped, the mapping finishes in its thread and is kept for the next save.
@@ -306,18 +386,21 @@ class StagingPool:
                 small = self._free.pop()  # grow the largest idle one: unmap it, map a bigger one
                 self._count -= 1
                 await threads.run_sync(self._unmap, small, nice=self.nice)
-            if self._count < self.max_arenas:
+            # headroom for a big one: a later plan of the same state may need a little more (an
+            # incremental save's candidate shards add headers), and mapping anew would page-fault
+            # a whole arena again
+            need = nbytes + (nbytes >> 8 if nbytes >= 64 << 20 else 0)
+            if self._count < self.max_arenas and (reservation or not self.reserving) and self._room(need):
                 self._count += 1
+                self._mapping += need
                 try:
                     with anyio.CancelScope(shield=True):
-                        # headroom for a big one: a later plan of the same state may need a little
-                        # more (an incremental save's candidate shards add headers), and mapping
-                        # anew would page-fault a whole arena again
-                        more = nbytes >> 8 if nbytes >= 64 << 20 else 0
-                        arena = await threads.run_sync(self._map, nbytes + more, nice=self.nice)
+                        arena = await threads.run_sync(self._map, need, nice=self.nice)
                 except BaseException:
                     self._count -= 1
                     raise
+                finally:
+                    self._mapping -= need
                 try:
                     await anyio.lowlevel.checkpoint_if_cancelled()
                 except BaseException:
@@ -328,8 +411,35 @@ class StagingPool:
                 self._changed = anyio.Event()
             await self._changed.wait()
 
+    def _room(self, need: int) -> bool:
+        """May an arena of ``need`` bytes be mapped now? (See :meth:`acquire`.)"""
+        if need < knobs.ROOM_CHECK_BYTES:
+            return True
+        sure, most = (n - self._mapping for n in memory_room())
+        if self._count == 0 and need > most:
+            raise MemoryError(
+                f"a save needs {need / 2**20:.0f} MiB of staging memory (a copy of the state), and this process "
+                f"has at most {max(most, 0) / 2**20:.0f} MiB left under its memory limit (its container's, or the "
+                "machine's): raise the limit, or save a smaller state"
+            )
+        if self._count == 0 or need <= sure:
+            return True
+        self.max_arenas = self._count  # from now on (a Snapshotter's "skip" reads it)
+        log.warning(
+            "another staging arena of %.0f MiB would not fit in this process's memory limit (%.0f MiB left): "
+            "this store stages %d save(s) at a time from now on, as TensorStore(max_staged=%d) would",
+            need / 2**20,
+            max(sure, 0) / 2**20,
+            self._count,
+            self._count,
+        )
+        return False
+
     def _map(self, nbytes: int) -> HostBuffer:
-        arena = HostBuffer(nbytes)
+        try:
+            arena = HostBuffer(nbytes)
+        except OSError as e:  # (an address-space limit, overcommit refused): say what could not be mapped
+            raise OSError(e.errno, f"{e.strerror}: mapping {nbytes / 2**20:.0f} MiB of staging memory for a save") from None
         if self.pinning is not None:
             arena.pin(self.pinning)
         return arena
@@ -341,6 +451,10 @@ class StagingPool:
 
     def release(self, arena: HostBuffer) -> None:
         self._free.append(arena)
+        self.changed()
+
+    def changed(self) -> None:
+        """Wake the saves waiting for an arena (one was released, or a reservation ended)."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None

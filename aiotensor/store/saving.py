@@ -317,7 +317,9 @@ async def _reuse(
 
 async def reserve(sched: Scheduler, staging: StagingPool, like: Any, shard_bytes: int) -> None:
     """Map and touch a staging arena for a state ``like`` the ones to come (or its size in bytes),
-    kept in the pool for the first save; a failure only means that save maps its own."""
+    kept in the pool for the first save; a failure only means that save maps its own. Saves that
+    start meanwhile wait for it rather than map one of their own beside it."""
+    staging.reserving += 1
     try:
         if isinstance(like, int):
             nbytes = like + (1 << 20)  # room for the shard headers
@@ -326,9 +328,12 @@ async def reserve(sched: Scheduler, staging: StagingPool, like: Any, shard_bytes
                 lambda: plan_save(like, shard_bytes=shard_bytes, devices=sched.devices), priority=Priority.BACKGROUND
             )
             nbytes = plan.arena_bytes
-        staging.release(await staging.acquire(nbytes))
+        staging.release(await staging.acquire(nbytes, reservation=True))
     except Exception as e:
         log.warning("could not reserve staging memory (%s)", e)
+    finally:
+        staging.reserving -= 1
+        staging.changed()
 
 
 __all__ = ["reserve", "save"]

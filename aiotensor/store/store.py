@@ -99,7 +99,8 @@ class TensorStore:
         shard_bytes: the largest shard file (a tensor is never split; default 4 GiB, on an object
             store 256 MiB: each shard is one PUT, several in flight).
         max_staged: saves staged or writing at once; memory: ``max_staged`` × the state's size,
-            mapped once and kept until :meth:`release_memory`.
+            mapped once and kept until :meth:`release_memory`; fewer where a memory limit (a
+            container's) has no room for more (``docs/store.md``: MemoryError where none fits).
         verify: check each tensor's crc32c on load (``load(verify=)`` per call).
         reserve: a state like the ones to come (or its size in bytes): ``open()`` maps its arena in
             the background, so the first save holds the trainer no longer than later ones.
