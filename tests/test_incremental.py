@@ -10,6 +10,7 @@ import sys
 import warnings
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from safetensors import safe_open
@@ -86,6 +87,55 @@ async def test_unchanged_tensors_are_linked_and_every_step_stands_alone(tmp_path
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(into, storage_reader=AiotensorReader(os.path.join(str(tmp_path), "step-000000000004")))
     assert same(into["model"], {**base, **adapters})
+
+
+@pytest.mark.parametrize("planned", ["after the delete", "before the delete"])
+async def test_a_step_deleted_and_saved_again_is_never_linked_for_its_old_bytes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, planned: str
+) -> None:
+    """helper-44: step 200 deleted (a bad step) and saved again, a later save overlapping it (a
+    Snapshotter's two arenas). That save's plan named the old 200's shards; it linked the new file
+    at the same path (its stat mark known, not its digest), committed, and could not be loaded, nor
+    any step that linked it in turn. Its link now waits until the new 200 committed: every step loads."""
+    from aiotensor.store import saving
+
+    real = saving._reuse
+
+    async def late(sched: Any, plan: Any, arena: Any, folder: str, *a: Any) -> Any:
+        if "step-000000000210" in folder:  # (its temporary folder) link only once step 200 is committed again
+            while 200 not in store.steps():
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.3)  # (and what its commit tells the store of its files)
+        return await real(sched, plan, arena, folder, *a)
+
+    monkeypatch.setattr(saving, "_reuse", late)
+    frozen = torch.randn(4 << 20)
+
+    def state(step: int, frozen_first: bool = True) -> dict[str, torch.Tensor]:
+        w = torch.full((2 << 20,), float(step))
+        return {"frozen": frozen, "w": w} if frozen_first else {"w": w, "frozen": frozen}
+
+    async with TensorStore(tmp_path) as store:
+        for step in (180, 190, 200):
+            await store.save(step, state(step))
+        if planned == "before the delete":
+            later = store.save(210, state(210))
+            await later.staged
+            await store.delete(200)
+        else:
+            await store.delete(200)
+        again = store.save(200, state(200, frozen_first=False))  # other bytes at the same path
+        if planned == "after the delete":
+            await again.staged
+            later = store.save(210, state(210))
+        await again
+        await later
+        await store.save(220, state(220))
+    async with TensorStore(tmp_path, readonly=True) as r:
+        for step in r.steps():
+            got = await r.load(step)
+            assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], state(step)["w"]), step
+    assert subprocess.run([sys.executable, "-m", "aiotensor", "verify", str(tmp_path)], capture_output=True).returncode == 0
 
 
 async def test_a_change_the_version_counter_misses_is_still_saved(tmp_path: Any) -> None:

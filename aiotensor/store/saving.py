@@ -58,7 +58,9 @@ class Incremental:
     def __init__(self) -> None:
         self.versions: dict[str, tuple[int, int]] = {}
         self.previous: list[tuple[tuple[str, ...], Previous]] = []
-        self.known: dict[str, tuple[Any, ...]] = {}  # earlier files known to hold their digest's bytes: their marks
+        # earlier files known to hold their digest's bytes: their marks, and that digest (a path may
+        # hold another file later: a step deleted and saved again, helper-44)
+        self.known: dict[str, tuple[tuple[Any, ...], str]] = {}
 
     def forget(self) -> None:
         """Drop what was remembered (the store closes; a reopened one reads the newest manifest)."""
@@ -79,10 +81,10 @@ class Incremental:
         first link (:meth:`intact`)."""
         self.known = {}
         if wrote is not None:
-            for file in m.digests:
+            for file, digest in m.digests.items():
                 path = os.path.join(folder, file)
                 try:
-                    self.known[path] = _root.stat_key(wrote.stat(path))
+                    self.known[path] = (_root.stat_key(wrote.stat(path)), digest)
                 except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
                     pass
         by_shard: dict[str, list[mf.Entry]] = {}
@@ -102,7 +104,7 @@ class Incremental:
         cannot be read (EIO: a bad sector, a request that failed) is not: the shard is written."""
         try:
             mark = _root.stat_key(engine.stat(earlier.path))
-            if self.known.get(earlier.path) == mark:
+            if self.known.get(earlier.path) == (mark, earlier.digest):
                 return True
             if _digest_of(engine, earlier.path) != earlier.digest:
                 return False
@@ -111,7 +113,7 @@ class Incremental:
         except OSError as e:
             log.info("%s could not be checked (%s): the shard is written", earlier.path, e)
             return False
-        self.known[earlier.path] = mark
+        self.known[earlier.path] = (mark, earlier.digest)
         return True
 
 
@@ -297,8 +299,8 @@ async def _reuse(
     def link(sh: Any, earlier: Previous) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
             if incremental is not None and not await sched.call(incremental.intact, sched.engine, earlier, priority=prio):
-                log.warning("%s no longer holds what step %d's manifest says (damaged on disk): %s is written, not linked to it",
-                            earlier.path, earlier.step, sh.file)  # fmt: skip
+                log.warning("%s no longer holds what step %d's manifest said (damaged on disk, or the step deleted and saved "
+                            "again): %s is written, not linked to it", earlier.path, earlier.step, sh.file)  # fmt: skip
                 return
             try:
                 await sched.call(sched.engine.link, earlier.path, os.path.join(folder, sh.file), priority=prio)

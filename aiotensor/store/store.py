@@ -747,6 +747,12 @@ class TensorStore:
         """
         self._check_writable()
         await self._mirror_reachable(f"deleting step {step}")
+        try:
+            await self._delete(step)
+        finally:
+            self._forget_deleted([step])
+
+    async def _delete(self, step: int) -> None:
         if self._group is not None:  # every rank calls it; rank 0 deletes
             what = f"deleting step {step} of {self.root}"
             await self._group.retire(self._steps, step, lambda: [self._steps.check(step, exists=True)], what)
@@ -782,6 +788,12 @@ class TensorStore:
         if busy and self._group is None:
             raise CheckpointExistsError(f"steps {busy} are being saved in {self.root}: await or cancel them first")
         doomed = [s for s in reversed(self.steps()) if s > step]
+        try:
+            return await self._rollback(step, busy, doomed)
+        finally:
+            self._forget_deleted(doomed)
+
+    async def _rollback(self, step: int, busy: list[int], doomed: list[int]) -> list[int]:
         if self._group is not None:  # every rank calls it; rank 0 deletes
             what = f"rolling {self.root} back to step {step}"
 
@@ -798,6 +810,14 @@ class TensorStore:
                 await self._tier.rollback(step)
         await self._steps.delete([s for s in doomed if s in self._steps.committed])
         return doomed
+
+    def _forget_deleted(self, steps: list[int]) -> None:
+        """An incremental save links no file of a deleted step: the same step saved again is
+        another file at the same path (helper-44: a save planned before it linked the new file for
+        the old one's bytes; the step committed and could not be loaded, nor any that linked it)."""
+        inc = self._incremental
+        if inc is not None and any(p.step in steps for _, p in inc.previous):
+            inc.forget()
 
     # --- load ------------------------------------------------------------------------------
 
