@@ -384,7 +384,7 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     :data:`knobs.HOST_READ_BYTES`)."""
     units: list[_ReadUnit] = []
     host = _read_piece(sched, odirect)
-    blocks, others = _by_block(targets)  # (a block is host memory, which no engine reads into itself)
+    blocks, others = _by_block(targets, sched.engine.handles_device)
     small: list[int] = []  # read together, then copied out (knobs.GATHER_TENSOR_BYTES)
     gather = knobs.GATHER_TENSOR_BYTES if sched.engine.read_bytes is None else knobs.CARVE_TENSOR_BYTES
     for i in others:
@@ -421,17 +421,21 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
     return units, sum(u.nbytes for u in units)
 
 
-def _by_block(targets: Sequence[Target]) -> tuple[dict[Block, list[int]], list[int]]:
-    """The targets carved from each block, and the others, by index, in order: C loops and a step
-    per run of one block's (a loop over 20,000 targets cost ~10 ms)."""
+def _by_block(
+    targets: Sequence[Target], reads_itself: Callable[[torch.Tensor], bool] | None = None
+) -> tuple[dict[Block, list[int]], list[int]]:
+    """The targets carved from each block, and the others (those of a block whose memory the
+    engine ``reads_itself``), by index, in order: C loops and a step per run of one block's (a
+    loop over 20,000 targets cost ~10 ms)."""
     blocks: dict[Block, list[int]] = {}
     others: list[int] = []
     of = gil.listed(map(_BLOCK, targets))
     for block, run in groupby(range(len(of)), of.__getitem__):
-        if block is None:
-            others += gil.listed(run)
+        members = gil.listed(run)
+        if block is None or (reads_itself is not None and reads_itself(targets[members[0]].tensor)):  # (one allocation)
+            others += members
         else:
-            blocks.setdefault(block, []).extend(gil.listed(run))
+            blocks.setdefault(block, []).extend(members)
     return blocks, others
 
 
