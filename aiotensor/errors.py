@@ -117,8 +117,9 @@ class CheckpointExistsError(AiotensorError, FileExistsError):
 
 
 class StaleStepError(AiotensorError, ValueError):
-    """Retention (``keep_last``) would delete the step as soon as it commits: newer steps exist.
-    Roll back first (``TensorStore.rollback``) to re-save an older step."""
+    """A save of a step older than a committed one: ``latest`` would still name the newer one (and
+    retention, ``keep_last``, might delete it as soon as it commits). Roll back first
+    (``TensorStore.rollback``) to resume from an earlier step and save it again."""
 
 
 class StoreLockedError(AiotensorError, RuntimeError):

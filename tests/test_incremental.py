@@ -138,6 +138,24 @@ async def test_a_step_deleted_and_saved_again_is_never_linked_for_its_old_bytes(
     assert subprocess.run([sys.executable, "-m", "aiotensor", "verify", str(tmp_path)], capture_output=True).returncode == 0
 
 
+async def test_after_a_rollback_the_next_save_links_the_step_it_resumes_from(tmp_path: Any) -> None:
+    """helper-44: after rollback(2) the next save wrote every byte: the store still remembered the
+    deleted newest step's files. It remembers the newest step left (its manifest read again)."""
+    frozen = torch.randn(4 << 20)
+    # (each step's w kept: a new w at a freed one's address, its version counter the same, passed
+    # for unchanged, and shared the candidate shard of frozen, which then never matched)
+    ws = [torch.full((2 << 20,), float(step)) for step in range(5)]
+    async with TensorStore(tmp_path) as store:
+        for step in (1, 2, 3, 4):  # (from the second save on, frozen is a shard of its own)
+            await store.save(step, {"frozen": frozen, "w": ws[step]})
+        assert await store.rollback(2) == [4, 3]
+        h = store.save(3, {"frozen": frozen, "w": torch.full((2 << 20,), 3.5)})
+        await h
+        assert h.bytes_reused >= frozen.nbytes
+        got = await store.load(3)
+        assert torch.equal(got["frozen"], frozen) and float(got["w"][0]) == 3.5
+
+
 async def test_a_change_the_version_counter_misses_is_still_saved(tmp_path: Any) -> None:
     base, adapters = make()
     async with TensorStore(str(tmp_path)) as store:

@@ -72,8 +72,8 @@ async def test_a_handle_is_a_coroutine_for_tasks(tmp_path: Any, anyio_backend: A
                     await asyncio.wait_for(wait(h), 0)
                 assert h.done() and isinstance(h.exception(), SaveCancelledError) and step not in store.steps()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(store.save(6, small_state(6)).wait)
-        assert 6 in store.steps()
+            tg.start_soon(store.save(16, small_state(16)).wait)
+        assert 16 in store.steps()
 
 
 def _slow_syncs(seconds: float) -> FaultyEngine:

@@ -290,11 +290,17 @@ async def test_stray_folders_are_ignored_and_never_counted_by_retention(tmp_path
     assert "ignoring step-999999999999" in caplog.text
 
 
-async def test_saving_a_step_retention_would_delete_at_once_is_refused_and_rollback_allows_it(tmp_path: Any) -> None:
-    async with TensorStore(tmp_path, keep_last=1) as store:
+@pytest.mark.parametrize("keep_last", [1, None])
+async def test_saving_a_step_older_than_a_committed_one_is_refused_and_rollback_allows_it(tmp_path: Any, keep_last: Any) -> None:
+    """helper-44: a resume from an earlier step without rollback saved its steps beside the newer
+    ones: `latest` (every later resume) still named the abandoned run's newest, and keep_last
+    retired the new steps as they came; re-saving a committed step pointed at delete only."""
+    async with TensorStore(tmp_path, keep_last=keep_last) as store:
         await store.save(200, w(200))  # left by an earlier run
-        with pytest.raises(StaleStepError, match=r"rollback"):
+        with pytest.raises(StaleStepError, match=r"would still name step 200.*rollback\(1\)"):
             store.save(2, w(2))
+        with pytest.raises(CheckpointExistsError, match=r"rollback\(199\)"):
+            store.save(200, w(200))
         assert store.steps() == [200]
         assert await store.rollback(1) == [200]
         assert store.steps() == []

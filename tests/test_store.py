@@ -27,6 +27,7 @@ from aiotensor.errors import (
     MismatchError,
     SaveCancelledError,
     SaveFailedError,
+    StaleStepError,
     StateError,
     StoreClosedError,
 )
@@ -312,19 +313,27 @@ async def test_retention_and_latest(tmp_path: Any) -> None:
             "step-000000000020",
             "step-000000000030",
         ]
-        # an older step committed after a newer one does not move `latest` back
-        await store.save(25, {"x": torch.zeros(4)})
-        assert (tmp_path / "latest").read_text().strip() == "step-000000000030"
-        assert store.steps() == [25, 30]
+        # an older step than a committed one is refused (helper-44: a resume from an earlier step
+        # without rollback: `latest` still named the abandoned branch's newest, and keep_last
+        # retired the new branch's steps as they came); an older one committed after a newer one
+        # (both in flight) does not move `latest` back
+        with pytest.raises(StaleStepError, match=r"older than 1 committed step\(s\).*would still name step 30.*rollback\(24\)"):
+            store.save(25, {"x": torch.zeros(4)})
+        h35 = store.save(35, {"x": torch.full((4,), 35.0)})
+        h32 = store.save(32, {"x": torch.full((4,), 32.0)}, background=True)
+        await h32
+        await h35
+        assert (tmp_path / "latest").read_text().strip() == "step-000000000035"
+        assert store.steps() == [32, 35]
     assert sorted(os.listdir(tmp_path)) == [
         ".aiotensor.lock",
         "latest",
-        "step-000000000025",
-        "step-000000000030",
+        "step-000000000032",
+        "step-000000000035",
     ]  # close() waited
     async with TensorStore(tmp_path) as again:
-        assert again.steps() == [25, 30]
-        assert float((await again.load())["x"][0]) == 30.0
+        assert again.steps() == [32, 35]
+        assert float((await again.load())["x"][0]) == 35.0
 
 
 async def test_open_removes_leftovers_of_interrupted_saves_and_nothing_else(tmp_path: Any) -> None:

@@ -518,7 +518,8 @@ class TensorStore:
             StoreClosedError / ReadOnlyStoreError: the store is not open, or opened read-only.
             CheckpointExistsError: the step is committed already, or being saved, or its folder's
                 name is taken by what is not a committed step (a damaged one, say: never deleted).
-            StaleStepError: ``keep_last`` newer steps exist, so retention would delete it at once.
+            StaleStepError: newer steps are committed (``latest`` would still name the newest; a resume
+                from an earlier step rolls back first: :meth:`rollback`).
             SaveFailedError: an earlier background save failed and its handle was never awaited.
 
         Awaiting the handle raises the save's failure (``StateError`` naming a key path that cannot
@@ -533,7 +534,12 @@ class TensorStore:
         if committed or step in self._in_flight:
             raise CheckpointExistsError(
                 f"step {step} is already {'committed' if committed else 'being saved'} in {self.root}"
-                + (" (to replace it, `await store.delete(step)` first)" if committed else "")
+                + (
+                    f" (to resume from an earlier step and save this one again, `await store.rollback"
+                    f"({step - 1 if step else 0})` first; to replace only this one, `await store.delete(step)`)"
+                    if committed
+                    else ""
+                )
             )
         why = self._steps.ignored.get(step_dir_name(step))
         if why:  # its name is taken by what is not a committed step: the final rename would fail
@@ -542,12 +548,14 @@ class TensorStore:
                 f"it out of {self.root} (its files may be worth keeping), or save another step"
             )
         newer = [s for s in self.steps() if s > step]
-        if self.keep_last is not None and len(newer) >= self.keep_last:
+        if newer:  # a resume from an earlier step (helper-44: its steps were retired as they came, or never latest)
+            doomed = self.keep_last is not None and len(newer) >= self.keep_last
             raise StaleStepError(
-                f"step {step} would be deleted as soon as it commits: keep_last={self.keep_last} and {len(newer)} newer "
-                f"steps exist in {self.root} ({newer[:5]}{'...' if len(newer) > 5 else ''}). To go back to an earlier "
-                f"step, `await store.rollback({step - 1 if step else 0})` first (it deletes every one of those "
-                f"{len(newer)} newer steps), or raise keep_last"
+                f"step {step} is older than {len(newer)} committed step(s) of {self.root} ({newer[:5]}"
+                f"{'...' if len(newer) > 5 else ''}): `latest`, and so every resume, would still name step {newer[-1]}"
+                + (f", and keep_last={self.keep_last} would delete step {step} as soon as it commits" if doomed else "")
+                + f". To go back to an earlier step, `await store.rollback({step - 1 if step else 0})` first (it deletes "
+                f"every one of those newer steps), or delete them"
             )
         # CUDA sources are copied after the kernels already queued on the current streams as of now
         producers = cuda.record_current_streams() if self.scheduler.cuda is not None else {}
@@ -750,7 +758,7 @@ class TensorStore:
         try:
             await self._delete(step)
         finally:
-            self._forget_deleted([step])
+            await self._forget_deleted([step])
 
     async def _delete(self, step: int) -> None:
         if self._group is not None:  # every rank calls it; rank 0 deletes
@@ -791,7 +799,7 @@ class TensorStore:
         try:
             return await self._rollback(step, busy, doomed)
         finally:
-            self._forget_deleted(doomed)
+            await self._forget_deleted(doomed)
 
     async def _rollback(self, step: int, busy: list[int], doomed: list[int]) -> list[int]:
         if self._group is not None:  # every rank calls it; rank 0 deletes
@@ -811,13 +819,19 @@ class TensorStore:
         await self._steps.delete([s for s in doomed if s in self._steps.committed])
         return doomed
 
-    def _forget_deleted(self, steps: list[int]) -> None:
+    async def _forget_deleted(self, steps: list[int]) -> None:
         """An incremental save links no file of a deleted step: the same step saved again is
         another file at the same path (helper-44: a save planned before it linked the new file for
-        the old one's bytes; the step committed and could not be loaded, nor any that linked it)."""
+        the old one's bytes; the step committed and could not be loaded, nor any that linked it).
+        The newest step left is remembered instead (a rollback's next save links its files), as
+        where nothing was."""
         inc = self._incremental
-        if inc is not None and any(p.step in steps for _, p in inc.previous):
+        if inc is not None and (not inc.previous or any(p.step in steps for _, p in inc.previous)):
             inc.forget()
+            newest = self._steps.newest()
+            if newest is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._remember(newest)
 
     # --- load ------------------------------------------------------------------------------
 
