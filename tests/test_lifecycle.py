@@ -126,7 +126,7 @@ def test_saves_lost_to_the_end_of_the_loop_are_named(tmp_path: Any) -> None:
     got = subprocess.run([sys.executable, "-c", _LOOP_ENDS, str(tmp_path / "ck")], capture_output=True, text=True, cwd=root)
     assert got.returncode == 0, got.stderr
     lost = [s for s in range(3) if not (tmp_path / "ck" / f"step-{s:012d}").exists()]
-    assert lost and all(f"step {s} was not committed: the event loop ended" in got.stderr for s in lost), got.stderr
+    assert lost and all(f"step {s} was not committed: the event loop cancelled its tasks" in got.stderr for s in lost), got.stderr
 
 
 async def test_a_save_cancelled_while_its_folder_is_made_leaves_no_folder(tmp_path: Any) -> None:

@@ -621,8 +621,9 @@ class TensorStore:
             error = cancelled
             if not h.committed:  # (nothing else tells: helper-36's trainer lost three steps silently)
                 log.warning(
-                    "%s: step %d was not committed: the event loop ended while it was being saved (await its "
-                    "handle, Snapshotter.drain() or store.close() before the loop ends)", self.root, h.step,
+                    "%s: step %d was not committed: the event loop cancelled its tasks while it was being saved "
+                    "(Ctrl-C, or a loop that ended first: await its handle, Snapshotter.drain() or store.close() "
+                    "before it ends)", self.root, h.step,
                 )  # fmt: skip
             raise
         finally:
