@@ -234,3 +234,76 @@ async def test_an_arena_the_system_refuses_to_map_is_an_oserror_saying_what(monk
     with pytest.raises(OSError, match=r"Cannot allocate memory: mapping 5 MiB of staging memory for a save") as e:
         await pool.acquire(5 << 20)
     assert e.value.errno == errno.ENOMEM and pool._count == 0
+
+
+class _Charged:
+    """A StagingPool whose arenas are charged to a limit of ``limit`` bytes (memory_room() of it);
+    unmapping takes 0.2 s, so other saves run meanwhile (helper-45's schedules)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, limit: int, arenas: int) -> None:
+        import time
+
+        self.live = 0
+        monkeypatch.setattr(knobs, "ROOM_CHECK_BYTES", 1)
+        monkeypatch.setattr(buffers, "memory_room", lambda: (limit - self.live, limit - self.live))
+        self.pool = pool = StagingPool(arenas)
+        real_map, real_unmap = pool._map, pool._unmap
+
+        def charged(n: int) -> Any:
+            a = real_map(n)
+            self.live += a.nbytes
+            return a
+
+        def slowly(a: Any) -> None:
+            time.sleep(0.2)
+            self.live -= a.nbytes
+            real_unmap(a)
+
+        monkeypatch.setattr(pool, "_map", charged)
+        monkeypatch.setattr(pool, "_unmap", slowly)
+
+
+async def test_a_save_that_grows_an_arena_takes_one_released_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-45: a save unmapping an idle arena to map a bigger one never looked again at the
+    idle arenas: one released during the unmap sat there while the save waited for ever (room
+    for one 30 MiB arena, not two, after the memory check)."""
+    MiB = 1 << 20
+    c = _Charged(monkeypatch, 50 * MiB, 2)
+    small = await c.pool.acquire(10 * MiB)
+    big = await c.pool.acquire(30 * MiB)
+    c.pool.release(small)
+    got: list[Any] = []
+
+    async def grown() -> None:
+        got.append(await c.pool.acquire(30 * MiB))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(grown)
+            await anyio.sleep(0.05)  # it unmaps the small one
+            c.pool.release(big)
+    assert got == [big]
+
+
+async def test_no_memory_error_while_another_save_unmaps_an_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-45: while one save unmapped the small arena to grow it, another found no arena
+    counted and the small one's memory still charged: MemoryError for a state that fits once
+    the unmap is done. It waits; both get the arena in turn."""
+    MiB = 1 << 20
+    c = _Charged(monkeypatch, 35 * MiB, 1)
+    small = await c.pool.acquire(10 * MiB)
+    done: list[int] = []
+
+    async def save() -> None:
+        a = await c.pool.acquire(30 * MiB)
+        await anyio.sleep(0.1)
+        done.append(a.nbytes)
+        c.pool.release(a)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(save)
+            tg.start_soon(save)
+            await anyio.sleep(0.05)
+            c.pool.release(small)
+    assert len(done) == 2

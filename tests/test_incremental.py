@@ -138,6 +138,39 @@ async def test_a_step_deleted_and_saved_again_is_never_linked_for_its_old_bytes(
     assert subprocess.run([sys.executable, "-m", "aiotensor", "verify", str(tmp_path)], capture_output=True).returncode == 0
 
 
+async def test_a_file_replaced_between_its_check_and_its_link_is_not_linked(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper-45: an earlier shard checked intact, then another file put at its path (its step
+    deleted and saved again) before the link: the link took the new file for the old bytes. The
+    link is checked to be the file that was checked; else undone and the shard written."""
+    from aiotensor.store import saving
+
+    real = saving.Incremental.intact
+
+    def then_replaced(self: Any, engine: Any, earlier: Any) -> Any:
+        mark = real(self, engine, earlier)
+        with open(earlier.path, "rb") as f:
+            data = bytearray(f.read())
+        data[-1] ^= 0xFF  # other bytes, another inode, at the same path
+        os.unlink(earlier.path)
+        with open(earlier.path, "wb") as f:
+            f.write(data)
+        return mark
+
+    frozen = torch.randn(4 << 20)
+    ws = [torch.full((2 << 20,), float(step)) for step in range(4)]
+    async with TensorStore(tmp_path) as store:
+        for step in (1, 2):
+            await store.save(step, {"frozen": frozen, "w": ws[step]})
+        monkeypatch.setattr(saving.Incremental, "intact", then_replaced)
+        h = store.save(3, {"frozen": frozen, "w": ws[3]})
+        await h
+        assert h.bytes_reused == 0
+        got = await store.load(3)
+        assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], ws[3])
+
+
 async def test_after_a_rollback_the_next_save_links_the_step_it_resumes_from(tmp_path: Any) -> None:
     """helper-44: after rollback(2) the next save wrote every byte: the store still remembered the
     deleted newest step's files. It remembers the newest step left (its manifest read again)."""

@@ -224,7 +224,9 @@ def memory_room() -> tuple[int, int]:
     info = _numbers("/proc/meminfo", kib=True)
     if "MemAvailable" in info and "AnonPages" in info:
         sure = info["MemAvailable"]
-        most = info["MemTotal"] - info["AnonPages"] - info.get("Shmem", 0) + info.get("SwapFree", 0)
+        # (at least what is available: where meminfo is a container's view, LXCFS, its total is
+        # the container's and its anonymous pages may be the host's)
+        most = max(sure, info["MemTotal"] - info["AnonPages"] - info.get("Shmem", 0) + info.get("SwapFree", 0))
     for limit, anon, mapped, swaps in _cgroup_limits():
         sure = min(sure, limit - anon - mapped)
         if not (swaps and info.get("SwapFree", 0)):
@@ -254,11 +256,11 @@ def _cgroup_limits() -> list[tuple[int, int, int, bool]]:
             at = "/sys/fs/cgroup" + path.rstrip("/")
             at = at if os.path.isdir(at) else "/sys/fs/cgroup"  # (a container's namespace: its own is the root)
             while True:
-                limit = _numbers(f"{at}/memory.max").get("")
+                most = _numbers(f"{at}/memory.max").get("")
                 stat = _numbers(f"{at}/memory.stat")
-                if limit is not None and "anon" in stat:
+                if most is not None and "anon" in stat:
                     swap = _numbers(f"{at}/memory.swap.max").get("", 1 << 62) > 0
-                    out.append((limit, stat["anon"] + stat.get("shmem", 0), stat.get("file_mapped", 0), swap))
+                    out.append((most, stat["anon"] + stat.get("shmem", 0), stat.get("file_mapped", 0), swap))
                 if not at.startswith("/sys/fs/cgroup/"):
                     return out
                 at = os.path.dirname(at)
@@ -359,6 +361,7 @@ class StagingPool:
         # than map another beside it (helper-43: both stayed mapped, twice the memory for good)
         self.reserving = 0
         self._mapping = 0  # bytes of arenas being mapped now, not yet charged to the process
+        self._unmapping = 0  # arenas being unmapped now, still charged
 
     @property
     def mapped_bytes(self) -> int:
@@ -384,8 +387,14 @@ class StagingPool:
                     self._free.remove(fit)
                     return fit
                 small = self._free.pop()  # grow the largest idle one: unmap it, map a bigger one
-                self._count -= 1
-                await threads.run_sync(self._unmap, small, nice=self.nice)
+                self._unmapping += 1
+                try:
+                    await threads.run_sync(self._unmap, small, nice=self.nice)
+                finally:
+                    self._unmapping -= 1
+                    self._count -= 1  # (counted until it is gone: its memory was)
+                    self.changed()
+                continue  # look again: one released meanwhile is there to take (helper-45: a save hung)
             # headroom for a big one: a later plan of the same state may need a little more (an
             # incremental save's candidate shards add headers), and mapping anew would page-fault
             # a whole arena again
@@ -401,6 +410,7 @@ class StagingPool:
                     raise
                 finally:
                     self._mapping -= need
+                    self.changed()  # the saves that waited for it look again
                 try:
                     await anyio.lowlevel.checkpoint_if_cancelled()
                 except BaseException:
@@ -415,7 +425,9 @@ class StagingPool:
         """May an arena of ``need`` bytes be mapped now? (See :meth:`acquire`.)"""
         if need < knobs.ROOM_CHECK_BYTES:
             return True
-        sure, most = (n - self._mapping for n in memory_room())
+        if self._mapping or self._unmapping:  # what is mapped is changing: decide once it has (changed() wakes)
+            return False
+        sure, most = memory_room()
         if self._count == 0 and need > most:
             raise MemoryError(
                 f"a save needs {need / 2**20:.0f} MiB of staging memory (a copy of the state), and this process "

@@ -74,47 +74,57 @@ class Incremental:
     def planned(self, sources: dict[str, torch.Tensor]) -> None:
         self.versions = {k: v for k, t in sources.items() if (v := _version(t)) is not None}
 
-    def committed(self, m: mf.Manifest, folder: str, wrote: Engine | None = None) -> None:
-        """The step ``m`` of ``folder`` is the newest: its candidate shards are the next save's.
-        ``wrote``: this store just wrote (or linked, once checked) its files through that engine,
-        so that they hold their digests' bytes as they are now; else each is read whole before its
-        first link (:meth:`intact`)."""
-        self.known = {}
+    def committed(self, m: mf.Manifest, folder: str, wrote: Engine | None = None) -> list[tuple[tuple[str, ...], Previous]]:
+        """The step ``m`` of ``folder`` is the newest: its candidate shards are the next save's
+        (returned too). ``wrote``: this store just wrote (or linked, once checked) its files
+        through that engine, so that they hold their digests' bytes as they are now; else each is
+        read whole before its first link (:meth:`intact`). Made apart, then put in place at once:
+        another thread may remember a step meanwhile (a delete's, helper-45)."""
+        known = {}
         if wrote is not None:
             for file, digest in m.digests.items():
                 path = os.path.join(folder, file)
                 try:
-                    self.known[path] = (_root.stat_key(wrote.stat(path)), digest)
+                    known[path] = (_root.stat_key(wrote.stat(path)), digest)
                 except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
                     pass
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
             by_shard.setdefault(e.shard, []).append(e)
-        self.previous = []
+        previous = []
         for file, digest in m.digests.items():
             entries = sorted(by_shard.get(file, []), key=lambda e: e.spec.offset)
             header = shard_header([e.spec for e in entries])
             crcs = {e.spec.key: e.crc32c for e in entries}
             prev = Previous(os.path.join(folder, file), header, digest, crcs, m.step)
-            self.previous.append((tuple(e.spec.key for e in entries), prev))
+            previous.append((tuple(e.spec.key for e in entries), prev))
+        self.known, self.previous = known, previous
+        return previous
 
-    def intact(self, engine: Engine, earlier: Previous) -> bool:
-        """Does ``earlier``'s file still hold the bytes its digest names (unchanged since it was
-        known to, or read whole now)? A file gone is left to the link, which then fails; one that
-        cannot be read (EIO: a bad sector, a request that failed) is not: the shard is written."""
+    def intact(self, engine: Engine, earlier: Previous) -> tuple[Any, ...] | None:
+        """The stat mark of ``earlier``'s file where it still holds the bytes its digest names
+        (unchanged since it was known to, or read whole now); else None: changed, gone (a step
+        deleted, helper-45), or unreadable (EIO: a bad sector, a request that failed): the shard
+        is written."""
         try:
             mark = _root.stat_key(engine.stat(earlier.path))
             if self.known.get(earlier.path) == (mark, earlier.digest):
-                return True
+                return mark
             if _digest_of(engine, earlier.path) != earlier.digest:
-                return False
-        except FileNotFoundError:
-            return True
+                return None
         except OSError as e:
             log.info("%s could not be checked (%s): the shard is written", earlier.path, e)
-            return False
+            return None
         self.known[earlier.path] = (mark, earlier.digest)
-        return True
+        return mark
+
+
+def _same(engine: Engine, path: str, mark: tuple[Any, ...]) -> bool:
+    """Is ``path`` (a hard link just made) the file whose stat mark is ``mark``?"""
+    try:
+        return _root.stat_key(engine.stat(path)) == mark
+    except OSError:
+        return False
 
 
 def _digest_of(engine: Engine, path: str) -> str:
@@ -178,9 +188,9 @@ async def save(
         h.set_staged(plan.nbytes)  # the caller's tensors are free to change from here on
         await sched.discard(sources, *views)  # our references to them: freed in a thread
         with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):
-            await _write(sched, steps, h, plan, arena, pieces, prio, incremental, proven)
-        if incremental is not None:  # what this arena now holds, for the next save
-            by_file = {os.path.basename(p.path): p for _, p in incremental.previous}
+            remembered = await _write(sched, steps, h, plan, arena, pieces, prio, incremental, proven)
+        if remembered:  # what this arena now holds, for the next save (this step's, whatever was remembered since)
+            by_file = {os.path.basename(p.path): p for _, p in remembered}
             arena.images = {sh.arena_offset: by_file[sh.file] for sh in plan.shards if sh.file in by_file}
         # a plan and its pieces are tens of thousands of objects for a state of many tensors: freed
         # in a thread, before the arena goes back (so the next save cannot start before this one
@@ -202,10 +212,10 @@ async def _write(
     prio: int,
     incremental: Incremental | None,
     proven: set[str],
-) -> None:
+) -> list[tuple[tuple[str, ...], Previous]]:
     """The shards (each a page-aligned image of the arena, written with O_DIRECT, checksummed
     meanwhile; a candidate proven equal to an earlier shard linked instead) and the manifest under
-    a temporary name, then the commit."""
+    a temporary name, then the commit; returns what ``incremental`` remembered of this step."""
     async with Publication(
         sched, steps.path(h.step), folder=True, priority=prio, fence=steps.fence if steps.writer else None
     ) as pub:
@@ -238,10 +248,14 @@ async def _write(
         await steps.commit(h, pub.publish)
     if incremental is not None:  # past the commit point: a failure here only means the next save writes every byte
         try:
-            await sched.call(incremental.committed, m, steps.path(h.step), sched.engine, priority=prio)
+            remembered: list[tuple[tuple[str, ...], Previous]] = await sched.call(
+                incremental.committed, m, steps.path(h.step), sched.engine, priority=prio
+            )
+            return remembered
         except Exception as e:
             incremental.forget()
             log.info("%s: step %d is not remembered for incremental saves (%s)", steps.root, h.step, e)
+    return []
 
 
 def _linked_crcs(plan: SavePlan, reused: dict[str, int]) -> tuple[dict[str, int], frozenset[str]]:
@@ -298,14 +312,24 @@ async def _reuse(
 
     def link(sh: Any, earlier: Previous) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
-            if incremental is not None and not await sched.call(incremental.intact, sched.engine, earlier, priority=prio):
-                log.warning("%s no longer holds what step %d's manifest said (damaged on disk, or the step deleted and saved "
-                            "again): %s is written, not linked to it", earlier.path, earlier.step, sh.file)  # fmt: skip
-                return
+            mark = None
+            if incremental is not None:
+                mark = await sched.call(incremental.intact, sched.engine, earlier, priority=prio)
+                if mark is None:
+                    log.warning("%s no longer holds what step %d's manifest said (damaged on disk, or the step deleted): "
+                                "%s is written, not linked to it", earlier.path, earlier.step, sh.file)  # fmt: skip
+                    return
+            new = os.path.join(folder, sh.file)
             try:
-                await sched.call(sched.engine.link, earlier.path, os.path.join(folder, sh.file), priority=prio)
+                await sched.call(sched.engine.link, earlier.path, new, priority=prio)
             except OSError as e:
                 log.info("writing %s instead of linking %s (%s)", sh.file, earlier.path, e)
+                return
+            if mark is not None and sched.engine.renames and not await sched.call(_same, sched.engine, new, mark, priority=prio):
+                # another file took the path between its check and the link (the step deleted and
+                # saved again, helper-45): the link is undone, the shard written
+                await sched.call(sched.engine.remove_file, new, priority=prio)
+                log.info("%s changed while it was linked: %s is written", earlier.path, sh.file)
                 return
             reused[sh.file] = earlier.step
 

@@ -536,7 +536,9 @@ class TensorStore:
                 f"step {step} is already {'committed' if committed else 'being saved'} in {self.root}"
                 + (
                     f" (to resume from an earlier step and save this one again, `await store.rollback"
-                    f"({step - 1 if step else 0})` first; to replace only this one, `await store.delete(step)`)"
+                    f"({step - 1})` first; to replace only this one, `await store.delete(step)`)"
+                    if committed and step
+                    else " (to replace it, `await store.delete(step)` first)"
                     if committed
                     else ""
                 )
@@ -824,13 +826,13 @@ class TensorStore:
         """An incremental save links no file of a deleted step: the same step saved again is
         another file at the same path (helper-44: a save planned before it linked the new file for
         the old one's bytes; the step committed and could not be loaded, nor any that linked it).
-        The newest step left is remembered instead (a rollback's next save links its files), as
-        where nothing was."""
+        The newest step left is remembered instead (a rollback's next save links its files) where
+        no save is in flight (its commit remembers its own step)."""
         inc = self._incremental
-        if inc is not None and (not inc.previous or any(p.step in steps for _, p in inc.previous)):
+        if inc is not None and any(p.step in steps for _, p in inc.previous):
             inc.forget()
             newest = self._steps.newest()
-            if newest is not None:
+            if newest is not None and not self._in_flight:
                 with anyio.CancelScope(shield=True):
                     await self._remember(newest)
 
