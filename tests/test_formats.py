@@ -1091,10 +1091,14 @@ def test_a_broken_value_decoded_a_window_at_a_time_is_refused_as_one_call_refuse
             one: Any = st._DECODE(doc, 1)
         except (ValueError, StopIteration):
             one = None
+        except st._Duplicate as e:  # (the broken value closed an object early: a key twice at its level)
+            one = ("twice", e.args)
         try:
             mine: Any = st.scan(doc, 1)
         except (ValueError, StopIteration):
             mine = None
+        except st._Duplicate as e:
+            mine = ("twice", e.args)
         assert mine == one
     finally:
         st._SMALL, st._WINDOW = small, window
