@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as hs
 
 from aiotensor._io.plan import plan_save
@@ -1078,6 +1078,7 @@ def test_a_big_state_tree_is_decoded_in_calls_of_at_most_a_window(monkeypatch: p
 
 @settings(max_examples=300, deadline=None)
 @given(_JSON, hs.integers(0, 10_000), hs.sampled_from([",", "]", "}", ",]", ",}", "", " ", "x", '"']))
+@example(value={"k": 0, "x": {"a": 1, "k": 2}}, at=17, bad="}")  # the inner object closes early: "k" twice at the top
 def test_a_broken_value_decoded_a_window_at_a_time_is_refused_as_one_call_refuses_it(value: Any, at: int, bad: str) -> None:
     """Found by review: after a window's cut on a trailing comma (``[1,2,]``), the next window
     decoded as the empty container, taken for the rest: the one call refuses it, and so must scan."""
