@@ -120,36 +120,6 @@ def test_prefault_faults_in_fresh_memory_in_one_call_and_leaves_used_memory_alon
     m.close()
 
 
-@pytest.mark.parametrize("advice", [True, False], ids=["madvise", "no-madvise"])
-def test_a_staging_arena_has_every_page_in_memory_with_or_without_the_kernels_populate(
-    monkeypatch: pytest.MonkeyPatch, advice: bool
-) -> None:
-    """A populated HostBuffer (a save's staging arena) has every page faulted in when it is made:
-    by madvise(MADV_POPULATE_WRITE) where the kernel has it, else by touching each piece (a kernel
-    before 5.14 refuses the advice); an unpopulated one (the bounce slots) has none."""
-    from aiotensor import knobs
-    from aiotensor._runtime import buffers
-
-    real = buffers.libc()
-    if advice:
-        probe = buffers.HostBuffer(PAGE, populate=False)
-        if real.madvise(probe.address, PAGE, 23) != 0:
-            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
-    else:
-
-        class Old:  # a kernel without the advice: EINVAL
-            mincore, mmap, munmap = real.mincore, real.mmap, real.munmap
-
-            def madvise(self, *a: object) -> int:
-                return -1
-
-        monkeypatch.setattr(buffers, "libc", Old)
-    monkeypatch.setattr(knobs, "TOUCH_BYTES", 3 * PAGE)  # pieces, the last one short
-    made = buffers.HostBuffer(10 * PAGE)
-    assert all(_in_memory(made.view)) and not made.tensor.any()
-    assert not any(_in_memory(buffers.HostBuffer(10 * PAGE, populate=False).view))
-
-
 def test_a_copy_on_write_mapping_holds_no_descriptor_and_goes_with_its_last_array(tmp_path: Any) -> None:
     import errno
     import os

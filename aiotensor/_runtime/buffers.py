@@ -103,15 +103,7 @@ def prefault(buf: memoryview) -> None:
     vec = ctypes.c_ubyte()
     if c.mincore(start, PAGE, ctypes.byref(vec)) != 0 or vec.value & 1:
         return
-    fault_in(start, at + len(buf) - start)  # (where it fails, the read takes the faults)
-
-
-def fault_in(at: int, nbytes: int) -> bool:
-    """Fault in ``nbytes`` of writable memory at the page-aligned address ``at`` without writing
-    it from here: ``madvise(MADV_POPULATE_WRITE)``, GIL released. False where that fails (before
-    Linux 5.14 the kernel lacks it): the caller touches the pages itself."""
-    c = libc()
-    return c is not None and c.madvise(at, nbytes, _MADV_POPULATE_WRITE) == 0
+    c.madvise(start, at + len(buf) - start, _MADV_POPULATE_WRITE)
 
 
 class _Mapping:
@@ -303,14 +295,11 @@ class HostBuffer:
         # bytes lie there (an incremental save compares its sources with them while it stages)
         self.images: dict[int, Any] = {}
         if populate:
-            # Fault every page in now, in pieces, with the GIL released: fault_in() where the
-            # kernel offers it (no write of every byte from here: 1.4-1.7x faster than zero_() on
-            # the development VM), else a zero_() of each piece. Not MAP_POPULATE: it would fault the whole mapping in one call
-            # that a cancelled save cannot cut short (4 s for 1.4 GB on the development VM).
+            # Fault every page in now, in pieces, with the GIL released. Not MAP_POPULATE: it
+            # would fault the whole mapping in one call that a cancelled save cannot cut short
+            # (4 s for 1.4 GB on the development VM, where the first touch of guest memory is slow).
             for a in range(0, self.nbytes, knobs.TOUCH_BYTES):
-                n = min(knobs.TOUCH_BYTES, self.nbytes - a)
-                if not fault_in(self.address + a, n):
-                    self.tensor[a : a + n].zero_()
+                self.tensor[a : a + knobs.TOUCH_BYTES].zero_()
 
     def keep_from_children(self) -> None:
         """``madvise(MADV_DONTFORK)``: a forked child (a DataLoader worker) does not inherit this
