@@ -248,11 +248,11 @@ def _cgroup_limits() -> list[tuple[int, int, int, bool]]:
             at = "/sys/fs/cgroup" + path.rstrip("/")
             at = at if os.path.isdir(at) else "/sys/fs/cgroup"  # (a container's namespace: its own is the root)
             while True:
-                most = _numbers(f"{at}/memory.max").get("")
+                cap = _numbers(f"{at}/memory.max").get("")  # (none: "max")
                 stat = _numbers(f"{at}/memory.stat")
-                if most is not None and "anon" in stat:
+                if cap is not None and "anon" in stat:
                     swap = _numbers(f"{at}/memory.swap.max").get("", 1 << 62) > 0
-                    out.append((most, stat["anon"] + stat.get("shmem", 0), stat.get("file_mapped", 0), swap))
+                    out.append((cap, stat["anon"] + stat.get("shmem", 0), stat.get("file_mapped", 0), swap))
                 if not at.startswith("/sys/fs/cgroup/"):
                     return out
                 at = os.path.dirname(at)
