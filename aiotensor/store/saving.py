@@ -327,7 +327,8 @@ async def _reuse(
                 return
             if mark is not None and sched.engine.renames and not await sched.call(_same, sched.engine, new, mark, priority=prio):
                 # another file took the path between its check and the link (the step deleted and
-                # saved again, helper-45): the link is undone, the shard written
+                # saved again, helper-45): the link is undone, the shard written. (A hard link only:
+                # an object store's link is a copy, another object with a mark of its own.)
                 await sched.call(sched.engine.remove_file, new, priority=prio)
                 log.info("%s changed while it was linked: %s is written", earlier.path, sh.file)
                 return
