@@ -384,6 +384,15 @@ def test_dcp_metadata_pickled_with_enum_members_by_name_is_read(tmp_path: Any) -
         loads_pickle(hostile, path)
 
 
+def test_dcp_metadata_whose_key_would_crash_the_unpickler_is_refused(tmp_path: Any) -> None:
+    """DCP's metadata is a pickle too: a dict key a million tuples deep crashed the process (the C
+    unpickler hashes it before any allow-list sees it); it is refused before it is unpickled."""
+    from aiotensor.formats.dcp_metadata import loads_pickle
+
+    with pytest.raises(UnsafeFileError, match="more than 64 deep"):
+        loads_pickle(b"\x80\x02}K\x01" + b"\x85" * 1_000_000 + b"K\x01s.", tmp_path / ".metadata")
+
+
 @pytest.mark.parametrize("writer", ["filesystem", "aiotensor"])
 def test_a_pickled_byte_item_that_would_run_code_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
     # DCP stores non-tensor values with torch.save and its planner loads them with weights_only=False

@@ -232,6 +232,62 @@ async def test_the_values_torch_load_admits_are_made_within_bounds_and_errors_ar
             await load_torch(tmp_path / "s.pt")
 
 
+def _deep_and_shared() -> tuple[bytes, bytes]:
+    """A tuple a million deep, and one shared with itself 40 times over (each pickled as it is
+    pushed on the unpickler's stack, no PROTO or STOP)."""
+    import pickle
+
+    t: Any = "x"
+    for _ in range(40):
+        t = (t, t)
+    return b"K\x01" + b"\x85" * 1_000_000, pickle.dumps(t, protocol=2)[2:-1]
+
+
+@pytest.mark.parametrize(
+    "case", ["dict key", "shared dict key", "set member", "frozenset", "OrderedDict pairs", "Counter", "shared Counter", "BUILD"]
+)
+async def test_what_the_unpickler_would_hash_is_bounded_before_it_runs(tmp_path: Any, case: str) -> None:
+    """The C unpickler hashes dict keys and set members as they go in, before any hook sees them,
+    and a tuple's hash recurses without a check: a key a million deep crashed the process (SIGSEGV,
+    as torch.load(weights_only=True) still does) and one shared with itself 40 times over hashed
+    for ever, by a dict, a protocol-4 set or frozenset, Counter or OrderedDict (docs/security.md's
+    "known, open" of stop 57). Each is refused, typed, before anything is unpickled."""
+    deep, shared = _deep_and_shared()
+    pkl = {
+        "dict key": b"\x80\x02}" + deep + b"K\x01s.",
+        "shared dict key": b"\x80\x02}" + shared + b"K\x01s.",
+        "set member": b"\x80\x04\x8f(" + deep + b"\x90.",
+        "frozenset": b"\x80\x04(" + deep + b"\x91.",
+        "OrderedDict pairs": b"\x80\x02ccollections\nOrderedDict\n](" + deep + b"K\x01\x86a\x85R.",
+        "Counter": b"\x80\x02ccollections\nCounter\n](" + deep + b"e\x85R.",
+        "shared Counter": b"\x80\x02ccollections\nCounter\n](" + shared + b"e\x85R.",
+        # an object changed by a BUILD after the memo handed it out (as a key, its hash was counted
+        # when it went in: changed, it would cost more each time it is hashed again)
+        "BUILD": b"\x80\x02ccollections\nOrderedDict\n)Rq\x01h\x01}b.",
+    }[case]
+    torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
+    _rezip(str(tmp_path / "ok.pt"), str(tmp_path / "h.pt"), replace={"data.pkl": pkl})
+    with pytest.raises(UnsafeFileError, match="refused"):
+        await load_torch(tmp_path / "h.pt")
+
+
+async def test_tuple_keys_and_values_torch_load_reads_are_read(tmp_path: Any) -> None:
+    """What the bound admits: tuples as keys and in sets, nested a little, shared a little, and a
+    MultiStepLR's Counter, as torch.load(weights_only=True) reads them."""
+    pair = (1, ("a", 2.5))
+    state = {
+        "w": torch.ones(2), "by_pair": {pair: torch.zeros(1), (pair, pair): 3}, "od": OrderedDict([(pair, 1)]),
+        "milestones": collections.Counter([pair, pair, 7]), "nested": {((((1,),),),): "deep enough"},
+    }  # fmt: skip
+    torch.save(state, tmp_path / "t.pt")
+    want = torch.load(tmp_path / "t.pt", weights_only=True)
+    got = await load_torch(tmp_path / "t.pt")
+    assert {k: v for k, v in got.items() if k not in ("w", "by_pair")} == {
+        k: v for k, v in want.items() if k not in ("w", "by_pair")
+    }
+    assert got["by_pair"][(pair, pair)] == 3 and torch.equal(got["by_pair"][pair], want["by_pair"][pair])
+
+
 async def test_a_parameter_with_attributes_and_complex128_read_as_torch_load_reads_them(tmp_path: Any) -> None:
     p = torch.nn.Parameter(torch.randn(2, 3))
     p.tensor_model_parallel, p.partition_dim, p.note = True, 0, ["a", 1]  # Megatron marks its parameters so

@@ -11,6 +11,7 @@ import enum
 import io
 import math
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from ..errors import ManifestError, UnsafeFileError
 from . import manifest as mf
+from .pickled import check_hashing, checked, hash_budget
 from .safetensors import is_count, loads_json_object
 
 FORMAT = "aiotensor.dcp"
@@ -145,8 +147,11 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, path: object) -> None:
         super().__init__(io.BytesIO(data))
         self.path = path
+        self._odict = checked(OrderedDict, [hash_budget(len(data))])
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return self._odict
         if (module, name) in _DCP_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         if name == "getattr" and module in ("builtins", "__builtin__"):
@@ -174,6 +179,7 @@ def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:
     from torch.distributed.checkpoint import metadata as md
 
     try:
+        check_hashing(data, path, "the DCP metadata")
         m = _Unpickler(data, path).load()
     except UnsafeFileError:
         raise

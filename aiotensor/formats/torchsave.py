@@ -27,6 +27,7 @@ import torch
 
 from ..errors import UnsafeFileError
 from .dtypes import TORCH_TO_SAFETENSORS
+from .pickled import check_hashing, checked, hash_budget
 from .tree import key_path, unique_key
 
 if TYPE_CHECKING:
@@ -110,12 +111,14 @@ class _Unpickler(pickle.Unpickler):
         self.storages = storages  # key -> (file offset, nbytes, crc32 or None) of its zip entry
         self.path = path
         self.size, self.made = len(data), 0
+        left = [hash_budget(len(data))]  # what Counter and OrderedDict may spend hashing, all calls together
+        self._counter, self._odict = checked(Counter, left), checked(OrderedDict, left)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
+            return self._odict
         if (module, name) == ("collections", "Counter"):  # MultiStepLR's milestones
-            return Counter
+            return self._counter
         if (module, name) == ("torch", "Size"):
             return torch.Size
         if (module, name) == ("_codecs", "encode"):  # how protocol 2 pickles bytes
@@ -356,6 +359,7 @@ def parse(f: io.BufferedIOBase, size: int, path: object, prefetch: Prefetch | No
     except _ZIP_ERRORS as e:
         raise UnsafeFileError(f"a malformed zip ({type(e).__name__}: {str(e)[:200]})", path) from None
     try:
+        check_hashing(data, path, "data.pkl")
         return _Unpickler(data, storages, path).load()
     except UnsafeFileError as e:
         if e.path is None:

@@ -1,0 +1,405 @@
+"""What unpickling a pickle would hash, bounded before it runs.
+
+Python's C unpickler hashes dict keys and set members as it puts them in, before any hook of a
+restricted unpickler sees them, and the hash of a tuple recurses through its items without a
+check: a torch.save file whose dict key was a tuple a million deep crashed the process (the C
+stack overflowed: ``torch.load(weights_only=True)`` crashes the same way), and one whose key was a
+tuple shared with itself 40 times over took 2**40 steps. :func:`check_hashing` runs a model of the
+unpickler's stack and memo over the opcodes once and refuses such a pickle before it is unpickled.
+"""
+
+from __future__ import annotations
+
+import pickle
+import pickletools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UnsafeFileError
+
+MAX_DEPTH = 64  # tuples (and objects) nested in what is hashed; no state_dict comes near
+_D = 7  # an item is an int, (cost << _D) | depth, or a _Record: depth < 2**_D
+_ATOM = 1 << _D
+
+
+def hash_budget(size: int) -> int:
+    """The hashing steps a pickle of ``size`` bytes may take in all (as :meth:`_made` bounds what
+    the admitted constructors make: four times its size, and a MiB)."""
+    return 4 * size + (1 << 20)
+
+
+class _Record:
+    """A list, dict or set, or an object a call made (mutable: what goes in later counts): the
+    cost of hashing what it holds and how deep that nests; ``shared``: the memo handed it out
+    again, ``held``: a tuple holds it (a tuple's cost is counted once, as it is made). A BUILD
+    may change neither kind, nor anything else go into a held one: a key it already is, or a
+    tuple holding it, would then cost more than was counted. (The pickler fills every value
+    before it is used anywhere; only a value that holds itself through a tuple is refused so.)"""
+
+    __slots__ = ("cost", "depth", "held", "shared")
+
+    def __init__(self, cost: int = 1, depth: int = 0) -> None:
+        self.cost, self.depth, self.held, self.shared = cost, depth, False, False
+
+
+def _cost(x: int | _Record) -> int:
+    return x >> _D if type(x) is int else x.cost  # type: ignore[union-attr,operator]
+
+
+def _depth(x: int | _Record) -> int:
+    return x & _DEPTHS if type(x) is int else x.depth  # type: ignore[union-attr,operator]
+
+
+# what each opcode's argument is: a fixed count of bytes (> 0), a length of 1, 4 or 8 bytes before
+# its bytes (-1, -4, -8: the signed 4-byte lengths of BINSTRING and LONG4 included; a negative one
+# is the unpickler's error, and the model stops there too), or lines up to a newline (-10, -20)
+def _arg(op: pickletools.OpcodeInfo) -> int:
+    a = op.arg
+    if a is None:
+        return 0
+    if a.n == pickletools.UP_TO_NEWLINE:
+        return -20 if op.name in ("GLOBAL", "INST") else -10
+    return {
+        pickletools.TAKEN_FROM_ARGUMENT1: -1,
+        pickletools.TAKEN_FROM_ARGUMENT4: -4,
+        pickletools.TAKEN_FROM_ARGUMENT4U: -4,
+        pickletools.TAKEN_FROM_ARGUMENT8U: -8,
+    }.get(a.n, a.n)
+
+
+_ARG = {op.code.encode("latin-1")[0]: _arg(op) for op in pickletools.opcodes}
+_NAME = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+_ATOMS = {
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE", "NEWFALSE", "UNICODE",
+    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT", "GLOBAL", "EXT1", "EXT2", "EXT4", "PERSID",
+    "NEXT_BUFFER",
+}  # fmt: skip
+_NOTHING = {"PROTO", "FRAME", "READONLY_BUFFER"}
+# the opcodes taken first (nine in ten of a state_dict's pickle)
+_BINPUT, _LONG_BINPUT, _BINGET, _BININT1, _NEWFALSE, _NEWTRUE, _NONE, _MARK, _BINUNICODE = map(
+    ord, (pickle.BINPUT, pickle.LONG_BINPUT, pickle.BINGET, pickle.BININT1, pickle.NEWFALSE, pickle.NEWTRUE, pickle.NONE,
+          pickle.MARK, pickle.BINUNICODE)
+)  # fmt: skip
+_TUPLE1, _EMPTY_TUPLE, _TUPLE, _BINPERSID, _REDUCE = map(
+    ord, (pickle.TUPLE1, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.BINPERSID, pickle.REDUCE)
+)
+_DEPTHS = _ATOM - 1
+
+
+def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
+    """Refuse ``data`` (:class:`UnsafeFileError`) where unpickling it would hash a tuple nested
+    more than :data:`MAX_DEPTH` deep, or take more than :func:`hash_budget` steps hashing in all.
+
+    The model: each item on the stack or in the memo knows what hashing it costs (a tuple the
+    count of its items, nested ones counted each time they appear, so a shared one counts as
+    often as it is shared; a long int its bytes; a list, dict, set or object made by a call what
+    went into it) and how deep tuples and objects nest in it; dict keys (SETITEM, SETITEMS,
+    DICT), set members (ADDITEMS, FROZENSET) and a BUILD's state (its keys go into ``__dict__``)
+    are charged as the unpickler hashes them. A constructor that hashes what it is given
+    (``collections.Counter``, ``OrderedDict``) checks the objects themselves (:func:`key_cost`).
+    Where the pickle is malformed (an unknown opcode, a short argument, a stack underflow, a
+    memo key never put) the model stops and the unpickler names the fault.
+    """
+    budget = hash_budget(len(data))
+    cap = budget + 1
+    spent = 0
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    kids: list[Any] | None
+    i, n = 0, len(data)
+
+    def refuse(why: str) -> UnsafeFileError:
+        return UnsafeFileError(f"{what} {why}: refused before it was unpickled", path)
+
+    def tuple_of(kids: list[Any]) -> int:
+        cost, depth = 1, 0
+        for k in kids:  # (a loop: map(_cost, ...) took twice as long)
+            if type(k) is int:
+                cost += k >> _D
+                d = k & _DEPTHS
+            else:
+                cost += k.cost
+                d = k.depth
+                k.held = True
+            if d > depth:
+                depth = d
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise refuse(f"nests tuples more than {MAX_DEPTH} deep (hashing one overflows the C stack)")
+        return (min(cost, cap) << _D) | depth
+
+    def charge(items: Any) -> None:
+        nonlocal spent
+        spent += sum(map(_cost, items))
+        if spent > budget:
+            raise refuse(f"hashes more than {budget} items (a key shared with itself over and over)")
+
+    def put_in(kids: list[Any]) -> bool:
+        """Add ``kids`` to the record below them (False: nothing there, malformed)."""
+        if len(stack) <= (marks[-1] if marks else 0):
+            return False
+        into = stack[-1]
+        if type(into) is _Record:
+            if into.held:
+                raise refuse("changes a value a tuple already holds")
+            into.cost = min(into.cost + sum(map(_cost, kids)), cap)
+            into.depth = max(into.depth, max(map(_depth, kids), default=0))
+        return True
+
+    def to_mark() -> list[Any] | None:
+        if not marks:
+            return None
+        m = marks.pop()
+        kids = stack[m:]
+        del stack[m:]
+        return kids
+
+    try:
+        while i < n:
+            op = data[i]
+            i += 1
+            # the opcodes of a state_dict's pickle, nine in ten of them, first (0.3 us an opcode in all)
+            if op == _LONG_BINPUT or op == _BINPUT:
+                if not stack:
+                    return
+                if op == _BINPUT:
+                    memo[data[i]] = stack[-1]
+                    i += 1
+                else:
+                    memo[int.from_bytes(data[i : i + 4], "little")] = stack[-1]
+                    i += 4
+                continue
+            if op == _BINGET:
+                got = memo.get(data[i]) if i < n else None
+                i += 1
+                if got is None:
+                    return
+                if type(got) is _Record:
+                    got.shared = True
+                stack.append(got)
+                continue
+            if op == _BININT1 or op == _NEWFALSE or op == _NEWTRUE or op == _NONE:
+                i += op == _BININT1
+                stack.append(_ATOM)
+                continue
+            if op == _MARK:
+                marks.append(len(stack))
+                continue
+            if op == _BINUNICODE:
+                i += 4 + int.from_bytes(data[i : i + 4], "little")
+                stack.append(_ATOM)
+                continue
+            if op == _TUPLE1 or op == _EMPTY_TUPLE:
+                if op == _EMPTY_TUPLE:
+                    stack.append(_ATOM | 1)
+                    continue
+                x = stack[-1] if len(stack) > (marks[-1] if marks else 0) else None
+                if type(x) is int and x & _DEPTHS < MAX_DEPTH and x >> _D < cap:  # one item: a count and a level more
+                    stack[-1] = x + _ATOM + 1
+                    continue
+            if op == _TUPLE and marks:
+                m = marks.pop()
+                kids = stack[m:]
+                del stack[m:]
+                stack.append(tuple_of(kids))
+                continue
+            if op == _BINPERSID and len(stack) > (marks[-1] if marks else 0):
+                stack[-1] = _ATOM
+                continue
+            if op == _REDUCE and len(stack) - (marks[-1] if marks else 0) >= 2:
+                x = stack.pop()
+                stack[-1] = _object(x if type(x) is int else tuple_of([x]), refuse)
+                continue
+            arg = _ARG.get(op)
+            if arg is None:
+                return  # an unknown opcode: the unpickler's error
+            name = _NAME[op]
+            size = 0  # an argument's bytes
+            if arg > 0:
+                size = arg
+                value = int.from_bytes(data[i : i + arg], "little")
+                i += arg
+            elif arg in (-1, -4, -8):
+                k = -arg
+                size = int.from_bytes(data[i : i + k], "little", signed=k == 4 and name in ("BINSTRING", "LONG4"))
+                if size < 0:
+                    return
+                i += k + size
+            elif arg < 0:
+                end = i
+                for _ in range(arg // -10):
+                    end = data.find(b"\n", end) + 1
+                    if end == 0:
+                        return
+                size, line, i = end - i, data[i : end - 1], end
+            if i > n:
+                return
+            fence = marks[-1] if marks else 0
+            if name in ("BINGET", "LONG_BINGET", "GET"):
+                key = value if arg > 0 else _int(line)
+                got = memo.get(key) if key is not None else None
+                if got is None:
+                    return
+                if type(got) is _Record:
+                    got.shared = True
+                stack.append(got)
+            elif name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+                if not stack:
+                    return
+                key = len(memo) if name == "MEMOIZE" else value if arg > 0 else _int(line)
+                if key is None:
+                    return
+                memo[key] = stack[-1]
+            elif name in _ATOMS:
+                stack.append(min(1 + size, cap) << _D if name in ("LONG", "LONG1", "LONG4") else _ATOM)
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                k = ord(name[-1]) - ord("0")
+                if len(stack) - fence < k:
+                    return
+                kids = stack[-k:]
+                del stack[-k:]
+                stack.append(tuple_of(kids))
+            elif name in ("TUPLE", "LIST", "DICT", "FROZENSET", "OBJ", "INST"):
+                kids = to_mark()
+                if kids is None:
+                    return
+                if name == "TUPLE":
+                    stack.append(tuple_of(kids))
+                elif name in ("DICT", "FROZENSET"):
+                    charge(kids[::2] if name == "DICT" else kids)
+                    stack.append(_Record(min(1 + sum(map(_cost, kids)), cap), max(map(_depth, kids), default=0)))
+                elif name == "LIST":
+                    stack.append(_Record(min(1 + sum(map(_cost, kids)), cap), max(map(_depth, kids), default=0)))
+                else:
+                    stack.append(_object(tuple_of(kids[1:] if name == "OBJ" else kids), refuse))
+            elif name == "EMPTY_TUPLE":
+                stack.append((1 << _D) | 1)
+            elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
+                stack.append(_Record())
+            elif name in ("APPEND", "SETITEM"):
+                k = 1 if name == "APPEND" else 2
+                if len(stack) - fence < k + 1:
+                    return
+                kids = stack[-k:]
+                del stack[-k:]
+                if name == "SETITEM":
+                    charge(kids[:1])
+                put_in(kids)
+            elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
+                kids = to_mark()
+                if kids is None:
+                    return
+                if name != "APPENDS":
+                    charge(kids[::2] if name == "SETITEMS" else kids)
+                if not put_in(kids):
+                    return
+            elif name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX"):
+                k = 3 if name == "NEWOBJ_EX" else 2
+                if len(stack) - fence < k:
+                    return
+                args = stack[-k + 1 :]
+                del stack[-k:]
+                stack.append(_object(tuple_of(args), refuse))
+            elif name == "BUILD":
+                if len(stack) - fence < 2:
+                    return
+                state = stack.pop()  # a dict, or (a dict, slots): its keys go into the object's __dict__
+                charge([state])
+                target = stack[-1]
+                if type(target) is _Record:
+                    if target.shared or target.held:
+                        raise refuse("BUILDs an object it already handed out")
+                    target.cost = min(target.cost + _cost(state), cap)
+                    target.depth = max(target.depth, 1 + _depth(state))
+                    if target.depth > MAX_DEPTH:
+                        raise refuse(f"nests objects more than {MAX_DEPTH} deep")
+            elif name in ("BINPERSID", "STACK_GLOBAL"):
+                k = 1 if name == "BINPERSID" else 2
+                if len(stack) - fence < k:
+                    return
+                del stack[-k:]
+                stack.append(_ATOM)
+            elif name == "POP":
+                if len(stack) > fence:
+                    stack.pop()
+                elif marks:
+                    to_mark()
+                else:
+                    return
+            elif name == "POP_MARK":
+                if to_mark() is None:
+                    return
+            elif name == "DUP":
+                if len(stack) <= fence:
+                    return
+                if type(stack[-1]) is _Record:
+                    stack[-1].shared = True
+                stack.append(stack[-1])
+            elif name == "STOP":
+                return
+            elif name not in _NOTHING:
+                return  # (every opcode is named above)
+    except IndexError:  # an argument cut short: the unpickler's error
+        return
+
+
+def _object(args: int, refuse: Any) -> _Record:
+    """What a call (REDUCE, NEWOBJ, OBJ...) made of ``args`` (a tuple item): hashing it may hash them."""
+    rec = _Record(1 + _cost(args), _depth(args))
+    if rec.depth > MAX_DEPTH:
+        raise refuse(f"nests objects more than {MAX_DEPTH} deep")
+    return rec
+
+
+def _int(line: bytes) -> int | None:
+    try:
+        return int(line)
+    except ValueError:
+        return None
+
+
+def key_cost(x: Any, most: int) -> int:
+    """The steps hashing ``x`` takes (a tuple's items counted each time they appear, nested), for
+    a constructor that hashes what the unpickler gave it; more than ``most``, or tuples nested
+    more than :data:`MAX_DEPTH` deep: :class:`UnsafeFileError`. (A walk of tuples only: other
+    values either hash in a step, or cache their hash, or are not hashable at all.)"""
+    steps = 0
+    todo = [(x, 0)]
+    while todo:
+        v, depth = todo.pop()
+        steps += 1
+        if steps > most:
+            raise UnsafeFileError(f"hashing the pickle's keys takes more than {most} steps: refused")
+        if type(v) is tuple:
+            if depth >= MAX_DEPTH:
+                raise UnsafeFileError(f"a key nests tuples more than {MAX_DEPTH} deep: refused")
+            todo.extend((item, depth + 1) for item in v)
+        elif type(v) is int:
+            steps += v.bit_length() >> 6
+    return steps
+
+
+def checked(cls: type, left: list[int]) -> Callable[..., Any]:
+    """``cls`` (``collections.Counter`` or ``OrderedDict``, which hash what they are made of) as an
+    unpickler's call of it makes it: of nothing, a dict, or a list or tuple (of pairs, for an
+    ``OrderedDict``), the keys it would hash checked first (:func:`key_cost`) against ``left[0]``
+    steps, which each call spends."""
+
+    def make(*args: Any) -> Any:
+        if args:
+            given = args[0]
+            if len(args) > 1 or not isinstance(given, (dict, list, tuple)):
+                raise UnsafeFileError(f"{cls.__name__} of other than a dict, a list or a tuple: refused")
+            pairs = cls is not Counter and not isinstance(given, dict)
+            for k in given:
+                k = k[0] if pairs and isinstance(k, (list, tuple)) and k else k
+                left[0] -= key_cost(k, left[0])
+        return cls(*args)
+
+    make.__name__ = cls.__name__
+    return make
