@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -260,6 +261,52 @@ async def test_a_shard_damaged_on_disk_is_never_linked_into_later_steps(tmp_path
         m = manifest(store, 6)
         assert [s for s in m["shards"] if "reused_from" in s]  # the new copy is reused from then on
         await store.close()
+
+
+class _OneTick(FaultyEngine):
+    """A file system whose clock stamps every write of a test with one tick (whole seconds on ext4
+    of 128-byte inodes, two on FAT): the modification time its stat gives."""
+
+    def __init__(self, tick_ns: int) -> None:
+        super().__init__()
+        self.tick_ns = tick_ns
+
+    def stat(self, path: str) -> Any:
+        st = super().stat(path)
+        return _Stamped(st, self.tick_ns) if st.st_mtime_ns >= self.tick_ns else st
+
+
+class _Stamped:
+    def __init__(self, st: os.stat_result, mtime_ns: int) -> None:
+        self._st, self.st_mtime_ns = st, mtime_ns
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._st, name)
+
+
+async def test_a_stray_write_in_the_tick_of_a_files_last_write_is_found(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-46, on ext4 of whole-second stamps: a stray write in the second of the shard's last
+    write left its stat mark as it was, and the damaged shard was linked into the next step
+    (committed, unloadable). A file is known by its mark only where it was last written in an
+    earlier tick than its step's manifest (or, read whole, more than two seconds before): the
+    shard is read whole before each link here, so the damage is found and the shard written."""
+    from aiotensor.store import saving
+
+    tick = time.time_ns()  # the test's every write stamped with it; the library's clock within that tick
+    monkeypatch.setattr(saving, "_now_ns", lambda: tick + 10**9)
+    base, adapters = make()
+    async with TensorStore(str(tmp_path), engine=_OneTick(tick)) as store:
+        for step in range(4):
+            await store.save(step, lora_state(step, base, adapters))
+        shard = next(os.path.join(store.path(3), s["file"]) for s in manifest(store, 3)["shards"] if "reused_from" in s)
+        _flip_a_byte(shard)  # (stamped with the tick, as the file's last write was)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            await store.save(4, lora_state(4, base, adapters))
+        again = [s for s in manifest(store, 4)["shards"] if s["file"] == os.path.basename(shard)]
+        assert again and "reused_from" not in again[0]
+        got = (await store.load(4))["model"]
+        assert same(got, {**base, **adapters})
 
 
 class _StatFails(FaultyEngine):

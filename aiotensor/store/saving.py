@@ -18,16 +18,19 @@ the shard is written.
 The earlier file must still hold what its digest says: one damaged on disk (a stray write, a
 truncation) was linked into every later step, each committed and unloadable while the trainer's
 memory was intact (helper-35). Before a link, the file is checked: unchanged since this store
-wrote or read it whole (its inode, size and modification time, from a stat), or else read whole
-and its blake3 digest compared (after a restart, the first save reads each shard it links once). A
-file that differs is not linked: the shard is written, with a warning.
+wrote or read it whole (its inode, size and modification time, from a stat, where that time is a
+tick of the file system's clock before the store knew the file: see :data:`_TICK_NS`), or else
+read whole and its blake3 digest compared (after a restart, the first save reads each shard it
+links once). A file that differs is not linked: the shard is written, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -82,12 +85,15 @@ class Incremental:
         another thread may remember a step meanwhile (a delete's, helper-45)."""
         known = {}
         if wrote is not None:
+            settled = _settled(wrote, folder)
             for file, digest in m.digests.items():
                 path = os.path.join(folder, file)
                 try:
-                    known[path] = (_root.stat_key(wrote.stat(path)), digest)
+                    mark = _root.stat_key(wrote.stat(path))
                 except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
-                    pass
+                    continue
+                if mark[3] < settled:
+                    known[path] = (mark, digest)
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
             by_shard.setdefault(e.shard, []).append(e)
@@ -115,8 +121,31 @@ class Incremental:
         except OSError as e:
             log.info("%s could not be checked (%s): the shard is written", earlier.path, e)
             return None
-        self.known[earlier.path] = (mark, earlier.digest)
+        if not engine.renames or _now_ns() - mark[3] > _TICK_NS:
+            self.known[earlier.path] = (mark, earlier.digest)
         return mark
+
+
+# A stat mark tells a file unchanged only where a write after it would change it. A file system
+# stamps a write with its clock's tick (a second on ext4 of 128-byte inodes, two on FAT): a stray
+# write in the tick of the file's last write left its mark as it was, and the damaged shard was
+# linked (helper-46, on ext4 of 1 s stamps). So a file is known by its mark only where it was last
+# written in an earlier tick: before its step's manifest was (each stamped by the same clock), or
+# more than this before now (read whole, just now).
+_TICK_NS = 2 * 10**9
+_now_ns = time.time_ns
+
+
+def _settled(engine: Engine, folder: str) -> float:
+    """Files of the step ``folder`` last written before this are known by their marks: the tick its
+    manifest was written in (an object store's: any, its marks are entity tags; none where that
+    cannot be told)."""
+    if not engine.renames:
+        return math.inf
+    try:
+        return engine.stat(os.path.join(folder, _root.MANIFEST)).st_mtime_ns
+    except OSError:
+        return -math.inf
 
 
 def _same(engine: Engine, path: str, mark: tuple[Any, ...]) -> bool:
