@@ -65,6 +65,9 @@ def parse_step(name: str) -> int | None:
 # --- the writer lock ---------------------------------------------------------------------------
 
 
+_NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)
+
+
 class WriterLock:
     """One writer per root: ``flock`` on ``root/.aiotensor.lock``.
 
@@ -122,8 +125,12 @@ class WriterLock:
             except BlockingIOError:
                 os.close(fd)
                 return False
-            except BaseException:
+            except BaseException as e:
                 os.close(fd)
+                if isinstance(e, OSError) and e.errno in _NO_FLOCK:
+                    raise OSError(e.errno, f"{e.strerror}: this file system does not support flock(2), which the "
+                                  "one-writer lock takes (Lustre: mount with -o flock); readonly=True stores take no "
+                                  "lock", self.path) from e  # fmt: skip
                 raise
             pid = f"{os.getpid()}\n".encode()
             try:  # the holder's pid, for the message a second writer gets (informative only)

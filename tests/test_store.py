@@ -349,6 +349,55 @@ async def test_open_removes_leftovers_of_interrupted_saves_and_nothing_else(tmp_
     assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "notes.tmp-backup", "step-000000000006.tmp-mine"]
 
 
+class _StepStays(FaultyEngine):
+    """A root whose step 1 cannot be renamed away (a folder of an overlay's lower layer: EXDEV)."""
+
+    def rename(self, src: str, dst: str) -> None:
+        if os.path.basename(src) == "step-000000000001":
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        super().rename(src, dst)
+
+
+async def test_a_step_that_cannot_be_retired_stops_no_other(tmp_path: Any) -> None:
+    """helper-46: on an overlay whose lower layer held step 1 (a checkpoint in a container image),
+    retiring it failed with EXDEV at every save, and retention stopped there: no later step was
+    retired and the root grew without bound. It is left (said once, the cause named), the others
+    retired as keep_last says; a delete of it names the cause; reopened, the store tries again."""
+    async with TensorStore(tmp_path, engine=_StepStays(), keep_last=2) as store:
+        said = []
+        for step in range(1, 7):
+            h = store.save(step, small_state(step))
+            await h
+            said += h.warnings
+        assert store.steps() == [1, 5, 6]
+        assert len(said) == 1 and "step 1" in said[0] and "overlay" in said[0], said
+        with pytest.raises(OSError, match="overlay's lower layer"):
+            await store.delete(1)
+        assert store.steps() == [1, 5, 6]
+        assert_state_equal(await store.load(1), small_state(1))
+    async with TensorStore(tmp_path, engine=_StepStays(), keep_last=2) as store:
+        h = store.save(7, small_state(7))
+        await h
+        assert store.steps() == [1, 6, 7] and len(h.warnings) == 1
+
+
+async def test_a_file_system_without_flock_is_named(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-46: where flock is not supported (Lustre without -o flock) open() raised a bare
+    ENOSYS/ENOLCK; it names the lock and the way out."""
+    from aiotensor import root
+
+    def no_flock(fd: int, how: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(root.fcntl, "flock", no_flock)
+    with pytest.raises(OSError, match="does not support flock") as ei:
+        async with TensorStore(tmp_path):
+            pass
+    assert ei.value.errno == errno.ENOLCK
+    async with TensorStore(tmp_path, readonly=True) as store:
+        assert store.steps() == []
+
+
 async def test_commit_order(tmp_path: Any) -> None:
     eng = FaultyEngine()
     async with TensorStore(tmp_path, engine=eng, keep_last=1) as store:

@@ -8,6 +8,7 @@ listed in the handle's warnings, and repaired by the next save or open.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -65,6 +66,7 @@ class Steps:
         self.lock = anyio.Lock()  # one commit (or listing) at a time, so `latest` only moves forward
         self._known: dict[str, Any] = {}  # manifests already checked, by folder name
         self._latest_on_disk: str | None = None
+        self.stuck: set[int] = set()  # steps whose retiring failed: left until the store is opened again
 
     def check(self, step: int | None, *, exists: bool = False) -> int:
         """``step`` (None: the newest), if it is committed; else why not (for a load: what is
@@ -146,7 +148,7 @@ class Steps:
                     return
                 log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
                 await self._try(lambda: self.sync_latest(h), h, "updating `latest`")
-                await self._try(self._retain, h, "retiring old steps")
+                await self._retain(h)
 
     async def delete(self, steps: list[int]) -> None:
         """Move ``latest`` to the newest step that stays, retire ``steps`` (those still committed),
@@ -195,16 +197,30 @@ class Steps:
             log.warning("%s", msg)
             self.ignored[LATEST] = why
 
-    async def _retain(self) -> None:
+    async def _retain(self, h: SaveHandle) -> None:
         """Retire steps beyond ``keep_last`` (never one being loaded by this store, nor the one
-        ``latest`` names: retried after the next commit)."""
+        ``latest`` names: retried after the next commit). A step that cannot be retired (a
+        folder of an overlay's lower layer, a container image's, cannot be renamed; nor an
+        immutable one) is left, said once in ``h``'s warnings, and passed over until the store is
+        opened again: the others are retired as usual (the first such step stopped retention,
+        and the root grew without bound: helper-46)."""
         if self.keep_last is None:
             return
         for step in self.sorted()[: -self.keep_last]:
             # nor the one `latest` still names (moving it failed: a full disk, say), so that it
             # never names a step that is gone
-            if not self.readers[step] and step_dir_name(step) != self._latest_on_disk:
+            if self.readers[step] or step_dir_name(step) == self._latest_on_disk or step in self.stuck:
+                continue
+            try:
                 await self._retire(step)
+            except Exception as e:
+                self.stuck.add(step)
+                msg = (
+                    f"{self.root}: retiring step {step} failed ({e}); the checkpoint is committed, step {step} is left "
+                    "until the store is opened again, and the others are retired as usual"
+                )
+                h.warn(msg)
+                log.warning("%s", msg)
 
     async def _retire(self, step: int) -> None:
         """Retire a step durably (:func:`aiotensor.commit.retire`), then delete its files in the
@@ -213,9 +229,12 @@ class Steps:
         self.committed.discard(step)  # gone from this store's view once renamed, even if its fsync fails
         try:
             doomed = await self._call(commit.retire, eng, path, what=f"retiring step {step}")
-        except BaseException:
+        except BaseException as e:
             if await self._call(eng.exists, path, what=f"checking {path}"):
                 self.committed.add(step)  # the rename did not run: still committed
+            if isinstance(e, OSError) and e.errno == errno.EXDEV:  # (overlayfs, without redirect_dir)
+                raise OSError(e.errno, f"{e.strerror} (a folder of an overlay's lower layer, a container image's, "
+                              "cannot be renamed: the step stays)", e.filename) from e  # fmt: skip
             raise
         log.info("%s: retired step %d", self.root, step)
 

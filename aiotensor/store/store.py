@@ -97,7 +97,8 @@ class TensorStore:
         workers, chunk_bytes, batch_bytes, nice, switch_interval: the scheduler's
             (:class:`~aiotensor.Scheduler`).
         shard_bytes: the largest shard file (a tensor is never split; default 4 GiB, on an object
-            store 256 MiB: each shard is one PUT, several in flight).
+            store 256 MiB: each shard is one PUT, several in flight). FAT32 holds files of less
+            than 4 GiB: there, ``shard_bytes=2**31`` (a bigger shard fails its save, ``EFBIG``).
         max_staged: saves staged or writing at once; memory: ``max_staged`` × the state's size,
             mapped once and kept until :meth:`release_memory`; fewer where a memory limit (a
             container's) has no room for more (``docs/store.md``: MemoryError where none fits).
