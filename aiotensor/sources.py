@@ -200,12 +200,34 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
         out: dict[str, Any] = {}
         for fqn in [*d.tensors, *d.values]:
             _set_element(out, d.places.get(fqn, (fqn,)), values[fqn] if fqn in values else get(fqn))
+        _indexed_states(out)
         return out
 
     # DCP's own files: each tensor blob a zip, its CRC-32s checked (none where torch saved it without); a
     # value's pickled bytes carry none
     checksummed = (aiotensor or not d.values) and all(p.span.crc is not None for e in entries for p in e.parts)
     return Source("dcp", folder, tuple(entries), tuple(files.values()), checksummed, None, state)
+
+
+def _indexed_states(tree: Any) -> None:
+    """An optimizer's ``state_dict()`` keys its ``state`` by the indices its ``param_groups`` list
+    under ``params`` (ints); DCP's places make them strings (``"0"``), and ``load_state_dict`` of
+    that attached no moment to any parameter, without a word (helper-47: a distributed store's step
+    resumed in one process trained on from zero moments). Each such ``state`` is keyed by those
+    ints again, in place."""
+    todo = [tree]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            state, groups = x.get("state"), x.get("param_groups")
+            if isinstance(state, dict) and state and isinstance(groups, list):
+                ids = {p for g in groups if isinstance(g, dict) for p in g.get("params", ()) if type(p) is int}
+                keys = [int(k) if type(k) is str and k.isdecimal() and str(int(k)) == k else None for k in state]
+                if None not in keys and set(keys) <= ids:
+                    x["state"] = dict(zip(keys, state.values(), strict=True))
+            todo += [v for v in x.values() if isinstance(v, (dict, list))]
+        elif isinstance(x, list):
+            todo += [v for v in x if isinstance(v, (dict, list))]
 
 
 def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:

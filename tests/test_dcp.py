@@ -36,9 +36,10 @@ def state() -> dict[str, Any]:
 
 def test_a_dcp_step_loaded_into_a_fresh_optimizer_takes_its_saved_moments(tmp_path: Any) -> None:
     """As a store's own steps (test_store's fresh optimizer test): an empty dict of ``into`` takes
-    the saved tensors under it. DCP keeps a dict's keys as strings (its metadata names them so),
-    so the state's keys come back as ``"0"``, ``"1"``: torch's ``set_optimizer_state_dict`` is the
-    distributed way to hand such a state to an optimizer."""
+    the saved tensors under it. DCP's places name an optimizer's state by strings (``"0"``): its
+    keys come back as the indices its ``param_groups`` list (helper-47: under ``"0"``, the
+    optimizer's ``load_state_dict`` attached no moment to any parameter, and training went on from
+    zero moments without a word); into a stepped optimizer, no ``"0"`` lands beside its ``0``."""
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     model(torch.randn(3, 8)).sum().backward()
@@ -55,8 +56,16 @@ def test_a_dcp_step_loaded_into_a_fresh_optimizer_takes_its_saved_moments(tmp_pa
 
     anyio.run(load)
     assert_state_equal(fresh.state_dict(), model.state_dict())
-    for i, p in enumerate(model.parameters()):
-        assert_state_equal(into["optim"]["state"][str(i)], opt.state[p])
+    resumed = torch.optim.AdamW(fresh.parameters())
+    resumed.load_state_dict(into["optim"])
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert_state_equal(resumed.state[q], opt.state[p])
+    fresh(torch.randn(3, 8)).sum().backward()
+    resumed.step()  # a stepped optimizer's state: loaded into, keyed by its own ints only
+    into = {"model": fresh.state_dict(), "optim": resumed.state_dict()}
+    anyio.run(load)
+    assert sorted(into["optim"]["state"]) == [0, 1]
+    assert_state_equal(into["optim"]["state"][0], opt.state[next(model.parameters())])
     r = subprocess.run([sys.executable, "-m", "aiotensor", "ls", "--json", str(tmp_path)], capture_output=True, text=True)
     [row] = json.loads(r.stdout)["entries"]  # a DCP step: every byte written for it, none reused
     assert row["written"] == row["bytes"] > 0 and row["reused"] == 0
