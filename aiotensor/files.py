@@ -28,6 +28,7 @@ from ._io.tensors import (
     load_device,
     mapped,
     materialize,
+    modified,
     wait_for_streams,
 )
 from ._io.write import crcs_of, write_file
@@ -122,6 +123,8 @@ async def write_safetensors(
     Raises: as :func:`save_file`. Cancellation: returns after the writing threads stopped; the
     file is the caller's to remove.
     """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of names to tensors (a dict), got {type(tensors).__name__}")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise StateError("metadata must map str to str")
     if metadata is not None and CRC_KEY in metadata:
@@ -329,6 +332,8 @@ async def read_file(
         )
         with reporting(nbytes, progress):
             await read_tensors(sched, fd, path, targets, Priority.LOAD)
+        if into is not None:
+            await sched.call(modified, map(_TENSOR, targets), priority=Priority.LOAD)
     finally:
         await close(sched, fd)
     big = [layout]
@@ -391,5 +396,5 @@ def _targets(
     return dest, targets, sum(t.spec.nbytes for t in targets)
 
 
-_KEY = attrgetter("key")
+_KEY, _TENSOR = attrgetter("key"), attrgetter("tensor")
 _THIRD = itemgetter(2)

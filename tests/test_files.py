@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import pytest
@@ -215,3 +216,53 @@ async def test_load_file_keys_reads_only_what_they_select(tmp_path: Any) -> None
     assert set(await aiotensor.load_file(path, keys=lambda k: k != bad)) == set(state) - {bad}
     with pytest.raises(ChecksumError, match=bad):
         await aiotensor.load_file(path, keys="layers.2.")
+
+
+@pytest.mark.parametrize("how", ["load_into", "load_file", "store", "store_dcp"])
+async def test_a_load_in_place_tells_autograd_as_load_state_dict_does(tmp_path: Any, how: str) -> None:
+    """helper-47: the loads that fill tensors in place left their version counters as they were,
+    so a graph made from the old weights ran ``backward()`` on the new ones, silently wrong (torch's
+    ``load_state_dict`` moves the counter, and autograd refuses). Every in-place load moves it."""
+    import torch.distributed.checkpoint as dcp
+
+    from aiotensor.dcp import AiotensorWriter
+
+    w = torch.full((1, 3), 5.0)
+    await aiotensor.save_file({"weight": w}, tmp_path / "w.safetensors")
+    if how == "store_dcp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (DCP: "assuming the intent is to save in a single process")
+            dcp.save({"weight": w}, storage_writer=AiotensorWriter(tmp_path / "s" / "step-000000000001"))
+    elif how == "store":
+        async with aiotensor.TensorStore(tmp_path / "s") as store:
+            await store.save(1, {"weight": w})
+    lin = torch.nn.Linear(3, 1, bias=False)
+    z = (lin.weight * lin.weight).sum()  # autograd keeps the weight as it is now
+    before = lin.weight._version
+    if how == "load_into":
+        await aiotensor.load_into(lin, tmp_path / "w.safetensors")
+    elif how == "load_file":
+        await aiotensor.load_file(tmp_path / "w.safetensors", into=dict(lin.named_parameters()))
+    else:
+        async with aiotensor.TensorStore(tmp_path / "s", readonly=True) as store:
+            await store.load(into={"weight": lin.weight})
+    assert torch.equal(lin.weight.detach(), w) and lin.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+    with torch.inference_mode():  # an inference tensor keeps no counter: loaded all the same
+        frozen = torch.zeros(1, 3)
+    await aiotensor.load_file(tmp_path / "w.safetensors", into={"weight": frozen})
+    assert torch.equal(frozen, w)
+
+
+async def test_into_and_tensors_of_the_wrong_kind_are_typed_errors(tmp_path: Any) -> None:
+    """helper-47: ``into={"a": 3}`` (or None) raised AttributeError ('int' object has no attribute
+    'is_meta'), and ``save_file([t], ...)`` AttributeError ('list' object has no attribute 'items')."""
+    path = tmp_path / "a.safetensors"
+    await aiotensor.save_file({"a": torch.ones(2)}, path)
+    for odd in (3, None, [1.0, 1.0]):
+        with pytest.raises(MismatchError, match="where a tensor is read"):
+            await aiotensor.load_file(path, into={"a": odd})
+    with pytest.raises(TypeError, match="mapping of names to tensors"):
+        await aiotensor.save_file([torch.ones(1)], tmp_path / "b.safetensors")  # type: ignore[arg-type]
+    assert not (tmp_path / "b.safetensors").exists()

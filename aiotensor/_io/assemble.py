@@ -23,7 +23,7 @@ from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, torch_shape
 from .read import close, open_read, read_tensors
-from .tensors import Block, Target, assign, carve, carved_targets
+from .tensors import Block, Target, assign, carve, carved_targets, modified
 
 
 class Span(NamedTuple):
@@ -259,6 +259,7 @@ async def read(
             return prepare(entries, device, verify, into)
 
     def end(a: Assembly) -> list[torch.Tensor]:
+        modified(into or ())
         with cuda.on_streams([stream]):
             return finish(a, [e.names[0] for e in entries], dtype)
 

@@ -130,6 +130,16 @@ def assign(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def modified(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Tell autograd that a load wrote ``tensors`` in place (their version counters move, as a
+    ``copy_`` moves them): a graph made from their old values then refuses ``backward()``, as
+    after torch's ``load_state_dict``, instead of using the new ones (helper-47). None is passed
+    over, and so are inference tensors (they keep no counter)."""
+    ts = [t for t in tensors if t is not None and not t.is_inference()]
+    if ts:
+        torch.autograd.graph.increment_version(ts)
+
+
 def copy_tensor(sched: Scheduler, dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` (:func:`assign`) in a worker thread; between a bounce slot and CUDA memory
     on the copy stream, returning once the copy is done (the slot is then free again)."""
@@ -163,6 +173,9 @@ def check_into(
     ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
     is unexpected (``unexpected_ok``: not read), unless it is one of ``new`` (read into a new
     tensor). Returns the missing and unexpected keys let pass."""
+    odd = [k for k, t in given.items() if not isinstance(t, torch.Tensor)]
+    if odd:
+        raise MismatchError(f"`into` holds {type(given[odd[0]]).__name__} at {odd[0]!r} where a tensor is read: {odd[:5]}")
     missing, unexpected = sorted(set(given) - set(specs)), sorted(set(specs) - set(given) - set(new))
     refused = ([] if missing_ok else missing), ([] if unexpected_ok else unexpected)
     if refused[0] or refused[1]:

@@ -16,7 +16,7 @@ from .. import root as _root
 from .._io.assemble import read
 from .._io.plan import shard_header
 from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
-from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch, new_tensor
+from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch, modified, new_tensor
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
 from ..errors import ManifestError, annotate_oserror
@@ -382,6 +382,8 @@ def _finish(
     """Fill the aliases and rebuild the state tree; with ``into``, every saved value put there
     (``wanted``, a load with strict=False: only the tensors of those keys, where ``into`` has their
     place). ``views``: the tensors (mapped shards' views) are put in ``dest`` first."""
+    if into is not None:
+        modified(dest.values())
     for targets in (views or {}).values():
         dest.update((t.spec.key, t.tensor) for t in targets)
     for alias, target in m.aliases.items():
