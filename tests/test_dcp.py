@@ -400,6 +400,13 @@ def test_dcp_metadata_whose_key_would_crash_the_unpickler_is_refused(tmp_path: A
 
     with pytest.raises(UnsafeFileError, match="more than 64 deep"):
         loads_pickle(b"\x80\x02}K\x01" + b"\x85" * 1_000_000 + b"K\x01s.", tmp_path / ".metadata")
+    t: Any = "x"
+    for _ in range(40):
+        t = (t, t)
+    shared = pickle.dumps(t, protocol=2)[2:-1]
+    enum = b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n" + shared + b"\x85R."
+    with pytest.raises(UnsafeFileError, match="hashes more than"):  # an Enum looks its value up: hashed (helper-48)
+        loads_pickle(enum, tmp_path / ".metadata")
 
 
 @pytest.mark.parametrize("writer", ["filesystem", "aiotensor"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import io
 import os
+import struct
 import zipfile
 from collections import OrderedDict
 from typing import Any
@@ -244,8 +245,12 @@ def _deep_and_shared() -> tuple[bytes, bytes]:
 
 
 @pytest.mark.parametrize(
-    "case", ["dict key", "shared dict key", "set member", "frozenset", "OrderedDict pairs", "Counter", "shared Counter", "BUILD"]
-)
+    "case",
+    [
+        "dict key", "shared dict key", "set member", "frozenset", "OrderedDict pairs", "Counter", "shared Counter", "BUILD",
+        "frame in a frame", "across a frame's end", "GET of a NUL", "Counter of sizes", "persistent id", "device",
+    ],
+)  # fmt: skip
 async def test_what_the_unpickler_would_hash_is_bounded_before_it_runs(tmp_path: Any, case: str) -> None:
     """The C unpickler hashes dict keys and set members as they go in, before any hook sees them,
     and a tuple's hash recurses without a check: a key a million deep crashed the process (SIGSEGV,
@@ -264,6 +269,27 @@ async def test_what_the_unpickler_would_hash_is_bounded_before_it_runs(tmp_path:
         # an object changed by a BUILD after the memo handed it out (as a key, its hash was counted
         # when it went in: changed, it would cost more each time it is hashed again)
         "BUILD": b"\x80\x02ccollections\nOrderedDict\n)Rq\x01h\x01}b.",
+        # helper-48: where the C unpickler reads other bytes than a model reading straight through
+        # (a frame's buffer; a text GET cut at its NUL), and values handed to code that hashes or
+        # prints them (a Counter of one torch.Size 1,000 long named 5,000 times; an error message's
+        # repr of a persistent id or a device's arguments shared 2**40 times over)
+        "frame in a frame": b"\x80\x04\x95"
+        + struct.pack("<Q", 10)
+        + b"\x95"
+        + struct.pack("<Q", len(deep) + 6)
+        + b"."
+        + b"}"
+        + deep
+        + b"K\x01s.",
+        "across a frame's end": b"\x80\x04\x95" + struct.pack("<Q", 3) + b"J\x00\x00\x00.\x00\x000}" + deep + b"K\x01s.",
+        "GET of a NUL": b"\x80\x02K\x01p0\n0g0\x00x\n0}" + deep + b"K\x01s.",
+        "Counter of sizes": b"\x80\x02ccollections\nCounter\nctorch\nSize\n("
+        + b"K\x01" * 1000
+        + b"t\x85Rq\x010]("
+        + b"h\x01" * 5000
+        + b"e\x85R.",
+        "persistent id": b"\x80\x02" + shared + b"Q.",
+        "device": b"\x80\x02ctorch\ndevice\n" + shared + b"\x85R.",
     }[case]
     torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
     _rezip(str(tmp_path / "ok.pt"), str(tmp_path / "h.pt"), replace={"data.pkl": pkl})

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ManifestError, UnsafeFileError
 from . import manifest as mf
-from .pickled import check_hashing, checked, hash_budget
+from .pickled import brief, check_hashing, checked, hash_budget
 from .safetensors import is_count, loads_json_object
 
 FORMAT = "aiotensor.dcp"
@@ -75,7 +75,7 @@ class Description:
 def _dtype(name: object, path: object) -> torch.dtype:
     dt = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dt, torch.dtype):
-        raise ManifestError(f"unknown dtype {str(name)[:40]!r}", path)
+        raise ManifestError(f"unknown dtype {brief(name)}", path)
     return dt
 
 
@@ -164,7 +164,7 @@ class _Unpickler(pickle.Unpickler):
         if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
             return cls[name]
         what = getattr(cls, "__name__", type(cls).__name__)
-        raise UnsafeFileError(f"refusing getattr({what}, {name!r}) in DCP metadata (only an Enum's member)", self.path)
+        raise UnsafeFileError(f"refusing getattr({what}, {brief(name)}) in DCP metadata (only an Enum's member)", self.path)
 
 
 def loads_pickle(data: bytes, path: object) -> tuple[Any, Description]:

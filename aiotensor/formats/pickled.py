@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import pickletools
+import reprlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -82,9 +83,10 @@ _BINPUT, _LONG_BINPUT, _BINGET, _BININT1, _NEWFALSE, _NEWTRUE, _NONE, _MARK, _BI
     ord, (pickle.BINPUT, pickle.LONG_BINPUT, pickle.BINGET, pickle.BININT1, pickle.NEWFALSE, pickle.NEWTRUE, pickle.NONE,
           pickle.MARK, pickle.BINUNICODE)
 )  # fmt: skip
-_TUPLE1, _EMPTY_TUPLE, _TUPLE, _BINPERSID, _REDUCE = map(
-    ord, (pickle.TUPLE1, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.BINPERSID, pickle.REDUCE)
-)
+_TUPLE1, _TUPLE2, _EMPTY_TUPLE, _TUPLE, _REDUCE, _NEWOBJ, _EMPTY_DICT, _MEMOIZE, _LONG_BINGET = map(
+    ord, (pickle.TUPLE1, pickle.TUPLE2, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.REDUCE, pickle.NEWOBJ, pickle.EMPTY_DICT,
+          pickle.MEMOIZE, pickle.LONG_BINGET)
+)  # fmt: skip
 _DEPTHS = _ATOM - 1
 
 
@@ -95,12 +97,15 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     The model: each item on the stack or in the memo knows what hashing it costs (a tuple the
     count of its items, nested ones counted each time they appear, so a shared one counts as
     often as it is shared; a long int its bytes; a list, dict, set or object made by a call what
-    went into it) and how deep tuples and objects nest in it; dict keys (SETITEM, SETITEMS,
-    DICT), set members (ADDITEMS, FROZENSET) and a BUILD's state (its keys go into ``__dict__``)
-    are charged as the unpickler hashes them. A constructor that hashes what it is given
-    (``collections.Counter``, ``OrderedDict``) checks the objects themselves (:func:`key_cost`).
-    Where the pickle is malformed (an unknown opcode, a short argument, a stack underflow, a
-    memo key never put) the model stops and the unpickler names the fault.
+    went into it) and how deep tuples and objects nest in it. Charged: dict keys (SETITEM,
+    SETITEMS, DICT), set members (ADDITEMS, FROZENSET), a BUILD's state (its keys go into
+    ``__dict__``), and whatever is handed to Python code, which may hash it (a call's arguments, a
+    persistent id; an Enum's constructor looks its value up). A constructor that hashes what it
+    is given (``collections.Counter``, ``OrderedDict``) checks the objects themselves too
+    (:func:`checked`). The model follows the opcodes as the C unpickler reads them: a pickle it
+    cannot follow (an unknown opcode, a short argument, a stack underflow, a memo key never put, an
+    opcode across the end of its frame, a frame inside a frame, which the C reader would take
+    otherwise than the model: helper-48) is refused as malformed.
     """
     budget = hash_budget(len(data))
     cap = budget + 1
@@ -110,6 +115,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     memo: dict[int, Any] = {}
     kids: list[Any] | None
     i, n = 0, len(data)
+    frame_end = -1  # where the frame being read ends (-1: none)
 
     def refuse(why: str) -> UnsafeFileError:
         return UnsafeFileError(f"{what} {why}: refused before it was unpickled", path)
@@ -133,50 +139,87 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
 
     def charge(items: Any) -> None:
         nonlocal spent
-        spent += sum(map(_cost, items))
+        for x in items:
+            spent += x >> _D if type(x) is int else x.cost
         if spent > budget:
             raise refuse(f"hashes more than {budget} items (a key shared with itself over and over)")
 
-    def put_in(kids: list[Any]) -> bool:
-        """Add ``kids`` to the record below them (False: nothing there, malformed)."""
+    def put_in(kids: list[Any]) -> None:
+        """Add ``kids`` to the record below them."""
         if len(stack) <= (marks[-1] if marks else 0):
-            return False
+            raise _Lost("nothing to add to")
         into = stack[-1]
         if type(into) is _Record:
             if into.held:
                 raise refuse("changes a value a tuple already holds")
-            into.cost = min(into.cost + sum(map(_cost, kids)), cap)
-            into.depth = max(into.depth, max(map(_depth, kids), default=0))
-        return True
+            cost, depth = into.cost, into.depth
+            for k in kids:
+                if type(k) is int:
+                    cost += k >> _D
+                    d = k & _DEPTHS
+                else:
+                    cost += k.cost
+                    d = k.depth
+                if d > depth:
+                    depth = d
+            into.cost, into.depth = min(cost, cap), depth
 
-    def to_mark() -> list[Any] | None:
+    def to_mark() -> list[Any]:
         if not marks:
-            return None
+            raise _Lost("no mark")
         m = marks.pop()
         kids = stack[m:]
         del stack[m:]
         return kids
 
+    def above(k: int) -> None:
+        if len(stack) - (marks[-1] if marks else 0) < k:
+            raise _Lost("a stack underflow")
+
+    def call(args: int) -> _Record:
+        """What a call (REDUCE, NEWOBJ, OBJ...) of ``args`` (a tuple item) made: its code may hash
+        them (charged), and hashing what it made may hash them again."""
+        nonlocal spent
+        cost = args >> _D
+        spent += cost
+        if spent > budget:
+            raise refuse(f"hashes more than {budget} items (a key shared with itself over and over)")
+        if args & _DEPTHS > MAX_DEPTH:
+            raise refuse(f"nests objects more than {MAX_DEPTH} deep")
+        return _Record(1 + cost, args & _DEPTHS)
+
     try:
-        while i < n:
+        while True:
+            if i >= frame_end >= 0:
+                if i > frame_end:  # the C reader takes the bytes after the frame there: the model cannot follow
+                    raise _Lost("an opcode across the end of its frame")
+                frame_end = -1
+            if i >= n:
+                raise _Lost("no STOP")
             op = data[i]
             i += 1
-            # the opcodes of a state_dict's pickle, nine in ten of them, first (0.3 us an opcode in all)
-            if op == _LONG_BINPUT or op == _BINPUT:
+            # the opcodes of a state_dict's pickle, nine in ten of them, first (0.3-0.4 us an opcode in all)
+            if op == _LONG_BINPUT or op == _BINPUT or op == _MEMOIZE:
                 if not stack:
-                    return
+                    raise _Lost("a PUT of nothing")
                 if op == _BINPUT:
                     memo[data[i]] = stack[-1]
                     i += 1
+                elif op == _MEMOIZE:
+                    memo[len(memo)] = stack[-1]
                 else:
                     memo[int.from_bytes(data[i : i + 4], "little")] = stack[-1]
                     i += 4
                 continue
-            if op == _BINGET:
-                got = memo.get(data[i]) if i < n else None
-                i += 1
+            if op == _BINGET or op == _LONG_BINGET:
+                if op == _BINGET:
+                    got = memo.get(data[i])
+                    i += 1
+                else:
+                    got = memo.get(int.from_bytes(data[i : i + 4], "little"))
+                    i += 4
                 if got is None:
-                    return
+                    raise _Lost("a GET of what was never PUT")
                 if type(got) is _Record:
                     got.shared = True
                 stack.append(got)
@@ -206,16 +249,21 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 del stack[m:]
                 stack.append(tuple_of(kids))
                 continue
-            if op == _BINPERSID and len(stack) > (marks[-1] if marks else 0):
-                stack[-1] = _ATOM
+            if op == _EMPTY_DICT:
+                stack.append(_Record())
                 continue
-            if op == _REDUCE and len(stack) - (marks[-1] if marks else 0) >= 2:
+            if op == _TUPLE2 and len(stack) - (marks[-1] if marks else 0) >= 2:
+                kids = stack[-2:]
+                del stack[-2:]
+                stack.append(tuple_of(kids))
+                continue
+            if (op == _REDUCE or op == _NEWOBJ) and len(stack) - (marks[-1] if marks else 0) >= 2:
                 x = stack.pop()
-                stack[-1] = _object(x if type(x) is int else tuple_of([x]), refuse)
+                stack[-1] = call(x if type(x) is int else tuple_of([x]))
                 continue
             arg = _ARG.get(op)
             if arg is None:
-                return  # an unknown opcode: the unpickler's error
+                raise _Lost(f"an unknown opcode {op:#04x}")
             name = _NAME[op]
             size = 0  # an argument's bytes
             if arg > 0:
@@ -226,65 +274,55 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 k = -arg
                 size = int.from_bytes(data[i : i + k], "little", signed=k == 4 and name in ("BINSTRING", "LONG4"))
                 if size < 0:
-                    return
+                    raise _Lost("a negative length")
                 i += k + size
             elif arg < 0:
                 end = i
                 for _ in range(arg // -10):
                     end = data.find(b"\n", end) + 1
                     if end == 0:
-                        return
+                        raise _Lost("a line without its end")
                 size, line, i = end - i, data[i : end - 1], end
             if i > n:
-                return
-            fence = marks[-1] if marks else 0
+                raise _Lost("an argument cut short")
             if name in ("BINGET", "LONG_BINGET", "GET"):
-                key = value if arg > 0 else _int(line)
-                got = memo.get(key) if key is not None else None
+                got = memo.get(value if arg > 0 else _int(line))
                 if got is None:
-                    return
+                    raise _Lost("a GET of what was never PUT")
                 if type(got) is _Record:
                     got.shared = True
                 stack.append(got)
             elif name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
                 if not stack:
-                    return
-                key = len(memo) if name == "MEMOIZE" else value if arg > 0 else _int(line)
-                if key is None:
-                    return
-                memo[key] = stack[-1]
+                    raise _Lost("a PUT of nothing")
+                memo[len(memo) if name == "MEMOIZE" else value if arg > 0 else _int(line)] = stack[-1]
             elif name in _ATOMS:
                 stack.append(min(1 + size, cap) << _D if name in ("LONG", "LONG1", "LONG4") else _ATOM)
             elif name == "MARK":
                 marks.append(len(stack))
             elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
                 k = ord(name[-1]) - ord("0")
-                if len(stack) - fence < k:
-                    return
+                above(k)
                 kids = stack[-k:]
                 del stack[-k:]
                 stack.append(tuple_of(kids))
             elif name in ("TUPLE", "LIST", "DICT", "FROZENSET", "OBJ", "INST"):
                 kids = to_mark()
-                if kids is None:
-                    return
                 if name == "TUPLE":
                     stack.append(tuple_of(kids))
-                elif name in ("DICT", "FROZENSET"):
-                    charge(kids[::2] if name == "DICT" else kids)
-                    stack.append(_Record(min(1 + sum(map(_cost, kids)), cap), max(map(_depth, kids), default=0)))
-                elif name == "LIST":
+                elif name in ("DICT", "FROZENSET", "LIST"):
+                    if name != "LIST":
+                        charge(kids[::2] if name == "DICT" else kids)
                     stack.append(_Record(min(1 + sum(map(_cost, kids)), cap), max(map(_depth, kids), default=0)))
                 else:
-                    stack.append(_object(tuple_of(kids[1:] if name == "OBJ" else kids), refuse))
+                    stack.append(call(tuple_of(kids[1:] if name == "OBJ" else kids)))
             elif name == "EMPTY_TUPLE":
                 stack.append((1 << _D) | 1)
             elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
                 stack.append(_Record())
             elif name in ("APPEND", "SETITEM"):
                 k = 1 if name == "APPEND" else 2
-                if len(stack) - fence < k + 1:
-                    return
+                above(k + 1)
                 kids = stack[-k:]
                 del stack[-k:]
                 if name == "SETITEM":
@@ -292,24 +330,19 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 put_in(kids)
             elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
                 kids = to_mark()
-                if kids is None:
-                    return
                 if name != "APPENDS":
                     charge(kids[::2] if name == "SETITEMS" else kids)
-                if not put_in(kids):
-                    return
+                put_in(kids)
             elif name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX"):
                 k = 3 if name == "NEWOBJ_EX" else 2
-                if len(stack) - fence < k:
-                    return
+                above(k)
                 args = stack[-k + 1 :]
                 del stack[-k:]
-                stack.append(_object(tuple_of(args), refuse))
+                stack.append(call(tuple_of(args)))
             elif name == "BUILD":
-                if len(stack) - fence < 2:
-                    return
+                above(2)
                 state = stack.pop()  # a dict, or (a dict, slots): its keys go into the object's __dict__
-                charge([state])
+                charge((state,))
                 target = stack[-1]
                 if type(target) is _Record:
                     if target.shared or target.held:
@@ -320,54 +353,53 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                         raise refuse(f"nests objects more than {MAX_DEPTH} deep")
             elif name in ("BINPERSID", "STACK_GLOBAL"):
                 k = 1 if name == "BINPERSID" else 2
-                if len(stack) - fence < k:
-                    return
+                above(k)
+                charge(stack[-k:])  # (a persistent id goes to Python code)
                 del stack[-k:]
                 stack.append(_ATOM)
             elif name == "POP":
-                if len(stack) > fence:
+                if len(stack) > (marks[-1] if marks else 0):
                     stack.pop()
-                elif marks:
-                    to_mark()
                 else:
-                    return
+                    to_mark()
             elif name == "POP_MARK":
-                if to_mark() is None:
-                    return
+                to_mark()
             elif name == "DUP":
-                if len(stack) <= fence:
-                    return
+                above(1)
                 if type(stack[-1]) is _Record:
                     stack[-1].shared = True
                 stack.append(stack[-1])
+            elif name == "FRAME":
+                if frame_end >= 0:
+                    raise _Lost("a frame inside a frame")
+                frame_end = i + value
             elif name == "STOP":
                 return
             elif name not in _NOTHING:
-                return  # (every opcode is named above)
-    except IndexError:  # an argument cut short: the unpickler's error
-        return
+                raise _Lost(f"the opcode {name}")  # (every opcode is named above)
+    except (_Lost, IndexError) as e:
+        why = str(e) if isinstance(e, _Lost) else "an argument cut short"
+        raise refuse(f"is malformed where its opcodes cannot be followed ({why}, at byte {i})") from None
 
 
-def _object(args: int, refuse: Any) -> _Record:
-    """What a call (REDUCE, NEWOBJ, OBJ...) made of ``args`` (a tuple item): hashing it may hash them."""
-    rec = _Record(1 + _cost(args), _depth(args))
-    if rec.depth > MAX_DEPTH:
-        raise refuse(f"nests objects more than {MAX_DEPTH} deep")
-    return rec
+class _Lost(Exception):
+    """Where the model cannot follow the pickle as the C unpickler reads it."""
 
 
-def _int(line: bytes) -> int | None:
+def _int(line: bytes) -> int:
+    """A GET's or PUT's text argument as the C unpickler reads it (to its first NUL: helper-48)."""
     try:
-        return int(line)
+        return int(line.split(b"\0", 1)[0])
     except ValueError:
-        return None
+        raise _Lost("a GET or PUT of no number") from None
 
 
 def key_cost(x: Any, most: int) -> int:
     """The steps hashing ``x`` takes (a tuple's items counted each time they appear, nested), for
-    a constructor that hashes what the unpickler gave it; more than ``most``, or tuples nested
-    more than :data:`MAX_DEPTH` deep: :class:`UnsafeFileError`. (A walk of tuples only: other
-    values either hash in a step, or cache their hash, or are not hashable at all.)"""
+    a constructor that hashes what the unpickler gave it: a plain value (None, bool, int, float,
+    str, bytes) or a tuple of them; anything else (a ``torch.Size`` hashes all its items, an
+    object's ``__hash__`` what it likes: helper-48), more than ``most`` steps, or tuples nested
+    more than :data:`MAX_DEPTH` deep: :class:`UnsafeFileError`."""
     steps = 0
     todo = [(x, 0)]
     while todo:
@@ -375,20 +407,23 @@ def key_cost(x: Any, most: int) -> int:
         steps += 1
         if steps > most:
             raise UnsafeFileError(f"hashing the pickle's keys takes more than {most} steps: refused")
-        if type(v) is tuple:
+        kind = type(v)
+        if kind is tuple:
             if depth >= MAX_DEPTH:
                 raise UnsafeFileError(f"a key nests tuples more than {MAX_DEPTH} deep: refused")
             todo.extend((item, depth + 1) for item in v)
-        elif type(v) is int:
+        elif kind is int:
             steps += v.bit_length() >> 6
+        elif v is not None and kind not in (bool, float, str, bytes):
+            raise UnsafeFileError(f"a key of a counter or an ordered dict is a {kind.__name__}: only plain values are admitted")
     return steps
 
 
 def checked(cls: type, left: list[int]) -> Callable[..., Any]:
     """``cls`` (``collections.Counter`` or ``OrderedDict``, which hash what they are made of) as an
-    unpickler's call of it makes it: of nothing, a dict, or a list or tuple (of pairs, for an
-    ``OrderedDict``), the keys it would hash checked first (:func:`key_cost`) against ``left[0]``
-    steps, which each call spends."""
+    unpickler's call of it makes it: of nothing, a dict, or a list or tuple (of pairs, each a list
+    or tuple of two, for an ``OrderedDict``), the keys it would hash checked first
+    (:func:`key_cost`) against ``left[0]`` steps, which each call spends."""
 
     def make(*args: Any) -> Any:
         if args:
@@ -397,9 +432,22 @@ def checked(cls: type, left: list[int]) -> Callable[..., Any]:
                 raise UnsafeFileError(f"{cls.__name__} of other than a dict, a list or a tuple: refused")
             pairs = cls is not Counter and not isinstance(given, dict)
             for k in given:
-                k = k[0] if pairs and isinstance(k, (list, tuple)) and k else k
+                if pairs:
+                    if not (isinstance(k, (list, tuple)) and len(k) == 2):
+                        raise UnsafeFileError(f"{cls.__name__} of a {type(k).__name__} where a pair goes: refused")
+                    k = k[0]
                 left[0] -= key_cost(k, left[0])
         return cls(*args)
 
     make.__name__ = cls.__name__
     return make
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxtuple, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxstring, _BRIEF.maxother = 3, 4, 4, 4, 60, 60
+
+
+def brief(x: Any) -> str:
+    """``repr(x)`` within bounds, for a message about a value a pickle made (the repr of a tuple
+    shared with itself 40 times over never ends: helper-48)."""
+    return _BRIEF.repr(x)

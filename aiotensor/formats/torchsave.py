@@ -27,7 +27,7 @@ import torch
 
 from ..errors import UnsafeFileError
 from .dtypes import TORCH_TO_SAFETENSORS
-from .pickled import check_hashing, checked, hash_budget
+from .pickled import brief, check_hashing, checked, hash_budget
 from .tree import key_path, unique_key
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnsafeFileError(f"unexpected persistent id {str(pid)[:80]!r}", self.path)
+            raise UnsafeFileError(f"unexpected persistent id {brief(pid)}", self.path)
         _, kind, key, _location, numel = pid
         if not (isinstance(key, str) and isinstance(numel, int) and numel >= 0):
             raise UnsafeFileError("malformed storage reference", self.path)
@@ -221,7 +221,7 @@ def _plain_value(v: Any) -> bool:
 
 def _device(*args: Any) -> torch.device:
     if not (1 <= len(args) <= 2 and isinstance(args[0], str) and all(type(a) is int for a in args[1:])):
-        raise UnsafeFileError(f"torch.device{args!r}: refused")
+        raise UnsafeFileError(f"torch.device{brief(args)}: refused")
     try:
         return torch.device(*args)
     except RuntimeError as e:  # an unknown device type, an index out of range
@@ -235,7 +235,7 @@ def _plain_member(v: Any) -> bool:
 def _layout(name: Any) -> torch.layout:
     got = vars(torch).get(name.removeprefix("torch.")) if isinstance(name, str) else None
     if not isinstance(got, torch.layout):
-        raise UnsafeFileError(f"no layout {str(name)[:80]!r}")
+        raise UnsafeFileError(f"no layout {brief(name)}")
     return got
 
 
@@ -325,7 +325,7 @@ def _tensor(
             raise UnsafeFileError(f"a tensor reaches past the end of storage {storage.key!r}")
     bits = metadata or {}  # what torch.save records of a tensor beyond its view: the two bits, each only where set
     if not (isinstance(bits, dict) and _BITS.issuperset(bits) and all(type(v) is bool for v in bits.values())):
-        raise UnsafeFileError(f"a tensor with metadata {str(metadata)[:80]}: not the conj and neg bits torch writes")
+        raise UnsafeFileError(f"a tensor with metadata {brief(metadata)}: not the conj and neg bits torch writes")
     return TensorRef(storage, dtype, offset, size, stride, bool(requires_grad), bits.get("conj", False), bits.get("neg", False))
 
 
