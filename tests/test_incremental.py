@@ -292,8 +292,8 @@ async def test_a_stray_write_in_the_tick_of_a_files_last_write_is_found(tmp_path
     shard is read whole before each link here, so the damage is found and the shard written."""
     from aiotensor.store import saving
 
-    tick = time.time_ns()  # the test's every write stamped with it; the library's clock within that tick
-    monkeypatch.setattr(saving, "_now_ns", lambda: tick + 10**9)
+    tick = time.time_ns() // 10**9 * 10**9  # the test's every write stamped with this second; the library's clock in it
+    monkeypatch.setattr(saving, "_now_ns", lambda: tick + 5 * 10**8)
     base, adapters = make()
     async with TensorStore(str(tmp_path), engine=_OneTick(tick)) as store:
         for step in range(4):
@@ -307,6 +307,51 @@ async def test_a_stray_write_in_the_tick_of_a_files_last_write_is_found(tmp_path
         assert again and "reused_from" not in again[0]
         got = (await store.load(4))["model"]
         assert same(got, {**base, **adapters})
+
+
+class _TwoTicks(FaultyEngine):
+    """A clock of whole seconds: writes before ``boundary`` stamped with second ``a``, later ones
+    with the next."""
+
+    def __init__(self, a: int) -> None:
+        super().__init__()
+        self.a, self.boundary = a, float("inf")
+
+    def stat(self, path: str) -> Any:
+        st = super().stat(path)
+        return _Stamped(st, self.a if st.st_mtime_ns < self.boundary else self.a + 10**9)
+
+
+async def test_a_link_read_whole_in_its_files_tick_is_not_trusted_later(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-48: a shard read whole (and linked) in the second of its last write was not trusted
+    by its mark then, but the step that linked it was written a second later, and its commit
+    trusted the link for being older than that manifest: a stray write in that first second was
+    then linked into the next step. A link is trusted only as its check left it."""
+    from aiotensor.store import saving
+
+    a = time.time_ns() // 10**9 * 10**9
+    monkeypatch.setattr(saving, "_now_ns", lambda: a + 5 * 10**8)  # the library's clock: within second a
+    eng = _TwoTicks(a)
+    checks = saving.Incremental.intact
+
+    def intact(self: Any, engine: Any, earlier: Any) -> Any:
+        got = checks(self, engine, earlier)
+        eng.boundary = os.stat(earlier.path).st_mtime_ns + 1  # what is written from now on: the next second
+        return got
+
+    monkeypatch.setattr(saving.Incremental, "intact", intact)
+    base, adapters = make()
+    async with TensorStore(str(tmp_path), engine=eng) as store:
+        for step in range(3):
+            await store.save(step, lora_state(step, base, adapters))
+        shard = next(os.path.join(store.path(2), s["file"]) for s in manifest(store, 2)["shards"] if "reused_from" in s)
+        _flip_a_byte(shard, keep_mtime=True)  # a stray write in second a, after step 2 read the file whole
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            await store.save(3, lora_state(3, base, adapters))
+        again = [s for s in manifest(store, 3)["shards"] if s["file"] == os.path.basename(shard)]
+        assert again and "reused_from" not in again[0]
+        assert same((await store.load(3))["model"], {**base, **adapters})
 
 
 class _StatFails(FaultyEngine):

@@ -350,11 +350,17 @@ async def test_open_removes_leftovers_of_interrupted_saves_and_nothing_else(tmp_
 
 
 class _StepStays(FaultyEngine):
-    """A root whose step 1 cannot be renamed away (a folder of an overlay's lower layer: EXDEV)."""
+    """A root whose step 1 cannot be renamed away (a folder of an overlay's lower layer: EXDEV),
+    or fails to be once (``once``: EIO, a passing failure)."""
+
+    def __init__(self, once: bool = False) -> None:
+        super().__init__()
+        self.stays, self.once = not once, once
 
     def rename(self, src: str, dst: str) -> None:
-        if os.path.basename(src) == "step-000000000001":
-            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        if os.path.basename(src) == "step-000000000001" and (self.stays or self.once):
+            self.once = False
+            raise OSError(errno.EIO if not self.stays else errno.EXDEV, "injected", src)
         super().rename(src, dst)
 
 
@@ -375,10 +381,29 @@ async def test_a_step_that_cannot_be_retired_stops_no_other(tmp_path: Any) -> No
             await store.delete(1)
         assert store.steps() == [1, 5, 6]
         assert_state_equal(await store.load(1), small_state(1))
-    async with TensorStore(tmp_path, engine=_StepStays(), keep_last=2) as store:
+    eng = _StepStays()
+    async with TensorStore(tmp_path, engine=eng, keep_last=2) as store:
         h = store.save(7, small_state(7))
         await h
         assert store.steps() == [1, 6, 7] and len(h.warnings) == 1
+        eng.stays = False  # (the overlay gone): step 1 deleted, the run saved again from step 1
+        for step in store.steps():
+            await store.delete(step)
+        for step in range(1, 5):
+            await store.save(step, small_state(step))
+        assert store.steps() == [3, 4]  # the new step 1 is retired (helper-48: it stayed, for good)
+
+
+async def test_a_step_whose_retiring_failed_once_is_retired_after_the_next_commit(tmp_path: Any) -> None:
+    """helper-48: an EIO (or an object store's 503) made a step stay for the store's life."""
+    async with TensorStore(tmp_path, engine=_StepStays(once=True), keep_last=2) as store:
+        said = []
+        for step in range(1, 6):
+            h = store.save(step, small_state(step))
+            await h
+            said += h.warnings
+        assert store.steps() == [4, 5]
+        assert len(said) == 1 and "tried again after the next commit" in said[0], said
 
 
 async def test_a_file_system_without_flock_is_named(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

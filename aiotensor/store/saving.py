@@ -19,7 +19,7 @@ The earlier file must still hold what its digest says: one damaged on disk (a st
 truncation) was linked into every later step, each committed and unloadable while the trainer's
 memory was intact (helper-35). Before a link, the file is checked: unchanged since this store
 wrote or read it whole (its inode, size and modification time, from a stat, where that time is a
-tick of the file system's clock before the store knew the file: see :data:`_TICK_NS`), or else
+tick of the file system's clock before the store knew the file: see :func:`_tick_ns`), or else
 read whole and its blake3 digest compared (after a restart, the first save reads each shard it
 links once). A file that differs is not linked: the shard is written, with a warning.
 """
@@ -86,13 +86,16 @@ class Incremental:
         known = {}
         if wrote is not None:
             settled = _settled(wrote, folder)
+            checked = {mark for mark, _ in self.known.values()}  # the files its links were checked as
             for file, digest in m.digests.items():
                 path = os.path.join(folder, file)
                 try:
                     mark = _root.stat_key(wrote.stat(path))
                 except OSError:  # (retired meanwhile, a request that failed): read whole before its first link
                     continue
-                if mark[3] < settled:
+                # a link is known only as its check left it: an earlier file is older than any
+                # manifest, and one read whole in the tick of its last write is not (helper-48)
+                if (mark in checked) if file in m.reused else (mark[3] < settled):
                     known[path] = (mark, digest)
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
@@ -112,6 +115,7 @@ class Incremental:
         (unchanged since it was known to, or read whole now); else None: changed, gone (a step
         deleted, helper-45), or unreadable (EIO: a bad sector, a request that failed): the shard
         is written."""
+        now = _now_ns()  # (before the stat: a write during the read lands at or after it)
         try:
             mark = _root.stat_key(engine.stat(earlier.path))
             if self.known.get(earlier.path) == (mark, earlier.digest):
@@ -121,7 +125,7 @@ class Incremental:
         except OSError as e:
             log.info("%s could not be checked (%s): the shard is written", earlier.path, e)
             return None
-        if not engine.renames or _now_ns() - mark[3] > _TICK_NS:
+        if not engine.renames or now - mark[3] > _tick_ns(mark[3]):
             self.known[earlier.path] = (mark, earlier.digest)
         return mark
 
@@ -131,8 +135,17 @@ class Incremental:
 # write in the tick of the file's last write left its mark as it was, and the damaged shard was
 # linked (helper-46, on ext4 of 1 s stamps). So a file is known by its mark only where it was last
 # written in an earlier tick: before its step's manifest was (each stamped by the same clock), or
-# more than this before now (read whole, just now).
-_TICK_NS = 2 * 10**9
+# more than a tick before its whole read began (by this machine's clock: a file server whose clock
+# lags more than that is not covered).
+
+
+def _tick_ns(mtime_ns: int) -> int:
+    """The longest tick a file system whose clock stamped ``mtime_ns`` may have: two seconds where
+    that is whole seconds (FAT's, or ext4 of 128-byte inodes; one file in 250 of a finer clock too,
+    by chance), else 20 ms (a kernel's clock ticks every 1-10 ms; exFAT stamps 10 ms)."""
+    return 2 * 10**9 if mtime_ns % 10**9 == 0 else 20 * 10**6
+
+
 _now_ns = time.time_ns
 
 

@@ -38,6 +38,11 @@ async def call(sched: Scheduler, fn: Callable[..., Any], *args: Any, what: str, 
         raise annotate_oserror(e, what) from e
 
 
+# what retiring a step fails with for as long as the root is as it is: a folder of an overlay's
+# lower layer (a container image's), a read-only file system, an immutable folder
+_LASTING = frozenset({errno.EXDEV, errno.EROFS, errno.EPERM, errno.EACCES})
+
+
 class Steps:
     """A root's committed steps, for one store.
 
@@ -142,6 +147,7 @@ class Steps:
                     await publish()
                 h.set_committed()
                 self.committed.add(h.step)
+                self.stuck.discard(h.step)  # (a step saved again: its folder is a new one)
                 if not self.writer:  # rank 0 retires: the other ranks drop those steps from their view
                     if self.keep_last is not None:
                         self.committed.difference_update(self.sorted()[: -self.keep_last])
@@ -199,11 +205,12 @@ class Steps:
 
     async def _retain(self, h: SaveHandle) -> None:
         """Retire steps beyond ``keep_last`` (never one being loaded by this store, nor the one
-        ``latest`` names: retried after the next commit). A step that cannot be retired (a
-        folder of an overlay's lower layer, a container image's, cannot be renamed; nor an
-        immutable one) is left, said once in ``h``'s warnings, and passed over until the store is
-        opened again: the others are retired as usual (the first such step stopped retention,
-        and the root grew without bound: helper-46)."""
+        ``latest`` names: retried after the next commit). A step that cannot be retired while the
+        root is as it is (:data:`_LASTING`: a folder of an overlay's lower layer, a container
+        image's, cannot be renamed; nor an immutable one) is left, said once in ``h``'s warnings,
+        and passed over until the store is opened again or saves that step anew; one that failed
+        otherwise (EIO) is tried again after the next commit. The others are retired as usual
+        (the first such step stopped retention, and the root grew without bound: helper-46)."""
         if self.keep_last is None:
             return
         for step in self.sorted()[: -self.keep_last]:
@@ -214,10 +221,18 @@ class Steps:
             try:
                 await self._retire(step)
             except Exception as e:
-                self.stuck.add(step)
+                stays = step in self.committed  # (else it was renamed away: what followed failed)
+                lasting = stays and isinstance(e, OSError) and e.errno in _LASTING
+                if lasting:  # (a passing failure is tried again at the next commit, as before)
+                    self.stuck.add(step)
+                then = (
+                    ("left until the store is opened again" if lasting else "tried again after the next commit")
+                    if stays
+                    else "retired (the next save or open repairs the rest)"
+                )
                 msg = (
-                    f"{self.root}: retiring step {step} failed ({e}); the checkpoint is committed, step {step} is left "
-                    "until the store is opened again, and the others are retired as usual"
+                    f"{self.root}: retiring step {step} failed ({e}); the checkpoint is committed, step {step} is "
+                    f"{then}, and the others are retired as usual"
                 )
                 h.warn(msg)
                 log.warning("%s", msg)
