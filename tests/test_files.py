@@ -218,7 +218,7 @@ async def test_load_file_keys_reads_only_what_they_select(tmp_path: Any) -> None
         await aiotensor.load_file(path, keys="layers.2.")
 
 
-@pytest.mark.parametrize("how", ["load_into", "load_file", "store", "store_dcp"])
+@pytest.mark.parametrize("how", ["load_into", "load_file", "store", "store_dcp", "swap"])
 async def test_a_load_in_place_tells_autograd_as_load_state_dict_does(tmp_path: Any, how: str) -> None:
     """helper-47: the loads that fill tensors in place left their version counters as they were,
     so a graph made from the old weights ran ``backward()`` on the new ones, silently wrong (torch's
@@ -241,6 +241,8 @@ async def test_a_load_in_place_tells_autograd_as_load_state_dict_does(tmp_path: 
     before = lin.weight._version
     if how == "load_into":
         await aiotensor.load_into(lin, tmp_path / "w.safetensors")
+    elif how == "swap":  # (helper-49: the swap's p.data = new moved nothing either)
+        (await aiotensor.prepare_swap(lin, tmp_path / "w.safetensors")).apply()
     elif how == "load_file":
         await aiotensor.load_file(tmp_path / "w.safetensors", into=dict(lin.named_parameters()))
     else:
@@ -263,6 +265,20 @@ async def test_into_and_tensors_of_the_wrong_kind_are_typed_errors(tmp_path: Any
     for odd in (3, None, [1.0, 1.0]):
         with pytest.raises(MismatchError, match="where a tensor is read"):
             await aiotensor.load_file(path, into={"a": odd})
+
+    class Extra(torch.nn.Linear):  # a module's non-tensor _extra_state (Transformer Engine's fp8 meta)
+        def get_extra_state(self) -> Any:
+            return {"fp8_meta": 1}
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    sd = Extra(2, 2).state_dict()
+    await aiotensor.save_file({"weight": torch.ones(2, 2), "bias": torch.zeros(2)}, tmp_path / "e.safetensors")
+    await aiotensor.load_file(tmp_path / "e.safetensors", into=sd, strict=False)  # left alone (helper-49)
+    assert torch.equal(sd["weight"], torch.ones(2, 2)) and sd["_extra_state"] == {"fp8_meta": 1}
+    with pytest.raises(MismatchError, match="_extra_state"):  # strict: a missing key, as load_state_dict says
+        await aiotensor.load_file(tmp_path / "e.safetensors", into=sd)
     with pytest.raises(TypeError, match="mapping of names to tensors"):
         await aiotensor.save_file([torch.ones(1)], tmp_path / "b.safetensors")  # type: ignore[arg-type]
     assert not (tmp_path / "b.safetensors").exists()

@@ -173,8 +173,8 @@ def check_into(
     ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
     is unexpected (``unexpected_ok``: not read), unless it is one of ``new`` (read into a new
     tensor). Returns the missing and unexpected keys let pass."""
-    odd = [k for k, t in given.items() if not isinstance(t, torch.Tensor)]
-    if odd:
+    odd = [k for k, t in given.items() if k in specs and not isinstance(t, torch.Tensor)]
+    if odd:  # (elsewhere a module's _extra_state, say: a missing key, as load_state_dict has it)
         raise MismatchError(f"`into` holds {type(given[odd[0]]).__name__} at {odd[0]!r} where a tensor is read: {odd[:5]}")
     missing, unexpected = sorted(set(given) - set(specs)), sorted(set(specs) - set(given) - set(new))
     refused = ([] if missing_ok else missing), ([] if unexpected_ok else unexpected)

@@ -20,7 +20,7 @@ import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import assign, load_device, mismatch, writing
+from .._io.tensors import assign, load_device, mismatch, modified, writing
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
@@ -523,6 +523,7 @@ class Swap:
         with torch.no_grad():
             for p, new in zip(now, news, strict=True):
                 p.data = new
+        modified(now)  # a graph made from the old weights refuses backward() (helper-49), as after load_into
         old = [d for d in old if d.is_cpu]  # (CUDA memory back to torch's cache at once)
         threads.in_worker(old.clear)
 

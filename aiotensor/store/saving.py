@@ -85,7 +85,8 @@ class Incremental:
         another thread may remember a step meanwhile (a delete's, helper-45)."""
         known = {}
         if wrote is not None:
-            settled = _settled(wrote, folder)
+            # (an object store's marks are entity tags, which any write changes: no tick to mind)
+            settled = _settled(wrote, folder) if wrote.renames else None
             checked = {mark for mark, _ in self.known.values()}  # the files its links were checked as
             for file, digest in m.digests.items():
                 path = os.path.join(folder, file)
@@ -95,7 +96,7 @@ class Incremental:
                     continue
                 # a link is known only as its check left it: an earlier file is older than any
                 # manifest, and one read whole in the tick of its last write is not (helper-48)
-                if (mark in checked) if file in m.reused else (mark[3] < settled):
+                if settled is None or ((mark in checked) if file in m.reused else (mark[3] < settled)):
                     known[path] = (mark, digest)
         by_shard: dict[str, list[mf.Entry]] = {}
         for e in m.entries.values():
@@ -151,10 +152,7 @@ _now_ns = time.time_ns
 
 def _settled(engine: Engine, folder: str) -> float:
     """Files of the step ``folder`` last written before this are known by their marks: the tick its
-    manifest was written in (an object store's: any, its marks are entity tags; none where that
-    cannot be told)."""
-    if not engine.renames:
-        return math.inf
+    manifest was written in (none where that cannot be told)."""
     try:
         return engine.stat(os.path.join(folder, _root.MANIFEST)).st_mtime_ns
     except OSError:
