@@ -121,17 +121,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
         return UnsafeFileError(f"{what} {why}: refused before it was unpickled", path)
 
     def tuple_of(kids: list[Any]) -> int:
-        cost, depth = 1, 0
-        for k in kids:  # (a loop: map(_cost, ...) took twice as long)
-            if type(k) is int:
-                cost += k >> _D
-                d = k & _DEPTHS
-            else:
-                cost += k.cost
-                d = k.depth
-                k.held = True
-            if d > depth:
-                depth = d
+        cost, depth = _added(kids, 1, 0, hold=True)
         depth += 1
         if depth > MAX_DEPTH:
             raise refuse(f"nests tuples more than {MAX_DEPTH} deep (hashing one overflows the C stack)")
@@ -152,16 +142,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
         if type(into) is _Record:
             if into.held:
                 raise refuse("changes a value a tuple already holds")
-            cost, depth = into.cost, into.depth
-            for k in kids:
-                if type(k) is int:
-                    cost += k >> _D
-                    d = k & _DEPTHS
-                else:
-                    cost += k.cost
-                    d = k.depth
-                if d > depth:
-                    depth = d
+            cost, depth = _added(kids, into.cost, into.depth)
             into.cost, into.depth = min(cost, cap), depth
 
     def to_mark() -> list[Any]:
@@ -313,7 +294,8 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 elif name in ("DICT", "FROZENSET", "LIST"):
                     if name != "LIST":
                         charge(kids[::2] if name == "DICT" else kids)
-                    stack.append(_Record(min(1 + sum(map(_cost, kids)), cap), max(map(_depth, kids), default=0)))
+                    cost, depth = _added(kids, 1, 0)
+                    stack.append(_Record(min(cost, cap), depth))
                 else:
                     stack.append(call(tuple_of(kids[1:] if name == "OBJ" else kids)))
             elif name == "EMPTY_TUPLE":
@@ -380,6 +362,23 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     except (_Lost, IndexError) as e:
         why = str(e) if isinstance(e, _Lost) else "an argument cut short"
         raise refuse(f"is malformed where its opcodes cannot be followed ({why}, at byte {i})") from None
+
+
+def _added(kids: list[Any], cost: int, depth: int, hold: bool = False) -> tuple[int, int]:
+    """``cost`` with what hashing ``kids`` costs added, and the deepest of ``depth`` and theirs
+    (``hold``: a tuple takes them in; a loop: ``map(_cost, ...)`` took twice as long)."""
+    for k in kids:
+        if type(k) is int:
+            cost += k >> _D
+            d = k & _DEPTHS
+        else:
+            cost += k.cost
+            d = k.depth
+            if hold:
+                k.held = True
+        if d > depth:
+            depth = d
+    return cost, depth
 
 
 class _Lost(Exception):
