@@ -616,7 +616,8 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
     through aiotensor's resolver and read path (:mod:`aiotensor.sources`): no pickle runs beyond
     the allow-listed metadata, every item is read within its file, and checked against its
     checksum. One difference: an optimizer's ``state`` comes keyed by the ints its
-    ``param_groups`` list (``0``), as the optimizer made it, where DCP's places give ``"0"``. Memory: the whole state. Blocking (an event loop of its own, in a thread).
+    ``param_groups`` list (``0``), as the optimizer made it, where DCP's places give ``"0"``.
+    Memory: the whole state. Blocking (an event loop of its own, in a thread).
     ``path`` may be an ``s3://`` URL (``storage_options`` as for :class:`AiotensorReader`).
 
     Raises:
