@@ -282,3 +282,17 @@ async def test_into_and_tensors_of_the_wrong_kind_are_typed_errors(tmp_path: Any
     with pytest.raises(TypeError, match="mapping of names to tensors"):
         await aiotensor.save_file([torch.ones(1)], tmp_path / "b.safetensors")  # type: ignore[arg-type]
     assert not (tmp_path / "b.safetensors").exists()
+
+
+async def test_load_into_a_dtype_torch_cannot_convert_to_is_refused_before_reading(tmp_path: Any) -> None:
+    """helper-47: a float4 file loaded into a uint8 buffer raised torch's bare NotImplementedError
+    ("copy_" not implemented for 'Float4_e2m1fn_x2') once the reads were under way; it is a
+    MismatchError naming the tensor, before anything is read."""
+    packed = torch.arange(12, dtype=torch.uint8).view(4, 3).view(torch.float4_e2m1fn_x2)
+    await aiotensor.save_file({"x": packed, "y": torch.ones(2)}, tmp_path / "f4.safetensors")
+    m = torch.nn.Module()
+    m.register_buffer("x", torch.zeros(4, 3, dtype=torch.uint8))
+    m.register_buffer("y", torch.zeros(2))
+    with pytest.raises(MismatchError, match="'x'.*float4_e2m1fn_x2.*cannot copy"):
+        await aiotensor.load_into(m, tmp_path / "f4.safetensors")
+    assert not m.x.any() and not m.y.any()  # nothing read

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter, is_
@@ -323,6 +324,10 @@ def _plan(
                 continue
             if dst.shape != e.shape:  # torch.Size is a tuple
                 raise MismatchError(f"tensor {name!r}: {source} has {list(e.shape)}, the module {list(dst.shape)}")
+            if dst.dtype != e.dtype and not _convertible(e.dtype, dst.dtype):  # (before anything is read: helper-47)
+                raise MismatchError(
+                    f"tensor {name!r}: {source} has {e.dtype}, which torch cannot copy into the module's {dst.dtype}"
+                )
             names = ties.get(name)
             if names is None:
                 names = (name,)
@@ -347,6 +352,16 @@ def _plan(
     if batch[0]:
         batches.append(batch)
     return batches, list(left), unexpected
+
+
+@functools.cache
+def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Can torch copy a tensor of ``src`` into one of ``dst`` (``float4_e2m1fn_x2``: not at all)?"""
+    try:
+        torch.empty(1, dtype=dst).copy_(torch.empty(1, dtype=src))
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _each(fn: Fill, fills: list[tuple[tuple[str, ...], torch.Tensor, int]], got: list[torch.Tensor], streams: list[Any]) -> None:
