@@ -746,11 +746,11 @@ async def test_a_string_that_is_not_unicode_is_a_state_error_and_leaves_nothing(
         await store.save(1, {"w": torch.ones(2)})
         with pytest.raises(StateError, match="surrogate"):
             await store.save(2, {"w": torch.ones(2), "files": [name]})
-        with pytest.raises(StateError, match="surrogate"):  # a tensor's name: its shard's header (was a raw error)
-            await store.save(2, {name: torch.ones(2)})
+        with pytest.raises(StateError, match=r"surrogate\): the name 'shard-\\udcff.bin'"):  # a tensor's name, named
+            await store.save(2, {name: torch.ones(2)})  # (its shard's header: was a raw error, then the JSON around it)
         assert store.steps() == [1]
     assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000001"]
-    with pytest.raises(StateError, match="surrogate"):  # a file's header, the same way
+    with pytest.raises(StateError, match=r"the name 'shard-\\udcff.bin'"):  # a file's header, the same way (helper-47)
         await aiotensor.save_file({name: torch.ones(2)}, tmp_path / "one.safetensors")
     assert not (tmp_path / "one.safetensors").exists()
 

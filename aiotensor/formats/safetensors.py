@@ -104,7 +104,7 @@ def header_bytes(
         dims = map(",".join, map(map, repeat(str), shapes[i:j]))
         members = zip(map(_quoted, keys[i:j]), dtypes[i:j], dims, begins[i:j], ends[i:j], strict=True)
         parts.append(",".join(map(_ENTRY_TEXT.__mod__, members)))
-    text = utf8("{" + ",".join(parts) + "}")
+    text = utf8("{" + ",".join(parts) + "}", keys)
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
     return struct.pack("<Q", padded) + text + b" " * (padded - len(text)), sizes
@@ -114,17 +114,25 @@ _ENTRY_TEXT = '%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'
 _quoted: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]  # json.dumps' (ensure_ascii=False)
 
 
-def utf8(text: str) -> bytes:
+def utf8(text: str, names: Sequence[str] = ()) -> bytes:
     """A header's or a manifest's JSON as UTF-8, or a StateError showing where a string of the
     state is not Unicode: a lone surrogate, what ``os.fsdecode`` makes of a name that is not UTF-8
-    (it was a raw UnicodeEncodeError)."""
+    (it was a raw UnicodeEncodeError): the first of ``names`` (a header's keys) that is, or the
+    text around it."""
     try:
         return text.encode()
     except UnicodeEncodeError as e:
-        near = text[max(0, e.start - 60) : e.end + 20]
-        raise StateError(
-            f"a string of the state is not valid Unicode (a lone surrogate), near {near!r}: encode it first"
-        ) from None
+        bad = next((n for n in names if not _encodes(n)), None)
+        where = f"the name {bad!r}" if bad is not None else f"near {text[max(0, e.start - 60) : e.end + 20]!r}"
+        raise StateError(f"a string of the state is not valid Unicode (a lone surrogate): {where}: encode it first") from None
+
+
+def _encodes(name: str) -> bool:
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def header_length(prefix: bytes, file_size: int, path: object) -> int:
