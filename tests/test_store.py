@@ -380,6 +380,11 @@ async def test_a_step_that_cannot_be_retired_stops_no_other(tmp_path: Any) -> No
         with pytest.raises(OSError, match="overlay's lower layer"):
             await store.delete(1)
         assert store.steps() == [1, 5, 6]
+        with pytest.raises(OSError, match="overlay's lower layer"):
+            await store.rollback(0)  # 6 and 5 go, 1 stays: `latest` names it (it named nothing: helper-48)
+        assert store.steps() == [1] and (tmp_path / "latest").read_text().strip() == "step-000000000001"
+        for step in (5, 6):
+            await store.save(step, small_state(step))
         assert_state_equal(await store.load(1), small_state(1))
     eng = _StepStays()
     async with TensorStore(tmp_path, engine=eng, keep_last=2) as store:

@@ -158,18 +158,22 @@ class Steps:
 
     async def delete(self, steps: list[int]) -> None:
         """Move ``latest`` to the newest step that stays, retire ``steps`` (those still committed),
-        then update ``latest`` (if the first move failed). Shielded: it ends.
+        then update ``latest`` (if the first move failed, or a step could not be retired: it names
+        the newest step there is, helper-48). Shielded: it ends.
 
         Raises:
-            StoreLockedError: this store is no longer the root's writer (:meth:`fence`)."""
+            StoreLockedError: this store is no longer the root's writer (:meth:`fence`).
+            OSError: a step could not be retired (the others before it were)."""
         with anyio.CancelScope(shield=True):
             async with self.lock:
                 await self.fence()
                 await self._try(lambda: self.sync_latest(None, steps), None, "updating `latest`")
-                for s in steps:
-                    if s in self.committed:
-                        await self._retire(s)
-                await self._try(self.sync_latest, None, "updating `latest`")
+                try:
+                    for s in steps:
+                        if s in self.committed:
+                            await self._retire(s)
+                finally:
+                    await self._try(self.sync_latest, None, "updating `latest`")
 
     async def _try(self, fn: Callable[[], Awaitable[Any]], h: SaveHandle | None, what: str) -> None:
         """Housekeeping that must not fail what it follows: a failure is logged and listed in ``h``'s
