@@ -71,13 +71,13 @@ def _arg(op: pickletools.OpcodeInfo) -> int:
 
 _ARG = {op.code.encode("latin-1")[0]: _arg(op) for op in pickletools.opcodes}
 _NAME = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+# (the opcodes below that :func:`check_hashing` takes first are not named again in these)
 _ATOMS = {
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
-    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE", "NEWFALSE", "UNICODE",
-    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT", "GLOBAL", "EXT1", "EXT2", "EXT4", "PERSID",
-    "NEXT_BUFFER",
+    "INT", "BININT", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES",
+    "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT",
+    "GLOBAL", "EXT1", "EXT2", "EXT4", "PERSID", "NEXT_BUFFER",
 }  # fmt: skip
-_NOTHING = {"PROTO", "FRAME", "READONLY_BUFFER"}
+_NOTHING = {"PROTO", "READONLY_BUFFER"}
 # the opcodes taken first (nine in ten of a state_dict's pickle)
 _BINPUT, _LONG_BINPUT, _BINGET, _BININT1, _NEWFALSE, _NEWTRUE, _NONE, _MARK, _BINUNICODE = map(
     ord, (pickle.BINPUT, pickle.LONG_BINPUT, pickle.BINGET, pickle.BININT1, pickle.NEWFALSE, pickle.NEWTRUE, pickle.NONE,
@@ -113,7 +113,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
-    kids: list[Any] | None
+    kids: list[Any]
     i, n = 0, len(data)
     frame_end = -1  # where the frame being read ends (-1: none)
 
@@ -266,21 +266,19 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 size, line, i = end - i, data[i : end - 1], end
             if i > n:
                 raise _Lost("an argument cut short")
-            if name in ("BINGET", "LONG_BINGET", "GET"):
-                got = memo.get(value if arg > 0 else _int(line))
+            if name == "GET":  # (its text form)
+                got = memo.get(_int(line))
                 if got is None:
                     raise _Lost("a GET of what was never PUT")
                 if type(got) is _Record:
                     got.shared = True
                 stack.append(got)
-            elif name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+            elif name == "PUT":
                 if not stack:
                     raise _Lost("a PUT of nothing")
-                memo[len(memo) if name == "MEMOIZE" else value if arg > 0 else _int(line)] = stack[-1]
+                memo[_int(line)] = stack[-1]
             elif name in _ATOMS:
                 stack.append(min(1 + size, cap) << _D if name in ("LONG", "LONG1", "LONG4") else _ATOM)
-            elif name == "MARK":
-                marks.append(len(stack))
             elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
                 k = ord(name[-1]) - ord("0")
                 above(k)
@@ -298,9 +296,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                     stack.append(_Record(min(cost, cap), depth))
                 else:
                     stack.append(call(tuple_of(kids[1:] if name == "OBJ" else kids)))
-            elif name == "EMPTY_TUPLE":
-                stack.append((1 << _D) | 1)
-            elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
+            elif name in ("EMPTY_LIST", "EMPTY_SET"):
                 stack.append(_Record())
             elif name in ("APPEND", "SETITEM"):
                 k = 1 if name == "APPEND" else 2
