@@ -71,7 +71,7 @@ class Steps:
         self.lock = anyio.Lock()  # one commit (or listing) at a time, so `latest` only moves forward
         self._known: dict[str, Any] = {}  # manifests already checked, by folder name
         self._latest_on_disk: str | None = None
-        self.stuck: set[int] = set()  # steps whose retiring failed: left until the store is opened again
+        self.stuck: set[int] = set()  # steps retiring failed for good: passed over until reopened or saved anew
 
     def check(self, step: int | None, *, exists: bool = False) -> int:
         """``step`` (None: the newest), if it is committed; else why not (for a load: what is
@@ -181,10 +181,7 @@ class Steps:
         try:
             await fn()
         except Exception as e:
-            msg = f"{self.root}: {what} failed ({e}); the checkpoint is committed, and the next save or open repairs this"
-            if h is not None:
-                h.warn(msg)
-            log.warning("%s", msg)
+            _failed(self.root, what, e, h, "and the next save or open repairs this")
 
     async def sync_latest(self, h: SaveHandle | None = None, leaving: Iterable[int] = ()) -> None:
         """Make ``latest`` name the newest committed step (or remove it when none is left). Something
@@ -234,12 +231,7 @@ class Steps:
                     if stays
                     else "retired (the next save or open repairs the rest)"
                 )
-                msg = (
-                    f"{self.root}: retiring step {step} failed ({e}); the checkpoint is committed, step {step} is "
-                    f"{then}, and the others are retired as usual"
-                )
-                h.warn(msg)
-                log.warning("%s", msg)
+                _failed(self.root, f"retiring step {step}", e, h, f"step {step} is {then}, and the others are retired as usual")
 
     async def _retire(self, step: int) -> None:
         """Retire a step durably (:func:`aiotensor.commit.retire`), then delete its files in the
@@ -265,6 +257,14 @@ class Steps:
                     log.warning("%s: could not delete the retired %s (%s); the next writer removes it", self.root, doomed, e)
 
         self._start(remove)
+
+
+def _failed(root: str, what: str, e: Exception, h: SaveHandle | None, then: str) -> None:
+    """Housekeeping after a commit failed: logged, and listed in ``h``'s warnings."""
+    msg = f"{root}: {what} failed ({e}); the checkpoint is committed, {then}"
+    if h is not None:
+        h.warn(msg)
+    log.warning("%s", msg)
 
 
 async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root: str, wait: float | None) -> None:
