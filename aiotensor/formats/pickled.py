@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from .._runtime import gil
 from ..errors import UnsafeFileError
 
 MAX_DEPTH = 64  # tuples (and objects) nested in what is hashed; no state_dict comes near
@@ -72,24 +73,36 @@ def _arg(op: pickletools.OpcodeInfo) -> int:
 _ARG = {op.code.encode("latin-1")[0]: _arg(op) for op in pickletools.opcodes}
 _NAME = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 # (the opcodes below that :func:`check_hashing` takes first are not named again in these)
-_ATOMS = {
-    "INT", "BININT", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES",
-    "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT",
-    "GLOBAL", "EXT1", "EXT2", "EXT4", "PERSID", "NEXT_BUFFER",
-}  # fmt: skip
+_ATOMS = {"INT", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "UNICODE", "FLOAT", "GLOBAL", "EXT1", "EXT2", "EXT4",
+          "PERSID", "NEXT_BUFFER"}  # fmt: skip
 _NOTHING = {"PROTO", "READONLY_BUFFER"}
 # the opcodes taken first (nine in ten of a state_dict's pickle)
-_BINPUT, _LONG_BINPUT, _BINGET, _BININT1, _NEWFALSE, _NEWTRUE, _NONE, _MARK, _BINUNICODE = map(
-    ord, (pickle.BINPUT, pickle.LONG_BINPUT, pickle.BINGET, pickle.BININT1, pickle.NEWFALSE, pickle.NEWTRUE, pickle.NONE,
-          pickle.MARK, pickle.BINUNICODE)
+_BINPUT, _LONG_BINPUT, _BINGET, _LONG_BINGET, _MEMOIZE, _MARK, _EMPTY_DICT, _EMPTY_LIST, _BUILD, _SETITEMS = map(
+    ord, (pickle.BINPUT, pickle.LONG_BINPUT, pickle.BINGET, pickle.LONG_BINGET, pickle.MEMOIZE, pickle.MARK,
+          pickle.EMPTY_DICT, pickle.EMPTY_LIST, pickle.BUILD, pickle.SETITEMS)
 )  # fmt: skip
-_TUPLE1, _TUPLE2, _EMPTY_TUPLE, _TUPLE, _REDUCE, _NEWOBJ, _EMPTY_DICT, _MEMOIZE, _LONG_BINGET = map(
-    ord, (pickle.TUPLE1, pickle.TUPLE2, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.REDUCE, pickle.NEWOBJ, pickle.EMPTY_DICT,
-          pickle.MEMOIZE, pickle.LONG_BINGET)
+_TUPLE1, _TUPLE2, _EMPTY_TUPLE, _TUPLE, _REDUCE, _NEWOBJ, _APPEND, _BINPERSID, _POP = map(
+    ord, (pickle.TUPLE1, pickle.TUPLE2, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.REDUCE, pickle.NEWOBJ, pickle.APPEND,
+          pickle.BINPERSID, pickle.POP)
 )  # fmt: skip
+
+
+def _table(sizes: dict[str, int]) -> bytes:
+    """A byte per opcode: ``sizes[its name]`` + 1, 0 for the others (one lookup takes them all)."""
+    out = bytearray(256)
+    for name, k in sizes.items():
+        out[ord(getattr(pickle, name))] = k + 1
+    return bytes(out)
+
+
+# atoms of a fixed argument (its bytes), and of an argument of its length's bytes before it
+_FIXED = _table({"BININT1": 1, "BININT2": 2, "BININT": 4, "BINFLOAT": 8, "NEWFALSE": 0, "NEWTRUE": 0, "NONE": 0})
+_SIZED = _table({"SHORT_BINUNICODE": 1, "BINUNICODE": 4, "BINUNICODE8": 8, "SHORT_BINBYTES": 1, "BINBYTES": 4,
+                 "BINBYTES8": 8, "BYTEARRAY8": 8, "SHORT_BINSTRING": 1})  # fmt: skip
 _DEPTHS = _ATOM - 1
 
 
+@gil.quiet_gc  # (a record per list, dict and object: no collection walks them meanwhile)
 def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     """Refuse ``data`` (:class:`UnsafeFileError`) where unpickling it would hash a tuple nested
     more than :data:`MAX_DEPTH` deep, or take more than :func:`hash_budget` steps hashing in all.
@@ -112,7 +125,8 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     spent = 0
     stack: list[Any] = []
     marks: list[int] = []
-    memo: dict[int, Any] = {}
+    memo: list[Any] = []  # the memo's keys 0, 1, 2...: what the pickler makes (a list: 8 bytes an entry)
+    far: dict[int, Any] = {}  # any other keys
     kids: list[Any]
     i, n = 0, len(data)
     frame_end = -1  # where the frame being read ends (-1: none)
@@ -144,6 +158,14 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 raise refuse("changes a value a tuple already holds")
             cost, depth = _added(kids, into.cost, into.depth)
             into.cost, into.depth = min(cost, cap), depth
+
+    def put(key: int, x: Any) -> None:
+        if key < len(memo):
+            memo[key] = x
+        elif key == len(memo) and not far:
+            memo.append(x)
+        else:
+            far[key] = x
 
     def to_mark() -> list[Any]:
         if not marks:
@@ -179,42 +201,46 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 raise _Lost("no STOP")
             op = data[i]
             i += 1
-            # the opcodes of a state_dict's pickle, nine in ten of them, first (0.3-0.4 us an opcode in all)
-            if op == _LONG_BINPUT or op == _BINPUT or op == _MEMOIZE:
+            # the opcodes of a state_dict's pickle, nine in ten of them, first (0.2-0.3 us an opcode in all)
+            if op == _MEMOIZE or op == _BINPUT or op == _LONG_BINPUT:
                 if not stack:
                     raise _Lost("a PUT of nothing")
-                if op == _BINPUT:
-                    memo[data[i]] = stack[-1]
+                if op == _MEMOIZE:
+                    key = len(memo) + len(far)
+                elif op == _BINPUT:
+                    key = data[i]
                     i += 1
-                elif op == _MEMOIZE:
-                    memo[len(memo)] = stack[-1]
                 else:
-                    memo[int.from_bytes(data[i : i + 4], "little")] = stack[-1]
+                    key = int.from_bytes(data[i : i + 4], "little")
                     i += 4
+                if key < len(memo):
+                    memo[key] = stack[-1]
+                elif key == len(memo) and not far:
+                    memo.append(stack[-1])
+                else:
+                    far[key] = stack[-1]
                 continue
             if op == _BINGET or op == _LONG_BINGET:
                 if op == _BINGET:
-                    got = memo.get(data[i])
+                    key = data[i]
                     i += 1
                 else:
-                    got = memo.get(int.from_bytes(data[i : i + 4], "little"))
+                    key = int.from_bytes(data[i : i + 4], "little")
                     i += 4
+                got = memo[key] if key < len(memo) else far.get(key)
                 if got is None:
                     raise _Lost("a GET of what was never PUT")
                 if type(got) is _Record:
                     got.shared = True
                 stack.append(got)
                 continue
-            if op == _BININT1 or op == _NEWFALSE or op == _NEWTRUE or op == _NONE:
-                i += op == _BININT1
+            k = _FIXED[op]
+            if k:
+                i += k - 1
                 stack.append(_ATOM)
                 continue
             if op == _MARK:
                 marks.append(len(stack))
-                continue
-            if op == _BINUNICODE:
-                i += 4 + int.from_bytes(data[i : i + 4], "little")
-                stack.append(_ATOM)
                 continue
             if op == _TUPLE1 or op == _EMPTY_TUPLE:
                 if op == _EMPTY_TUPLE:
@@ -224,23 +250,59 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 if type(x) is int and x & _DEPTHS < MAX_DEPTH and x >> _D < cap:  # one item: a count and a level more
                     stack[-1] = x + _ATOM + 1
                     continue
-            if op == _TUPLE and marks:
-                m = marks.pop()
-                kids = stack[m:]
-                del stack[m:]
-                stack.append(tuple_of(kids))
+            if (op == _NEWOBJ or op == _REDUCE) and len(stack) - (marks[-1] if marks else 0) >= 2:
+                x = stack.pop()
+                stack[-1] = call(x if type(x) is int else tuple_of([x]))
                 continue
-            if op == _EMPTY_DICT:
+            if op == _BUILD:
+                above(2)
+                state = stack.pop()  # a dict, or (a dict, slots): its keys go into the object's __dict__
+                charge((state,))
+                target = stack[-1]
+                if type(target) is _Record:
+                    if target.shared or target.held:
+                        raise refuse("BUILDs an object it already handed out")
+                    target.cost = min(target.cost + _cost(state), cap)
+                    target.depth = max(target.depth, 1 + _depth(state))
+                    if target.depth > MAX_DEPTH:
+                        raise refuse(f"nests objects more than {MAX_DEPTH} deep")
+                continue
+            if op == _EMPTY_DICT or op == _EMPTY_LIST:
                 stack.append(_Record())
+                continue
+            if op == _SETITEMS:
+                kids = to_mark()
+                charge(kids[::2])
+                put_in(kids)
+                continue
+            k = _SIZED[op]
+            if k:
+                k -= 1
+                i += k + int.from_bytes(data[i : i + k], "little")
+                stack.append(_ATOM)
                 continue
             if op == _TUPLE2 and len(stack) - (marks[-1] if marks else 0) >= 2:
                 kids = stack[-2:]
                 del stack[-2:]
                 stack.append(tuple_of(kids))
                 continue
-            if (op == _REDUCE or op == _NEWOBJ) and len(stack) - (marks[-1] if marks else 0) >= 2:
-                x = stack.pop()
-                stack[-1] = call(x if type(x) is int else tuple_of([x]))
+            if op == _TUPLE and marks:
+                m = marks.pop()
+                kids = stack[m:]
+                del stack[m:]
+                stack.append(tuple_of(kids))
+                continue
+            if op == _APPEND:
+                above(2)
+                put_in([stack.pop()])
+                continue
+            if op == _BINPERSID:
+                above(1)
+                charge(stack[-1:])  # (a persistent id goes to Python code)
+                stack[-1] = _ATOM
+                continue
+            if op == _POP and len(stack) > (marks[-1] if marks else 0):
+                stack.pop()
                 continue
             arg = _ARG.get(op)
             if arg is None:
@@ -267,7 +329,8 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
             if i > n:
                 raise _Lost("an argument cut short")
             if name == "GET":  # (its text form)
-                got = memo.get(_int(line))
+                key = _int(line)
+                got = memo[key] if key < len(memo) else far.get(key)
                 if got is None:
                     raise _Lost("a GET of what was never PUT")
                 if type(got) is _Record:
@@ -276,7 +339,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
             elif name == "PUT":
                 if not stack:
                     raise _Lost("a PUT of nothing")
-                memo[_int(line)] = stack[-1]
+                put(_int(line), stack[-1])
             elif name in _ATOMS:
                 stack.append(min(1 + size, cap) << _D if name in ("LONG", "LONG1", "LONG4") else _ATOM)
             elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
@@ -384,9 +447,12 @@ class _Lost(Exception):
 def _int(line: bytes) -> int:
     """A GET's or PUT's text argument as the C unpickler reads it (to its first NUL: helper-48)."""
     try:
-        return int(line.split(b"\0", 1)[0])
+        key = int(line.split(b"\0", 1)[0])
     except ValueError:
         raise _Lost("a GET or PUT of no number") from None
+    if key < 0:  # (the C unpickler's error)
+        raise _Lost("a GET or PUT of a negative key")
+    return key
 
 
 def key_cost(x: Any, most: int) -> int:
