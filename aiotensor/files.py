@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import sources
-from ._io.read import close, layout_of, read_tensors, verify_mapped
+from ._io.read import close, layout_of, read_tensors, verify_mapped, written
 from ._io.tensors import (
     Target,
     carved_targets,
@@ -281,7 +281,8 @@ async def load_file(
         OSError: the file cannot be read.
         ValueError: ``device`` is not a device type this machine's scheduler handles.
 
-    Cancellation: returns once no worker thread writes into the tensors.
+    Cancellation: returns once no worker thread writes into the tensors; ``into``'s may then hold
+    a mix of old and new values, their version counters moved (as when a load fails partway).
     """
     path = local_path(path, objects=True)
     keys = sources.fixed(keys)
@@ -330,8 +331,13 @@ async def read_file(
         dest, targets, nbytes = await sched.call(
             cuda.under, streams, _targets, sched, layout, path, into, dev, verify, ok, keys, priority=Priority.LOAD, home=True
         )
-        with reporting(nbytes, progress):
-            await read_tensors(sched, fd, path, targets, Priority.LOAD)
+        try:
+            with reporting(nbytes, progress):
+                await read_tensors(sched, fd, path, targets, Priority.LOAD)
+        except BaseException:
+            if into is not None:  # (some may hold new bytes now)
+                await written(sched, map(_TENSOR, targets))
+            raise
         if into is not None:
             await sched.call(modified, map(_TENSOR, targets), priority=Priority.LOAD)
     finally:

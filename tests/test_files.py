@@ -257,6 +257,45 @@ async def test_a_load_in_place_tells_autograd_as_load_state_dict_does(tmp_path: 
     assert torch.equal(frozen, w)
 
 
+@pytest.mark.parametrize("how", ["load_into", "load_file", "store"])
+async def test_a_load_in_place_that_fails_partway_tells_autograd_too(tmp_path: Any, how: str) -> None:
+    """A load in place that fails after it began writing (a checksum mismatch in the last tensor,
+    the first already read) leaves the tensors' old values gone: their version counters move, so a
+    graph made from the old weights refuses ``backward()`` as after a load that succeeds."""
+    a, b = torch.full((64,), 5.0), torch.full((64,), 7.0)
+    path = tmp_path / "w.safetensors"
+    await aiotensor.save_file({"a": a, "b": b}, path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # (b's last byte)
+    path.write_bytes(bytes(data))
+    if how == "store":
+        async with aiotensor.TensorStore(tmp_path / "s") as store:
+            await store.save(1, {"a": a, "b": b})
+        shard = next((tmp_path / "s" / "step-000000000001").glob("*.safetensors"))
+        raw = bytearray(shard.read_bytes())
+        raw[-1] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Parameter(torch.zeros(64)), torch.nn.Parameter(torch.zeros(64))
+
+    m = M()
+    z = (m.a * m.a).sum() + (m.b * m.b).sum()
+    with pytest.raises(ChecksumError):
+        if how == "load_into":
+            await aiotensor.load_into(m, path)
+        elif how == "load_file":
+            await aiotensor.load_file(path, into=dict(m.named_parameters()))
+        else:
+            async with aiotensor.TensorStore(tmp_path / "s", readonly=True) as store:
+                await store.load(into=dict(m.named_parameters()), atomic=False)
+    assert torch.equal(m.a.detach(), a)  # (written before the failure)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
 async def test_into_and_tensors_of_the_wrong_kind_are_typed_errors(tmp_path: Any) -> None:
     """helper-47: ``into={"a": 3}`` (or None) raised AttributeError ('int' object has no attribute
     'is_meta'), and ``save_file([t], ...)`` AttributeError ('list' object has no attribute 'items')."""

@@ -22,7 +22,7 @@ from ..errors import ChecksumError
 from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, torch_shape
-from .read import close, open_read, read_tensors
+from .read import close, open_read, read_tensors, written
 from .tensors import Block, Target, assign, carve, carved_targets, modified
 
 
@@ -264,12 +264,17 @@ async def read(
             return finish(a, [e.names[0] for e in entries], dtype)
 
     a = await sched.call(start, priority=Priority.LOAD, home=True)
-    for path, targets in a.targets.items():
-        fd = await open_read(sched, path)
-        try:
-            await read_named(sched, fd, path, targets, entries)
-        finally:
-            await close(sched, fd)
+    try:
+        for path, targets in a.targets.items():
+            fd = await open_read(sched, path)
+            try:
+                await read_named(sched, fd, path, targets, entries)
+            finally:
+                await close(sched, fd)
+    except BaseException:
+        if into:  # (some may hold new bytes now)
+            await written(sched, into)
+        raise
     return await sched.call(end, a, priority=Priority.LOAD)
 
 

@@ -28,7 +28,7 @@ from ..errors import ChecksumError, FormatError, annotate_oserror
 from ..formats import checksum
 from ..formats import safetensors as st
 from ..formats.dtypes import SAFETENSORS_TO_TORCH
-from .tensors import Block, Target, byte_view, copy_tensor, crc_of_pieces, direct, io_bytes, spans, wait_for_streams
+from .tensors import Block, Target, byte_view, copy_tensor, crc_of_pieces, direct, io_bytes, modified, spans, wait_for_streams
 
 
 async def open_read(sched: Scheduler, path: str) -> int:
@@ -48,6 +48,14 @@ async def close(sched: Scheduler, *fds: int) -> None:
     if fds:
         with anyio.CancelScope(shield=True):
             await sched.call(_close_all, sched.engine, fds, priority=Priority.LOAD)
+
+
+async def written(sched: Scheduler, tensors: Iterable[torch.Tensor | None]) -> None:
+    """:func:`~aiotensor._io.tensors.modified` of the tensors a load that failed or was cancelled
+    had begun to write in place (a graph made from their old values must refuse ``backward()``
+    then too), in one worker call that waits whatever cancels the caller, as :func:`close`."""
+    with anyio.CancelScope(shield=True):
+        await sched.call(modified, list(tensors), priority=Priority.LOAD)
 
 
 def _close_all(engine: Engine, fds: tuple[int, ...]) -> None:

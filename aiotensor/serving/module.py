@@ -450,7 +450,7 @@ async def load_into(
     checked. Use :func:`prepare_swap` to switch only once everything is in and verified.
 
     Cancellation: returns once no thread writes into the module; it may hold a mix of old and new
-    values (load into a copy, or use :func:`prepare_swap`, to switch only once everything is in).
+    values, their version counters moved (load into a copy, or use :func:`prepare_swap`, to switch only once everything is in).
     """
     got = await _matched(
         module,

@@ -15,7 +15,17 @@ from .. import knobs, sources
 from .. import root as _root
 from .._io.assemble import read
 from .._io.plan import shard_header
-from .._io.read import begins_with, close, header_crc, layout_of, open_read, read_tensors, verify_mapped, verify_tensors
+from .._io.read import (
+    begins_with,
+    close,
+    header_crc,
+    layout_of,
+    open_read,
+    read_tensors,
+    verify_mapped,
+    verify_tensors,
+    written,
+)
 from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch, modified, new_tensor
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
@@ -58,8 +68,8 @@ async def load_checkpoint(
         OSError: an I/O error, naming the file.
 
     Cancellation: returns only once no worker thread writes into the destination tensors; with
-    ``into``, they may then hold a mix of old and new values (unless the verify pass of
-    ``atomic`` was still running: then they are untouched).
+    ``into``, they may then hold a mix of old and new values, their version counters moved (unless
+    the verify pass of ``atomic`` was still running: then they are untouched).
     """
     with sched.operation():  # the whole load
         path = local_path(folder, objects=True)
@@ -141,7 +151,7 @@ async def _load_opened(
     )
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
-        await _read_passes(sched, folder, targets, passes, held)
+        await _read_passes(sched, folder, targets, passes, held, dest if into is not None else None)
     state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, None, wanted, priority=Priority.LOAD)
     manifest = [m]
     del m
@@ -168,23 +178,35 @@ _FREE_HERE = 64 * 1024
 
 
 async def _read_passes(
-    sched: Scheduler, folder: str, targets: dict[str, list[Target]], passes: tuple[str, ...], held: dict[str, int]
+    sched: Scheduler,
+    folder: str,
+    targets: dict[str, list[Target]],
+    passes: tuple[str, ...],
+    held: dict[str, int],
+    into: dict[str, torch.Tensor] | None,
 ) -> None:
+    """Verify, then read, ``targets``; where the read pass fails or is cancelled, ``into``'s
+    tensors (a load in place) are marked written (:func:`~aiotensor._io.read.written`)."""
     for what in passes:
-        for shard, shard_targets in targets.items():
-            path = os.path.join(folder, shard)
-            fd = held.get(shard)
-            own = fd is None
-            if fd is None:
-                fd = await open_read(sched, path)
-            try:
-                if what == "verify":
-                    await verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
-                else:
-                    await read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
-            finally:
-                if own:
-                    await close(sched, fd)
+        try:
+            for shard, shard_targets in targets.items():
+                path = os.path.join(folder, shard)
+                fd = held.get(shard)
+                own = fd is None
+                if fd is None:
+                    fd = await open_read(sched, path)
+                try:
+                    if what == "verify":
+                        await verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
+                    else:
+                        await read_tensors(sched, fd, path, shard_targets, Priority.LOAD)
+                finally:
+                    if own:
+                        await close(sched, fd)
+        except BaseException:
+            if what == "read" and into is not None:
+                await written(sched, into.values())
+            raise
 
 
 async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device, verify: bool, strict: bool = True) -> Any:

@@ -884,8 +884,10 @@ class TensorStore:
 
         Cancellation: returns (raising it) only once no worker thread writes into ``into``'s
         tensors any more: the reads in flight finish first (on a 2-core machine, about half of a
-        0.5 GB load once it is under way). Its tensors may then hold a mix of old and new values,
-        and its other values (a step, a learning rate) are the old ones: they are set at the end.
+        0.5 GB load once it is under way). Its tensors may then hold a mix of old and new values
+        (their version counters moved, as after a load that succeeds: a graph made before refuses
+        ``backward()``), and its other values (a step, a learning rate) are the old ones: they are
+        set at the end.
         """
         self._check_open()
         tier = self._tier
