@@ -359,20 +359,18 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                     stack.append(_Record(min(cost, cap), depth))
                 else:
                     stack.append(call(tuple_of(kids[1:] if name == "OBJ" else kids)))
-            elif name in ("EMPTY_LIST", "EMPTY_SET"):
+            elif name == "EMPTY_SET":
                 stack.append(_Record())
-            elif name in ("APPEND", "SETITEM"):
-                k = 1 if name == "APPEND" else 2
-                above(k + 1)
-                kids = stack[-k:]
-                del stack[-k:]
-                if name == "SETITEM":
-                    charge(kids[:1])
+            elif name == "SETITEM":
+                above(3)
+                kids = stack[-2:]
+                del stack[-2:]
+                charge(kids[:1])
                 put_in(kids)
-            elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
+            elif name in ("APPENDS", "ADDITEMS"):
                 kids = to_mark()
-                if name != "APPENDS":
-                    charge(kids[::2] if name == "SETITEMS" else kids)
+                if name == "ADDITEMS":
+                    charge(kids)
                 put_in(kids)
             elif name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX"):
                 k = 3 if name == "NEWOBJ_EX" else 2
@@ -380,30 +378,12 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 args = stack[-k + 1 :]
                 del stack[-k:]
                 stack.append(call(tuple_of(args)))
-            elif name == "BUILD":
+            elif name == "STACK_GLOBAL":
                 above(2)
-                state = stack.pop()  # a dict, or (a dict, slots): its keys go into the object's __dict__
-                charge((state,))
-                target = stack[-1]
-                if type(target) is _Record:
-                    if target.shared or target.held:
-                        raise refuse("BUILDs an object it already handed out")
-                    target.cost = min(target.cost + _cost(state), cap)
-                    target.depth = max(target.depth, 1 + _depth(state))
-                    if target.depth > MAX_DEPTH:
-                        raise refuse(f"nests objects more than {MAX_DEPTH} deep")
-            elif name in ("BINPERSID", "STACK_GLOBAL"):
-                k = 1 if name == "BINPERSID" else 2
-                above(k)
-                charge(stack[-k:])  # (a persistent id goes to Python code)
-                del stack[-k:]
+                charge(stack[-2:])
+                del stack[-2:]
                 stack.append(_ATOM)
-            elif name == "POP":
-                if len(stack) > (marks[-1] if marks else 0):
-                    stack.pop()
-                else:
-                    to_mark()
-            elif name == "POP_MARK":
+            elif name in ("POP", "POP_MARK"):  # (a POP of the stack at its mark takes the mark)
                 to_mark()
             elif name == "DUP":
                 above(1)
