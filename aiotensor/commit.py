@@ -185,8 +185,9 @@ class Publication:
     :meth:`publish` removes the folder only while the marker still holds it (a writer whose
     lease ran out meanwhile left its successor's save of the same step alone).
 
-    Cancellation: :meth:`publish` runs to its end once started (its steps are shielded); the
-    clean-up on leaving is shielded too.
+    Cancellation: :meth:`publish` runs to its end once started (its thread is waited out); where
+    a cancellation is raised after it ran, :attr:`published` is True all the same. The clean-up on
+    leaving is shielded too.
     """
 
     def __init__(
@@ -244,16 +245,23 @@ class Publication:
             OSError: naming the step that failed; nothing is published (``tmp`` is then removed
                 on leaving the block).
         """
+        ran: list[bool] = []
+
+        def publish_it() -> None:
+            publish(self.engine, self.tmp, self.final, folder=self.folder)
+            ran.append(True)
+
         with anyio.CancelScope(shield=True):  # a rename that ran must be followed by its fsync
             try:
-                await self._call(publish, self.engine, self.tmp, self.final, what=f"publishing {self.final}", folder=self.folder)
+                await self._call(publish_it, what=f"publishing {self.final}")
             except OSError as e:
                 if self.folder and e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                     raise CheckpointExistsError(
                         f"{self.final} appeared meanwhile and is not this save's (nothing was published): {e}"
                     ) from e
                 raise
-        self.published = True
+            finally:  # (published, even where a cancellation came while it ran: its thread was waited out)
+                self.published = bool(ran)
 
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         if self.published:

@@ -392,3 +392,100 @@ async def test_a_store_never_closed_lets_go_of_its_lock_when_collected(tmp_path:
     async with TensorStore(tmp_path) as again:
         assert again.steps() == [1]
     gc.collect()
+
+
+def _slow_renames(seconds: float, started: threading.Event | None = None) -> FaultyEngine:
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "rename":  # a commit's rename, a retired step's: NFS, a busy disk
+            if started is not None:
+                started.set()
+            time.sleep(seconds)
+
+    return FaultyEngine(hook=hook)
+
+
+async def _cancelled_twice(aw: Any, backend: str) -> None:
+    """``aw`` as a task cancelled twice by asyncio's own ``Task.cancel()`` (a second Ctrl-C, two
+    timeouts), which goes through an anyio shield; returns once the task did. (On trio: a cancel
+    scope's cancellation, which its shields hold.)"""
+    if backend != "asyncio":
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.sleep, 0)
+                await anyio.sleep(0.05)
+                scope.cancel()
+                await aw
+        assert scope.cancelled_caught
+        return
+    task = asyncio.ensure_future(aw)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_asyncio_cancellation_cuts_no_delete_close_or_wait_short(tmp_path: Any, anyio_backend: Any) -> None:
+    """helper-51: a shield held each worker call against ``Task.cancel()``, not a sequence of them.
+    A cancelled ``delete()`` stopped between its steps (``latest`` named the step before while the
+    step stayed committed, or a rollback retired one step of three); a ``close()`` cancelled twice
+    returned with a save still committing and its lock released (a second writer's open then removed
+    that save's folder); an ``await handle`` cancelled twice returned before the save stopped. Each
+    runs to its end now, then raises the cancellation."""
+    async with TensorStore(tmp_path, engine=_slow_renames(0.2)) as store:
+        for s in range(5):
+            await store.save(s, small_state(s))
+        await _cancelled_twice(store.delete(4), anyio_backend[0])
+        assert store.steps() == [0, 1, 2, 3] and (tmp_path / "latest").read_text().strip() == "step-000000000003"
+        await _cancelled_twice(store.rollback(1), anyio_backend[0])
+        assert store.steps() == [0, 1] and (tmp_path / "latest").read_text().strip() == "step-000000000001"
+        h5 = store.save(5, small_state(5))
+        await _cancelled_twice(h5.wait(), anyio_backend[0])
+        assert h5.done()  # (cancelled, or committed: past its commit point a save completes)
+    store = TensorStore(tmp_path, engine=_slow_renames(0.2))
+    await store.open()
+    h6 = store.save(6, small_state(6))
+    await _cancelled_twice(store.close(), anyio_backend[0])
+    assert h6.done()
+    async with TensorStore(tmp_path) as again:
+        assert again.steps() == [0, 1] + [s for s, h in ((5, h5), (6, h6)) if h.committed]
+        for s in again.steps():
+            assert_state_equal(await again.load(s), small_state(s))
+
+
+_COMMIT_AS_LOOP_ENDS = """
+import asyncio, sys, threading, time, torch, aiotensor
+from aiotensor.testing import FaultyEngine
+renaming, got = threading.Event(), []
+def hook(op):
+    if op[0] == "rename":  # the commit's: slow, and the loop ends meanwhile
+        renaming.set()
+        time.sleep(0.3)
+async def main():
+    store = aiotensor.TensorStore(sys.argv[1], engine=FaultyEngine(hook=hook))
+    await store.open()
+    got.append(store.save(1, {"w": torch.arange(1000.0)}))
+    await asyncio.to_thread(renaming.wait, 30)
+asyncio.run(main())  # returns as the save commits: its tasks are cancelled
+print("committed", got[0].committed, "error", repr(got[0].exception()))
+"""
+
+
+def test_a_save_whose_commit_ran_as_the_loop_ended_is_committed(tmp_path: Any) -> None:
+    """The loop ending (``asyncio.run`` returning, Ctrl-C) cancelled a save whose rename was under
+    way: the step was committed on disk, and its handle said ``SaveCancelledError: nothing was
+    committed`` and the log "step 1 was not committed" (helper-51). Its handle says committed now."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = subprocess.run(
+        [sys.executable, "-c", _COMMIT_AS_LOOP_ENDS, str(tmp_path / "ck")], capture_output=True, text=True, cwd=root
+    )
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / "ck" / "step-000000000001" / "manifest.json").exists()
+    assert "committed True error None" in got.stdout and "was not committed" not in got.stderr, got.stdout + got.stderr
+
+    async def check() -> None:
+        async with TensorStore(tmp_path / "ck", readonly=True) as reader:
+            assert torch.equal((await reader.load(1))["w"], torch.arange(1000.0))
+
+    asyncio.run(check())

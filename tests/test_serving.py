@@ -269,6 +269,28 @@ async def test_breaking_out_stops_every_read(tmp_path: Any) -> None:
     assert eng.open_fds() == []
 
 
+async def test_an_aclose_cancelled_by_asyncio_still_returns_only_once_nothing_reads(tmp_path: Any) -> None:
+    """helper-51: ``aclose()`` is shielded, but asyncio's own ``Task.cancel()`` goes through an anyio
+    shield: it returned while its reader still read, 20 times in 20. It returns once it did."""
+    import asyncio
+
+    w = {f"t{i}": torch.full((4096,), float(i)) for i in range(2000)}
+    await save_file(w, tmp_path / "m.safetensors")
+    for _ in range(5):
+        eng = FaultyEngine()
+        s = stream(tmp_path / "m.safetensors", scheduler=aiotensor.Scheduler(eng))
+        await s.__anext__()  # reading under way
+        task = asyncio.ensure_future(s.aclose())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = read_bytes(eng)
+        assert eng.open_fds() == []
+        await anyio.sleep(0.05)
+        assert read_bytes(eng) == after, "nothing is read once aclose() returned"
+
+
 async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwhile(tmp_path: Any) -> None:
     n = 3000
     w = {f"t{i}": torch.full((4,), float(i)) for i in range(n)}

@@ -253,6 +253,54 @@ async def wait_out(done: anyio.Event) -> BaseException | None:
     return pending
 
 
+async def finish(fn: Callable[[], Awaitable[T]]) -> T:
+    """``await fn()`` run to its end whatever cancels the caller, then the cancellation that came
+    meanwhile raised (else ``fn``'s error, or its result): for a sequence of steps that must not be
+    cut between two of them (a commit and its ``latest``, a deletion, a close). An anyio shield
+    holds anyio's and trio's cancellation but not asyncio's own ``Task.cancel()`` (``wait_for``,
+    ``asyncio.timeout``, a TaskGroup's), which cut such a sequence after its step in hand (helper-51:
+    a cancelled ``delete()`` left ``latest`` naming an older step and the step committed, a close
+    cancelled twice let a second writer in while a save was still committing): on asyncio ``fn()``
+    runs as a task of its own, waited out (:func:`wait_out`). (The loop ending cancels that task
+    too.)"""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # trio: its shield holds every cancellation
+        with anyio.CancelScope(shield=True):
+            got = await fn()
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return got
+    done = anyio.Event()
+    out: list[tuple[bool, Any]] = []
+
+    async def run() -> None:
+        try:
+            out.append((True, await fn()))
+        except BaseException as e:  # handed to the caller, whatever it is
+            out.append((False, e))
+        finally:
+            done.set()
+
+    spawn(run)
+    cancelled = await wait_out(done)
+    ok, value = out.pop()
+    try:
+        if cancelled is None:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+    except BaseException as e:
+        cancelled = e
+    if cancelled is not None:
+        if not ok:
+            log.debug("a sequence failed while its caller was being cancelled: %s: %s", type(value).__name__, value)
+        raise cancelled
+    if not ok:
+        try:
+            raise value
+        finally:
+            del value
+    return value  # type: ignore[no-any-return]
+
+
 _keep_alive: set[asyncio.Task[None]] = set()
 
 

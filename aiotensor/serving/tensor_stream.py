@@ -317,20 +317,22 @@ class _Stream:
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
-        with anyio.CancelScope(shield=True):
-            if self._reader_done is not None:
-                await self._reader_done.wait()
-            self._ahead = 0
-            held = (self._ready, self._batches or [], self._run)
-            self._ready, self._batches, self._run = {}, [], []
-            close = self.scheduler.close if self._own else None
-            self._own = False
-            if not wait:
-                self.scheduler.discard_later(*held, then=close)
-                return
-            await self.scheduler.discard(*held)
-            if close is not None:
-                await anyio.to_thread.run_sync(close)
+        await threads.finish(functools.partial(self._let_go, wait))  # (a Task.cancel() cut it short: helper-51)
+
+    async def _let_go(self, wait: bool) -> None:
+        if self._reader_done is not None:
+            await self._reader_done.wait()
+        self._ahead = 0
+        held = (self._ready, self._batches or [], self._run)
+        self._ready, self._batches, self._run = {}, [], []
+        close = self.scheduler.close if self._own else None
+        self._own = False
+        if not wait:
+            self.scheduler.discard_later(*held, then=close)
+            return
+        await self.scheduler.discard(*held)
+        if close is not None:
+            await anyio.to_thread.run_sync(close)
 
 
 class TensorStream:

@@ -8,6 +8,8 @@ from typing import Any
 
 import anyio
 
+from .._runtime import threads
+
 
 def _cancellation(exc: Any) -> bool:
     """Is ``exc`` (an exception or its class) asyncio's cancellation? (trio never throws into a
@@ -172,9 +174,9 @@ class SaveHandle(Coroutine[Any, Any, None]):
         return self._co
 
     async def _stopped(self, exc: BaseException) -> None:
-        """Wait, shielded, until the cancelled save has stopped, then raise ``exc`` (its cancellation)."""
-        with anyio.CancelScope(shield=True):
-            await self._done_event.wait()
+        """Wait until the cancelled save has stopped, whatever cancels the caller again (asyncio's
+        ``Task.cancel()`` goes through a shield: helper-51), then raise ``exc`` (its cancellation)."""
+        await threads.wait_out(self._done_event)
         self.observed = True  # its canceller is told (by the cancellation)
         raise exc
 

@@ -73,7 +73,7 @@ class Mirror:
                 await run_concurrently(*(put(name) for name in m.shards))
                 await self.steps.fence()
                 await put(MANIFEST)()
-                await self.steps.commit(h, pub.publish)
+                await self.steps.commit(h, pub)
             self.last = {d: os.path.join(self.steps.path(step), f) for f, d in m.digests.items()}
             for w in h.warnings:
                 log.warning("%s", w)

@@ -285,7 +285,7 @@ async def _write(
         await sched.discard(crcs)
         await steps.fence()
         await write_file(sched, os.path.join(pub.tmp, _root.MANIFEST), [(0, memoryview(data))], prio)
-        await steps.commit(h, pub.publish)
+        await steps.commit(h, pub)
     if incremental is not None:  # past the commit point: a failure here only means the next save writes every byte
         try:
             remembered: list[tuple[tuple[str, ...], Previous]] = await sched.call(

@@ -20,7 +20,9 @@ import anyio
 
 from .. import commit
 from .. import root as _root
+from .._runtime import threads
 from .._runtime.scheduler import Priority, Scheduler
+from ..commit import Publication
 from ..engines.objects import ObjectLease
 from ..errors import CheckpointNotFoundError, StoreLockedError, annotate_oserror
 from ..root import LATEST, step_dir_name
@@ -138,42 +140,58 @@ class Steps:
         if self.writer_lock is not None:
             await self._call(self.writer_lock.check, what=f"renewing the writer lease of {self.root}")
 
-    async def commit(self, h: SaveHandle, publish: Callable[[], Awaitable[None]] | None) -> None:
-        """``publish()`` (the commit point; None where it happened elsewhere: a distributed save's
-        rank 0, inside DCP), then ``latest`` and retention. Shielded: a commit that began ends."""
-        with anyio.CancelScope(shield=True):
-            async with self.lock:
-                if publish is not None:
-                    await publish()
-                h.set_committed()
-                self.committed.add(h.step)
-                self.stuck.discard(h.step)  # (a step saved again: its folder is a new one)
-                if not self.writer:  # rank 0 retires: the other ranks drop those steps from their view
-                    if self.keep_last is not None:
-                        self.committed.difference_update(self.sorted()[: -self.keep_last])
-                    return
-                log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
-                await self._try(lambda: self.sync_latest(h), h, "updating `latest`")
-                await self._retain(h)
+    async def commit(self, h: SaveHandle, pub: Publication | None) -> None:
+        """``pub``'s publication (the commit point; None where it happened elsewhere: a distributed
+        save's rank 0, inside DCP), then ``latest`` and retention, run to their end whatever cancels
+        the caller (:func:`~aiotensor._runtime.threads.finish`). Where a cancellation cuts in once
+        the publication ran (the event loop ending: its tasks are all cancelled), the step is
+        recorded as committed all the same (helper-51: it was, and the handle said it was not)."""
+        await threads.finish(functools.partial(self._commit, h, pub))
+
+    async def _commit(self, h: SaveHandle, pub: Publication | None) -> None:
+        async with self.lock:
+            try:
+                if pub is not None:
+                    await pub.publish()
+            except BaseException:
+                if pub is not None and pub.published:
+                    self._committed(h)  # (latest and retention: the next open repairs them)
+                raise
+            self._committed(h)
+            if not self.writer:  # rank 0 retires: the other ranks drop those steps from their view
+                if self.keep_last is not None:
+                    self.committed.difference_update(self.sorted()[: -self.keep_last])
+                return
+            log.info("%s: committed step %d (%d bytes)", self.root, h.step, h.nbytes)
+            await self._try(lambda: self.sync_latest(h), h, "updating `latest`")
+            await self._retain(h)
+
+    def _committed(self, h: SaveHandle) -> None:
+        h.set_committed()
+        self.committed.add(h.step)
+        self.stuck.discard(h.step)  # (a step saved again: its folder is a new one)
 
     async def delete(self, steps: list[int]) -> None:
         """Move ``latest`` to the newest step that stays, retire ``steps`` (those still committed),
         then update ``latest`` (if the first move failed, or a step could not be retired: it names
-        the newest step there is, helper-48). Shielded: it ends.
+        the newest step there is, helper-48). Once started it ends, whatever cancels the caller
+        (:func:`~aiotensor._runtime.threads.finish`).
 
         Raises:
             StoreLockedError: this store is no longer the root's writer (:meth:`fence`).
             OSError: a step could not be retired (the others before it were)."""
-        with anyio.CancelScope(shield=True):
-            async with self.lock:
-                await self.fence()
-                await self._try(lambda: self.sync_latest(None, steps), None, "updating `latest`")
-                try:
-                    for s in steps:
-                        if s in self.committed:
-                            await self._retire(s)
-                finally:
-                    await self._try(self.sync_latest, None, "updating `latest`")
+        await threads.finish(functools.partial(self._delete, steps))
+
+    async def _delete(self, steps: list[int]) -> None:
+        async with self.lock:
+            await self.fence()
+            await self._try(lambda: self.sync_latest(None, steps), None, "updating `latest`")
+            try:
+                for s in steps:
+                    if s in self.committed:
+                        await self._retire(s)
+            finally:
+                await self._try(self.sync_latest, None, "updating `latest`")
 
     async def _try(self, fn: Callable[[], Awaitable[Any]], h: SaveHandle | None, what: str) -> None:
         """Housekeeping that must not fail what it follows: a failure is logged and listed in ``h``'s

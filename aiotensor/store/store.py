@@ -23,7 +23,7 @@ import torch
 
 from .. import commit, knobs, sources
 from .. import root as _root
-from .._runtime import cuda, threads
+from .._runtime import cuda, gil, threads
 from .._runtime.buffers import StagingPool
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler
 from ..engines import Engine
@@ -422,15 +422,16 @@ class TensorStore:
                 await self._tasks.wait()
             except BaseException:
                 self._cancel_saves()
-                with anyio.CancelScope(shield=True):
-                    await self._tasks.wait()
+                await threads.finish(self._tasks.wait)  # (a second Task.cancel() let a new writer in: helper-51)
                 raise
         finally:
-            with anyio.CancelScope(shield=True):
-                if self._tier is not None:
-                    await self._tier.close()
-                await self._release()
+            await threads.finish(self._let_go)
         self._raise_unobserved()
+
+    async def _let_go(self) -> None:
+        if self._tier is not None:
+            await self._tier.close()
+        await self._release()
 
     def _cancel_saves(self) -> None:
         for h in list(self._in_flight.values()):
@@ -621,7 +622,7 @@ class TensorStore:
         except Exception as e:
             error = e
         except BaseException:  # the loop itself is shutting down (its tasks cancelled)
-            error = cancelled
+            error = None if h.committed else cancelled  # (committed as it ended: it succeeded, helper-51)
             if not h.committed:  # (nothing else tells: helper-36's trainer lost three steps silently)
                 log.warning(
                     "%s: step %d was not committed: the event loop cancelled its tasks while it was being saved "
@@ -941,8 +942,14 @@ class TensorStore:
         """
         self._check_open()
         step = self._steps.check(step)
-        src = await self.scheduler.call(sources.step, self.engine, self.path(step), step, priority=Priority.LOAD)
-        return {n: TensorInfo(n, e.dtype, e.shape, e.nbytes) for e in src.entries for n in e.names}
+        return await self.scheduler.call(_info, self.engine, self.path(step), step, priority=Priority.LOAD)
+
+
+@gil.quiet_gc  # (tens of thousands of records: no collection walks them meanwhile)
+def _info(engine: Engine, folder: str, step: int) -> dict[str, TensorInfo]:
+    """:meth:`TensorStore.info` (tens of thousands of tensors: in a worker, helper-51: 100 ms on the loop)."""
+    src = sources.step(engine, folder, step)
+    return {n: TensorInfo(n, e.dtype, e.shape, e.nbytes) for e in src.entries for n in e.names}
 
 
 __all__ = ["TensorStore"]
