@@ -162,3 +162,21 @@ async def test_every_failed_save_is_raised_as_its_own_error_in_turn(tmp_path: An
         assert len(seen) == 2 and all("injected ENOSPC" in m for m in seen), seen
         await snap.drain()
         assert store.steps() == [5]
+
+
+async def test_a_trainer_whose_forward_is_synchronous_still_checkpoints(tmp_path: Any) -> None:
+    """helper-50: README's and docs/store.md's loop with a synchronous forward (no other await) and
+    the default ``"skip"``: once a save was skipped, ``before_update`` had nothing to wait for and
+    never let the loop run, so the saves in flight never committed, every later save was skipped
+    (0 checkpoints in 3 s of training) and a SIGTERM handler never ran. It gives the loop turns."""
+    w = torch.zeros(64)
+    async with TensorStore(tmp_path) as store:
+        snap = Snapshotter(store)
+        for step in range(400):
+            time.sleep(0.002)  # noqa: ASYNC251 (forward/backward, holding the loop's thread: the point)
+            await snap.before_update()
+            w.add_(1)
+            snap.save(step, {"w": w})
+        during = store.steps()
+        await snap.drain()
+    assert len(during) > 4, during
