@@ -5,6 +5,7 @@ Multi-process cases use real processes (``tests/_procs.py``), never threads.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -143,6 +144,52 @@ def test_a_forked_child_loads_through_its_parents_store_but_never_writes(tmp_pat
         await store.close()
 
     anyio.run(parent_goes_on)
+
+
+def test_a_child_forked_while_its_parent_saves_loads_through_its_store_too(tmp_path: Any) -> None:
+    """helper-50: a child forked while the parent's save was in flight (a DataLoader worker started
+    mid-training) or just after ``open()`` (its background set-up still running) got RuntimeError
+    "busy on another event loop" from ``load()`` and ``save()``: the parent's work, which never runs
+    in the child, was taken for another loop's. It loads; a save is refused as documented."""
+    store = TensorStore(tmp_path)
+
+    async def parent() -> int:
+        await store.open()
+        await store.save(1, w(1))
+        h = store.save(2, {f"t{i}": torch.randn(256, 1024) for i in range(32)})
+        await h.staged
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+
+                async def child_work() -> None:
+                    assert (await store.load(1))["step"] == 1
+                    with pytest.raises(StoreClosedError, match="forked"):
+                        store.save(3, w(3))
+
+                asyncio.run(child_work())
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never blocks)
+            if done or time.monotonic() > deadline:
+                break
+            await anyio.sleep(0.05)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)  # noqa: ASYNC222 (killed: at once)
+        await h
+        await store.close()
+        return os.waitstatus_to_exitcode(status) if done else -1
+
+    assert anyio.run(parent) == 0
 
 
 async def test_lock_timeout_waits_for_the_other_writer(tmp_path: Any) -> None:

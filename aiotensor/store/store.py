@@ -722,9 +722,11 @@ class TensorStore:
     def _check_open(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
-        if self._forked() and (is_object(self.root) or (self._tier is not None and is_object(self._tier.root))):
+        if not self._forked():
+            self._check_loop()
+        elif is_object(self.root) or (self._tier is not None and is_object(self._tier.root)):
             self._refuse_in_child("its object-store client does not survive a fork (its calls would hang)")
-        self._check_loop()
+        # (a forked child's copy: the parent's work in flight never runs here, nor is another loop's: helper-50)
 
     def _check_writable(self) -> None:
         self._check_open()
