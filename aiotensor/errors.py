@@ -1,6 +1,7 @@
 """The exception tree of aiotensor.
 
-Every error the library raises on purpose is an :class:`AiotensorError`::
+Every problem of a file, a checkpoint or a store that the library raises is an
+:class:`AiotensorError` (a wrong argument is a ``ValueError`` or ``TypeError``, as in Python itself)::
 
     AiotensorError
     ├── FormatError (ValueError)           a file does not follow its format
@@ -14,12 +15,13 @@ Every error the library raises on purpose is an :class:`AiotensorError`::
     ├── UnsupportedLocationError (ValueError)  a URL aiotensor does not serve there (``gs://...``, ``s3:/bucket``)
     ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
     ├── CheckpointExistsError (FileExistsError)   the step is already committed or being saved
-    ├── StaleStepError (ValueError)        retention would delete the step at once (newer steps exist)
+    ├── StaleStepError (ValueError)        a save of a step older than a committed one (roll back first)
     ├── SaveCancelledError                 the save was cancelled; nothing was committed
     ├── StoreClosedError (RuntimeError)    the store was used outside ``async with``
     ├── StoreLockedError (RuntimeError)    another writer holds the root's lock
     ├── ReadOnlyStoreError (RuntimeError)  a write (save, delete) on a store opened ``readonly=True``
-    └── SaveFailedError (RuntimeError)     an earlier background save failed and nobody awaited it
+    ├── SaveFailedError (RuntimeError)     an earlier background save failed and nobody awaited it
+    └── DistributedError (RuntimeError)    a save or load under a process group failed on other ranks
 
 Operating system failures (disk full, EIO, permission) stay :class:`OSError` — users expect
 ``except OSError`` to catch a full disk — but their message is extended with the file involved.

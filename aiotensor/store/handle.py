@@ -85,8 +85,9 @@ class SaveHandle(Coroutine[Any, Any, None]):
     waits for it (and, if cancelled, cancels it).
 
     After the commit point the save has succeeded, whatever happens next: a failure to update
-    ``latest`` or to retire old steps is logged (logger ``aiotensor``), listed in
-    :attr:`warnings`, and repaired by the next save or open; it never fails the handle.
+    ``latest`` or to retire old steps is logged (logger ``aiotensor``) and listed in
+    :attr:`warnings` (``latest`` is repaired by the next save or open, retention by the next
+    commit); it never fails the handle.
 
     Cancellation: cancelling a task that awaits the handle (or ``handle.staged``) cancels the save
     itself: its temporary folder is removed, earlier checkpoints are untouched, and the await

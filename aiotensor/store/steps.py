@@ -2,8 +2,9 @@
 exist: a commit (the publication, then ``latest``, then retention), delete and rollback (each a
 retirement, :func:`aiotensor.commit.retire`), and the repairs a writer makes when it opens.
 
-After the commit point nothing fails a save: trouble with ``latest`` or retention is logged,
-listed in the handle's warnings, and repaired by the next save or open.
+After the commit point nothing fails a save: trouble with ``latest`` or retention is logged and
+listed in the handle's warnings; ``latest`` is repaired by the next save or open, retention by
+the next commit.
 """
 
 from __future__ import annotations
