@@ -337,7 +337,7 @@ def _torch_file(engine: Engine, path: str) -> Source:
     """A torch.save zip: one span per storage (read once, whatever shares it), each tensor a view of
     its storage's span; the tree walked once per object (shared structure stays shared)."""
     tree = ts.parse_path(engine, path)
-    refs = ts.tensor_refs(tree)  # each distinct tensor, with all its names, in first-seen order
+    refs = ts.tensor_refs(tree, path)  # each distinct tensor, with all its names, in first-seen order
     spans: dict[str, Span] = {}
     entries = []
     for names, ref in refs:

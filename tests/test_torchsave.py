@@ -162,8 +162,20 @@ async def test_counters_sizes_and_bytes_read_as_torch_load_reads_them(tmp_path: 
     assert type(got["sched"]["milestones"]) is collections.Counter and got["sched"] == want["sched"]
     assert got["shape"] == want["shape"] and got["blob"] == want["blob"] and torch.equal(got["w"], want["w"])
     torch.save({"s": torch.ones(2).untyped_storage()}, tmp_path / "s.pt")
-    with pytest.raises(UnsafeFileError, match="bare storage"):
+    with pytest.raises(UnsafeFileError, match="bare storage") as e:
         await load_torch(tmp_path / "s.pt")
+    assert e.value.path == str(tmp_path / "s.pt")  # (it named no file: helper-50)
+
+
+async def test_load_torch_of_other_than_a_torch_save_zip_says_so(tmp_path: Any) -> None:
+    """helper-50: a legacy torch.save file, or junk, given to load_torch was a HeaderError about a
+    safetensors header (its docstring: UnsafeFileError, not a torch.save zip)."""
+    torch.save({"a": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "junk.pt").write_bytes(b"hello world, not a zip")
+    with pytest.raises(UnsafeFileError, match="not a torch.save zip: the file is a pickle .a legacy torch.save"):
+        await load_torch(tmp_path / "legacy.pt")
+    with pytest.raises(UnsafeFileError, match="not a torch.save zip"):
+        await load_torch(tmp_path / "junk.pt")
 
 
 @pytest.mark.parametrize("protocol", [2, 4])

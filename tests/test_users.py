@@ -109,6 +109,10 @@ async def test_stream_dtype_leaves_integer_tensors_alone(tmp_path: Any) -> None:
     assert got["w"].dtype == torch.bfloat16
     every = {k: t async for k, t in stream(tmp_path / "m.safetensors", dtype=lambda name, d: torch.bfloat16)}
     assert every["position_ids"].dtype == torch.bfloat16  # asked for explicitly: 257 becomes 256, as asked
+    for bad in ("float16", 5):  # a rule that returns other than a dtype or None: TypeError, as documented (helper-50)
+        with pytest.raises(TypeError, match="'w'"):
+            async for _ in stream(tmp_path / "m.safetensors", dtype=lambda name, d, bad=bad: None if name != "w" else bad):
+                pass
 
 
 # --- 23.7, 23.9, 23.10: convert keeps what the target holds, writes where the user said ---------------

@@ -81,7 +81,10 @@ def cast_to(rule: DtypeRule, name: str, dtype: torch.dtype) -> torch.dtype | Non
     if rule is None:
         return None
     if callable(rule) and not isinstance(rule, torch.dtype):
-        return rule(name, dtype)
+        got = rule(name, dtype)
+        if got is not None and not isinstance(got, torch.dtype):  # (torch's .to() raised a RuntimeError: helper-50)
+            raise TypeError(f"the dtype rule returned {got!r} for tensor {name!r}: a torch.dtype or None, to keep its own")
+        return got
     return rule if dtype.is_floating_point and dtype != rule and dtype not in _PACKED else None
 
 

@@ -147,7 +147,11 @@ def seal(doc: dict[str, Any]) -> bytes:
 def check_seal(data: bytes, path: object) -> None:
     m = _CHECKSUM_TAIL.search(data, max(0, len(data) - _TAIL_BYTES))  # from the end: not a scan of the whole file
     if m is None:
-        raise ManifestError("the manifest does not end with its checksum (truncated, or not written by aiotensor)", path)
+        raise ManifestError(
+            "the manifest does not end with its checksum (truncated, not written by aiotensor, or by aiotensor's first "
+            "commits of 2026-11-22, before f27d1a0, whose version 1 manifests carried none: not read)",
+            path,
+        )
     recorded = int(m.group(1), 16)
     view = memoryview(data)  # the crc of the bytes with the digits as zeros, in three pieces: no copy
     got = checksum.crc32c(view[m.end(1) :], checksum.crc32c(_ZEROS, checksum.crc32c(view[: m.start(1)])))

@@ -555,7 +555,7 @@ MAX_DEPTH = 64  # containers nested in a state (formats.tree's cap for what aiot
 MAX_NODES = 1 << 20  # containers and tensors reached, counted along every path to them
 
 
-def tensor_refs(tree: Any) -> list[tuple[tuple[str, ...], TensorRef]]:
+def tensor_refs(tree: Any, path: object = None) -> list[tuple[tuple[str, ...], TensorRef]]:
     """Each distinct tensor of ``tree`` (by identity), with every name it is reached by, in first
     seen order. Names are dotted as in a state_dict and unique: where two paths make one name
     (``{"a.b": x, "a": {"b": y}}``), the later tensor is ``a.b#2``, as
@@ -567,10 +567,13 @@ def tensor_refs(tree: Any) -> list[tuple[tuple[str, ...], TensorRef]]:
     :data:`MAX_DEPTH`, refuses the file.
 
     Raises:
-        UnsafeFileError: nesting or sharing past those bounds.
+        UnsafeFileError: nesting or sharing past those bounds, naming ``path`` (the file).
     """
     walk = _Names()
-    walk.walk(tree, (), 0)
+    try:
+        walk.walk(tree, (), 0)
+    except UnsafeFileError as e:  # (the file named: helper-50)
+        raise UnsafeFileError(e.reason, path) from None
     return [(tuple(names), ref) for names, ref in walk.found.values()]
 
 

@@ -18,7 +18,7 @@ from .._io.tensors import load_device
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..commit import Publication
 from ..engines import Engine
-from ..errors import UnsafeFileError, annotate_oserror
+from ..errors import HeaderError, UnsafeFileError, annotate_oserror
 from ..location import engine_for, local_path, where
 
 
@@ -53,7 +53,10 @@ async def load_torch(
     path = local_path(path, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         dev = await load_device(sched, device)
-        src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
+        try:
+            src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
+        except HeaderError as e:  # a legacy pickle, junk: read as a safetensors file, it was a HeaderError (helper-50)
+            raise UnsafeFileError(f"not a torch.save zip: the file {e.reason}", path) from None
         if src.kind != "torch":
             raise UnsafeFileError(
                 f"not a torch.save zip (a {src.kind} {'folder' if src.kind in ('hf', 'dcp', 'step', 'root') else 'file'})", path
