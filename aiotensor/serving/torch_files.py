@@ -147,6 +147,11 @@ async def save_torch(
     atomically (see :mod:`aiotensor.commit`: a temporary name, fsync'ed, renamed over ``path``,
     the folder fsync'ed), through the scheduler's engine.
 
+    ``state`` is pickled as ``torch.save`` pickles it: a state of tensors, containers and plain
+    values reads back with :func:`load_torch` and ``torch.load(weights_only=True)``; an object of
+    another class is written all the same, and only ``torch.load(weights_only=False)`` (which runs
+    the file's code) reads it back (helper-50).
+
     ``storage_options``: for an ``s3://`` path, obstore's S3 keys (``endpoint``, ``access_key_id``,
     ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
