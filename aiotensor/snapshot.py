@@ -53,6 +53,9 @@ class Snapshotter:
 
     A save that fails raises its error from the next ``save``, ``before_update`` or ``drain``.
 
+    ``background`` (default True): each save is started with ``TensorStore.save(...,
+    background=True)``, its I/O behind loads and other saves of the store.
+
     Under a process group (a store opened with ``distributed=``) every rank must save the same
     steps, and a rank cannot know whether another one would skip: the policy is then ``"wait"``
     (the default there; ``"skip"`` is refused with ``ValueError``).

@@ -305,7 +305,12 @@ class _Setup:
                 driver = None
             self._result = _Kvikio(module, defaults, driver, io_mode(defaults, driver))
             log.info("kvikio engine: CUDA tensors move through cuFile in %s mode", self._result.mode)
-        except Exception as e:  # ImportError, or a kvikio that fails to load its libraries
+        except ModuleNotFoundError as e:
+            if e.name != "kvikio":  # (one of its own imports)
+                log.warning("kvikio is installed but failed to load (%s): CUDA tensors move through bounce slots", e)
+            else:  # (it said "is installed" when it was not: helper-50)
+                log.warning("kvikio is not installed (pip install 'aiotensor[gds]'): CUDA tensors move through bounce slots")
+        except Exception as e:  # a kvikio that fails to load its libraries
             log.warning("kvikio is installed but failed to load (%s): CUDA tensors move through bounce slots", e)
         finally:
             self._done.set()
