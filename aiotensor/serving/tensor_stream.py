@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from itertools import compress
 from operator import attrgetter, is_not, itemgetter
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -24,16 +24,21 @@ from .._io.tensors import check_device
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
-from ..errors import MismatchError
+from ..errors import CheckpointNotFoundError, MismatchError
 from ..location import engine_for, local_path
 
 Keys = sources.Keys
 _Batch = tuple[list[Entry], list[tuple[str, ...]], int, list[str]]  # entries, their names, bytes, files
 
 
-def _planned(
-    engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[int, int]], batch_bytes: int
-) -> tuple[int, list[_Batch]]:
+class _Plan(NamedTuple):
+    tensors: int  # how many are read
+    batches: list[_Batch]
+    hold: list[str]  # the files opened before the first read (a checkpoint's: see _HOLD)
+    step: int | None  # a checkpoint step's number, or None
+
+
+def _planned(engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[int, int]], batch_bytes: int) -> _Plan:
     """What the stream reads (:func:`aiotensor.sources.resolve`, ``keys`` and ``rows`` applied), in
     the batches read together: runs of entries of one file of at most ``batch_bytes`` and
     :data:`knobs.STREAM_BATCH_TENSORS` units (a unit: an entry, or the run of entries over one
@@ -70,7 +75,15 @@ def _planned(
         units += 1
     if spans:
         cut(lo, len(spans), size)
-    return len(chosen), batches
+    files = list(dict.fromkeys(f for b in batches for f in b[3]))
+    hold = files if src.kind in ("step", "root", "dcp") and len(files) <= _HOLD else []
+    return _Plan(len(chosen), batches, hold, src.step)
+
+
+# a checkpoint's files (at most this many) are all opened before the first read: its writer's
+# retention, or a delete, may retire the step meanwhile, and open files read on (helper-51: a
+# stream of a store root raced retention and ended with a bare FileNotFoundError halfway)
+_HOLD = 64
 
 
 _PARTS = attrgetter("parts")
@@ -140,6 +153,8 @@ class _Stream:
         self.bytes_read = 0
         self._batch_bytes = min(window_bytes, knobs.STREAM_BATCH_BYTES)
         self._batches: list[_Batch] | None = None
+        self._hold: list[str] = []
+        self._step: int | None = None
         # read ahead, by batch: its (name, tensor) pairs in reverse order (a tied tensor once per
         # name), or the error the consumer gets there
         self._ready: dict[int, list[tuple[str, torch.Tensor]] | BaseException] = {}
@@ -173,14 +188,14 @@ class _Stream:
                     await cuda.initialized(self.device)
                     self._stream = torch.cuda.current_stream(self.device)
                 with sched.operation():
-                    _, batches = await sched.call(
+                    plan = await sched.call(
                         _planned, sched.engine, self.source, self._keys, self._rows, self._batch_bytes, priority=Priority.LOAD
                     )
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self._close()
                 raise
-            self._batches = batches
+            self._batches, self._hold, self._step = plan.batches, plan.hold, plan.step
             self._start_reader()
         while self._next not in self._ready:
             if self._next >= len(self._batches) or (self._reader_done is not None and self._reader_done.is_set()):
@@ -246,6 +261,18 @@ class _Stream:
         try:
             with anyio.CancelScope() as scope:
                 self._reader = scope
+                try:
+                    for path in self._hold:
+                        fds[path] = await open_read(self.scheduler, path)
+                except FileNotFoundError as e:  # the step retired since its manifest was read
+                    self._failed = True
+                    self._ready[0] = CheckpointNotFoundError(
+                        f"step {self._step} was retired (by its writer's retention, or deleted) before it could be read: "
+                        f"{e.filename} is gone; stream the store's newest step again"
+                    )
+                except Exception as e:
+                    self._failed = True
+                    self._ready[0] = e
                 async with anyio.create_task_group() as tg:
                     for batch, (entries, names, nbytes, files) in enumerate(self._batches):
                         while (self._ahead and self._ahead + nbytes > self.window_bytes) or (
