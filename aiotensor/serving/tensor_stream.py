@@ -379,10 +379,12 @@ class TensorStream:
     packed 4-bit ones excepted (``dtype=lambda name, d: torch.bfloat16`` converts every tensor;
     return None to keep one; anything else is a TypeError, raised here).
     Tensors of a torch.save file that share a storage come as views of it, as ``torch.load`` makes
-    them. Several streams may share one ``scheduler`` (loads run before saves on it).
+    them. Several streams may share one ``scheduler`` (loads run before saves on it). A checkpoint's
+    files (a store root's newest step, a step, at most 64 files) are opened before the first read:
+    its writer's retention may retire the step meanwhile, and the stream reads on.
 
-    Raises (from the iteration): CheckpointNotFoundError (nothing there, or a store root with no
-    committed step), MismatchError (``keys`` or ``rows`` name what is not there), HeaderError /
+    Raises (from the iteration): CheckpointNotFoundError (nothing there, a store root with no
+    committed step, or a step retired before its files were opened), MismatchError (``keys`` or ``rows`` name what is not there), HeaderError /
     ManifestError (a malformed file, index or metadata, naming it), UnsafeFileError (a torch.save
     file that needs more than a state_dict's pickle), ChecksumError (a corrupt tensor of a
     checksummed file or checkpoint), OSError. An error is raised where its batch begins: the
