@@ -213,30 +213,40 @@ async def run_sync(
     _pool(nice).submit(job, home)
     cancelled = await wait_out(done)
     ok, value = out.pop()
-    if not ok:  # a cancelled caller gets its cancellation, not the failure that came meanwhile (a
-        try:  # load cancelled by wait_for while its read of a stalled server failed raised OSError: helper-30)
-            if cancelled is None:
-                await anyio.lowlevel.checkpoint_if_cancelled()
-        except BaseException as e:
-            cancelled = e
-        if cancelled is not None:  # (kept for a debugging reader: nothing else tells of it)
-            log.debug("a call failed while its caller was being cancelled: %s: %s", type(value).__name__, value)
-        try:
-            raise value if cancelled is None else cancelled
-        finally:
-            del value
-    if cleanup is not None:
-        try:
-            if cancelled is None:
-                await anyio.lowlevel.checkpoint_if_cancelled()
-        except BaseException as e:
-            cancelled = e
+    if ok and cleanup is not None:
+        if cancelled is None:
+            cancelled = await _cancellation()
         if cancelled is not None:
             await run_sync(cleanup, value, nice=nice)
+    return await _handed_back(cancelled, ok, value)  # type: ignore[no-any-return]
+
+
+async def _cancellation() -> BaseException | None:
+    """The cancellation of the caller's anyio scope, if it is cancelled (not raised)."""
+    try:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+    except BaseException as e:
+        return e
+    return None
+
+
+async def _handed_back(cancelled: BaseException | None, ok: bool, value: Any) -> Any:
+    """What a call waited out (:func:`wait_out`) gives its caller: the cancellation that came
+    meanwhile, or that its anyio scope holds now, raised (a cancelled caller gets its cancellation,
+    not the failure that came meanwhile: a load cancelled by wait_for while its read of a stalled
+    server failed raised OSError, helper-30); else the call's error raised, or its result."""
+    if cancelled is None:
+        cancelled = await _cancellation()
     if cancelled is not None:
+        if not ok:  # (kept for a debugging reader: nothing else tells of it)
+            log.debug("a call failed while its caller was being cancelled: %s: %s", type(value).__name__, value)
         raise cancelled
-    await anyio.lowlevel.checkpoint_if_cancelled()
-    return value  # type: ignore[no-any-return]
+    if not ok:
+        try:
+            raise value
+        finally:
+            del value
+    return value
 
 
 async def wait_out(done: anyio.Event) -> BaseException | None:
@@ -284,21 +294,7 @@ async def finish(fn: Callable[[], Awaitable[T]]) -> T:
     spawn(run)
     cancelled = await wait_out(done)
     ok, value = out.pop()
-    try:
-        if cancelled is None:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-    except BaseException as e:
-        cancelled = e
-    if cancelled is not None:
-        if not ok:
-            log.debug("a sequence failed while its caller was being cancelled: %s: %s", type(value).__name__, value)
-        raise cancelled
-    if not ok:
-        try:
-            raise value
-        finally:
-            del value
-    return value  # type: ignore[no-any-return]
+    return await _handed_back(cancelled, ok, value)  # type: ignore[no-any-return]
 
 
 _keep_alive: set[asyncio.Task[None]] = set()

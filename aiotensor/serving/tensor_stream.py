@@ -384,11 +384,11 @@ class TensorStream:
     its writer's retention may retire the step meanwhile, and the stream reads on.
 
     Raises (from the iteration): CheckpointNotFoundError (nothing there, a store root with no
-    committed step, or a step retired before its files were opened), MismatchError (``keys`` or ``rows`` name what is not there), HeaderError /
-    ManifestError (a malformed file, index or metadata, naming it), UnsafeFileError (a torch.save
-    file that needs more than a state_dict's pickle), ChecksumError (a corrupt tensor of a
-    checksummed file or checkpoint), OSError. An error is raised where its batch begins: the
-    tensors read with a corrupt one are not handed out.
+    committed step, or a step retired before its files were opened), MismatchError (``keys`` or
+    ``rows`` name what is not there), HeaderError / ManifestError (a malformed file, index or
+    metadata, naming it), UnsafeFileError (a torch.save file that needs more than a state_dict's
+    pickle), ChecksumError (a corrupt tensor of a checksummed file or checkpoint), OSError. An
+    error is raised where its batch begins: the tensors read with a corrupt one are not handed out.
 
     Up to ``window_bytes`` of tensors are read ahead of the consumer (a tensor larger than the
     window is read alone); a slow consumer holds the reading back. Use it as an async context
