@@ -101,6 +101,20 @@ async def test_the_lock_goes_with_its_writer_not_with_a_helper_it_forked(tmp_pat
                 os.kill(helper, signal.SIGKILL)
 
 
+def _child_runs(work: Any) -> None:
+    """In a forked child: ``work()``, then exit 0, or print what it raised and exit 1 (never returns)."""
+    code = 1
+    try:
+        work()
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
 def test_a_forked_child_loads_through_its_parents_store_but_never_writes(tmp_path: Any) -> None:
     """A child forked (outside the event loop, as multiprocessing's workers are) from a writer:
     it may load through the parent's store, but a save or delete would write beside the parent,
@@ -112,27 +126,18 @@ def test_a_forked_child_loads_through_its_parents_store_but_never_writes(tmp_pat
         await store.save(1, w(1))
 
     anyio.run(parent_opens)
+
+    async def child_work() -> None:
+        assert (await store.load(1))["step"] == 1
+        with pytest.raises(StoreClosedError, match="forked"):
+            store.save(2, w(2))
+        with pytest.raises(StoreClosedError, match="forked"):
+            await store.delete(1)
+        await store.close()
+
     pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-
-            async def child_work() -> None:
-                assert (await store.load(1))["step"] == 1
-                with pytest.raises(StoreClosedError, match="forked"):
-                    store.save(2, w(2))
-                with pytest.raises(StoreClosedError, match="forked"):
-                    await store.delete(1)
-                await store.close()
-
-            anyio.run(child_work)
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    if pid == 0:
+        _child_runs(lambda: anyio.run(child_work))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -158,24 +163,15 @@ def test_a_child_forked_while_its_parent_saves_loads_through_its_store_too(tmp_p
         await store.save(1, w(1))
         h = store.save(2, {f"t{i}": torch.randn(256, 1024) for i in range(32)})
         await h.staged
+
+        async def child_work() -> None:
+            assert (await store.load(1))["step"] == 1
+            with pytest.raises(StoreClosedError, match="forked"):
+                store.save(3, w(3))
+
         pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 1
-            try:
-
-                async def child_work() -> None:
-                    assert (await store.load(1))["step"] == 1
-                    with pytest.raises(StoreClosedError, match="forked"):
-                        store.save(3, w(3))
-
-                asyncio.run(child_work())
-                code = 0
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                os._exit(code)
+        if pid == 0:
+            _child_runs(lambda: asyncio.run(child_work()))
         deadline = time.monotonic() + 60
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never blocks)
