@@ -502,6 +502,11 @@ class SlotPool:
     def give(self, i: int) -> None:
         self._free.append(i)
 
+    def forget(self) -> None:
+        """In a forked child: the parent's slots are left as they are (taken by calls that never end
+        here; not even mapped here where kept from children); new ones are mapped on first use."""
+        self._buf, self._free, self._pinning = None, [], None
+
     def pin(self, pinning: Any) -> None:
         """Pin the slots (once; from a worker thread: pinning blocks)."""
         if self._buf is not None and self._pinning is None and self._buf.pin(pinning):

@@ -12,6 +12,8 @@ import enum
 import functools
 import heapq
 import itertools
+import os
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -192,6 +194,7 @@ class Scheduler:
         self.stats = Stats()
         self.cuda: CopyStreams | None = CopyStreams() if cuda_available() else None
         self._gate = _Gate(workers, workers * self.batch_bytes)  # also keeps the threads to `workers`
+        _schedulers.add(self)
 
     async def call(
         self,
@@ -359,6 +362,23 @@ def _clear_then(containers: tuple[list[Any] | dict[Any, Any], ...], then: Callab
     gil.emptied(*containers)
     if then is not None:
         then()
+
+
+_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+def _forget_in_flight() -> None:
+    """In a forked child (a DataLoader worker forked mid-save): the parent's calls in flight never
+    end here, their threads do not exist, so every scheduler admits afresh, with bounce slots of its
+    own (the parent's may be kept from children); a load through a copied store waited for ever
+    for slots the parent's saves held (helper-53)."""
+    for s in list(_schedulers):
+        s._gate = _Gate(s.workers, s.workers * s.batch_bytes)
+        s.slots.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_flight)
 
 
 def _concat(results: list[list[T]]) -> list[T]:
