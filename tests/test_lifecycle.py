@@ -4,6 +4,7 @@ a task, all-or-nothing loads, releasing staging memory. On asyncio, uvloop and t
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 import sys
@@ -489,3 +490,48 @@ def test_a_save_whose_commit_ran_as_the_loop_ended_is_committed(tmp_path: Any) -
             assert torch.equal((await reader.load(1))["w"], torch.arange(1000.0))
 
     asyncio.run(check())
+
+
+_DELETE_AS_LOOP_ENDS = """
+import asyncio, sys, torch, aiotensor
+async def main():
+    store = aiotensor.TensorStore(sys.argv[1])
+    await store.open()
+    for s in range(2):
+        await store.save(s, {"w": torch.ones(10)})
+    asyncio.get_running_loop().create_task(store.delete(0))  # started as main returns
+asyncio.run(main())
+print("returned")
+"""
+
+
+def test_a_delete_started_as_the_loop_ends_lets_it_end(tmp_path: Any) -> None:
+    """helper-53: a delete() (a close, a commit) whose task of its own the ending loop cancelled
+    before it started was waited for ever: asyncio.run never returned."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = subprocess.run(
+        [sys.executable, "-c", _DELETE_AS_LOOP_ENDS, str(tmp_path / "ck")], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert got.returncode == 0 and "returned" in got.stdout, got.stderr
+
+
+async def test_a_delete_that_fails_after_its_caller_timed_out_raises_its_error(tmp_path: Any) -> None:
+    """helper-53: a delete() whose retiring rename failed while its caller's deadline passed said
+    nothing on asyncio (the cancellation raised, move_on_after swallowed it, the step still there);
+    on trio its OSError came out. Its error comes out on both."""
+    failing = [False]
+
+    def hook(op: tuple[Any, ...]) -> None:
+        if op[0] == "rename" and failing[0]:
+            time.sleep(0.3)
+            raise OSError(errno.EIO, "injected EIO on rename")
+
+    async with TensorStore(tmp_path, engine=FaultyEngine(hook=hook)) as store:
+        for s in range(2):
+            await store.save(s, small_state(s))
+        failing[0] = True
+        with pytest.raises(OSError, match="injected EIO"):
+            with anyio.move_on_after(0.1):
+                await store.delete(0)
+        failing[0] = False
+        assert store.steps() == [0, 1]

@@ -264,15 +264,16 @@ async def wait_out(done: anyio.Event) -> BaseException | None:
 
 
 async def finish(fn: Callable[[], Awaitable[T]]) -> T:
-    """``await fn()`` run to its end whatever cancels the caller, then the cancellation that came
-    meanwhile raised (else ``fn``'s error, or its result): for a sequence of steps that must not be
+    """``await fn()`` run to its end whatever cancels the caller, then ``fn``'s error raised, else the
+    cancellation that came meanwhile, else its result: for a sequence of steps that must not be
     cut between two of them (a commit and its ``latest``, a deletion, a close). An anyio shield
     holds anyio's and trio's cancellation but not asyncio's own ``Task.cancel()`` (``wait_for``,
     ``asyncio.timeout``, a TaskGroup's), which cut such a sequence after its step in hand (helper-51:
     a cancelled ``delete()`` left ``latest`` naming an older step and the step committed, a close
     cancelled twice let a second writer in while a save was still committing): on asyncio ``fn()``
-    runs as a task of its own, waited out (:func:`wait_out`). (The loop ending cancels that task
-    too.)"""
+    runs as a task of its own, waited out (:func:`wait_out`). ``fn``'s error is raised before the
+    cancellation (on both backends). (The loop ending cancels that task too; where it never
+    started, the cancellation is raised.)"""
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # trio: its shield holds every cancellation
@@ -291,9 +292,16 @@ async def finish(fn: Callable[[], Awaitable[T]]) -> T:
         finally:
             done.set()
 
-    spawn(run)
+    spawn(run, done.set)  # (set even where the task never starts: a loop ending cancels it first, helper-53)
     cancelled = await wait_out(done)
+    if not out:  # never started: the loop is ending, its tasks (the caller too) cancelled
+        raise cancelled if cancelled is not None else asyncio.CancelledError()
     ok, value = out.pop()
+    if not ok:  # it ran, and failed: its error, before a cancellation that came meanwhile (as trio's
+        try:  # shield lets it out; a timed-out delete() that failed said nothing: helper-53)
+            raise value
+        finally:
+            del value
     return await _handed_back(cancelled, ok, value)  # type: ignore[no-any-return]
 
 
