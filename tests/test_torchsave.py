@@ -261,7 +261,7 @@ def _deep_and_shared() -> tuple[bytes, bytes]:
     [
         "dict key", "shared dict key", "set member", "frozenset", "OrderedDict pairs", "Counter", "shared Counter", "BUILD",
         "frame in a frame", "across a frame's end", "GET of a NUL", "Counter of sizes", "persistent id", "device",
-        "negative memo key",
+        "negative memo key", "memo key far ahead",
     ],
 )  # fmt: skip
 async def test_what_the_unpickler_would_hash_is_bounded_before_it_runs(tmp_path: Any, case: str) -> None:
@@ -305,6 +305,8 @@ async def test_what_the_unpickler_would_hash_is_bounded_before_it_runs(tmp_path:
         "device": b"\x80\x02ctorch\ndevice\n" + shared + b"\x85R.",
         # a text PUT of -1 (the C unpickler's error): the model's memo, a list, must not take it as its last key
         "negative memo key": b"\x80\x02}" + shared + b"p41\n0K\x01p-1\n0g41\nK\x01s.",
+        # a 12-byte pickle whose one PUT names key 2**27: the C unpickler makes room for it, 2.3 GB (helper-53)
+        "memo key far ahead": b"\x80\x02}r" + struct.pack("<I", 1 << 27) + b".",
     }[case]
     torch.save({"w": torch.ones(1)}, tmp_path / "ok.pt")
     _rezip(str(tmp_path / "ok.pt"), str(tmp_path / "h.pt"), replace={"data.pkl": pkl})

@@ -125,8 +125,7 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     spent = 0
     stack: list[Any] = []
     marks: list[int] = []
-    memo: list[Any] = []  # the memo's keys 0, 1, 2...: what the pickler makes (a list: 8 bytes an entry)
-    far: dict[int, Any] = {}  # any other keys
+    memo: list[Any] = []  # the memo's keys 0, 1, 2..., as every pickler makes them (8 bytes an entry)
     kids: list[Any]
     i, n = 0, len(data)
     frame_end = -1  # where the frame being read ends (-1: none)
@@ -162,10 +161,10 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
     def put(key: int, x: Any) -> None:
         if key < len(memo):
             memo[key] = x
-        elif key == len(memo) and not far:
+        elif key == len(memo):
             memo.append(x)
-        else:
-            far[key] = x
+        else:  # the C unpickler makes room for it: 16 bytes a key (a 12-byte pickle took 2.3 GB: helper-53)
+            raise _Lost("a memo key past the entries made so far")
 
     def to_mark() -> list[Any]:
         if not marks:
@@ -206,8 +205,9 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 if not stack:
                     raise _Lost("a PUT of nothing")
                 if op == _MEMOIZE:
-                    key = len(memo) + len(far)
-                elif op == _BINPUT:
+                    memo.append(stack[-1])
+                    continue
+                if op == _BINPUT:
                     key = data[i]
                     i += 1
                 else:
@@ -215,10 +215,8 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                     i += 4
                 if key < len(memo):
                     memo[key] = stack[-1]
-                elif key == len(memo) and not far:
-                    memo.append(stack[-1])
                 else:
-                    far[key] = stack[-1]
+                    put(key, stack[-1])
                 continue
             if op == _BINGET or op == _LONG_BINGET:
                 if op == _BINGET:
@@ -227,9 +225,9 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 else:
                     key = int.from_bytes(data[i : i + 4], "little")
                     i += 4
-                got = memo[key] if key < len(memo) else far.get(key)
-                if got is None:
+                if key >= len(memo):
                     raise _Lost("a GET of what was never PUT")
+                got = memo[key]
                 if type(got) is _Record:
                     got.shared = True
                 stack.append(got)
@@ -330,9 +328,9 @@ def check_hashing(data: bytes, path: object, what: str = "the pickle") -> None:
                 raise _Lost("an argument cut short")
             if name == "GET":  # (its text form)
                 key = _int(line)
-                got = memo[key] if key < len(memo) else far.get(key)
-                if got is None:
+                if key >= len(memo):
                     raise _Lost("a GET of what was never PUT")
+                got = memo[key]
                 if type(got) is _Record:
                     got.shared = True
                 stack.append(got)
