@@ -492,25 +492,33 @@ def test_a_save_whose_commit_ran_as_the_loop_ended_is_committed(tmp_path: Any) -
     asyncio.run(check())
 
 
-_DELETE_AS_LOOP_ENDS = """
+_STARTED_AS_LOOP_ENDS = """
 import asyncio, sys, torch, aiotensor
 async def main():
     store = aiotensor.TensorStore(sys.argv[1])
     await store.open()
     for s in range(2):
         await store.save(s, {"w": torch.ones(10)})
-    asyncio.get_running_loop().create_task(store.delete(0))  # started as main returns
+    async def save():
+        await store.save(2, {"w": torch.ones(10)})
+    asyncio.get_running_loop().create_task(store.delete(0) if sys.argv[2] == "delete" else save())  # as main returns
 asyncio.run(main())
 print("returned")
 """
 
 
-def test_a_delete_started_as_the_loop_ends_lets_it_end(tmp_path: Any) -> None:
+@pytest.mark.parametrize("what", ["delete", "save"])
+def test_work_started_as_the_loop_ends_lets_it_end(tmp_path: Any, what: str) -> None:
     """helper-53: a delete() (a close, a commit) whose task of its own the ending loop cancelled
-    before it started was waited for ever: asyncio.run never returned."""
+    before it started was waited for ever, and so was a save's handle whose task never started:
+    asyncio.run never returned."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     got = subprocess.run(
-        [sys.executable, "-c", _DELETE_AS_LOOP_ENDS, str(tmp_path / "ck")], capture_output=True, text=True, cwd=root, timeout=120
+        [sys.executable, "-c", _STARTED_AS_LOOP_ENDS, str(tmp_path / "ck"), what],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=120,
     )
     assert got.returncode == 0 and "returned" in got.stdout, got.stderr
 

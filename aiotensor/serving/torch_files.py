@@ -56,7 +56,8 @@ async def load_torch(
         try:
             src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
         except HeaderError as e:  # a legacy pickle, junk: read as a safetensors file, it was a HeaderError (helper-50)
-            raise UnsafeFileError(f"not a torch.save zip: the file {e.reason}", path) from None
+            what = "the file" if e.path == path else f"{e.path} (in it)"  # (a folder's broken file: named, helper-53)
+            raise UnsafeFileError(f"not a torch.save zip: {what} {e.reason}", path) from None
         if src.kind != "torch":
             raise UnsafeFileError(
                 f"not a torch.save zip (a {src.kind} {'folder' if src.kind in ('hf', 'dcp', 'step', 'root') else 'file'})", path

@@ -571,8 +571,17 @@ class TensorStore:
         # passed on once the save's task is done (before its turn, or a no-op after it), even where
         # the task never started (a loop ending at once: helper-42)
         passed = None if self._group is None or ticket is None else functools.partial(self._group.passed, ticket)
+
+        def ended() -> None:
+            if passed is not None:
+                passed()
+            if not handle.done():  # never started: a task awaiting the handle waited for ever (helper-53)
+                self._in_flight.pop(step, None)
+                handle.finish(SaveCancelledError(f"the save of step {step} was cancelled before it began (its event loop ended)"))
+                handle.set_mirrored(None)
+
         try:
-            self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress, ticket), passed)
+            self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress, ticket), ended)
         except BaseException:
             if passed is not None:
                 passed()
