@@ -572,11 +572,14 @@ class TensorStore:
         # the task never started (a loop ending at once: helper-42)
         passed = None if self._group is None or ticket is None else functools.partial(self._group.passed, ticket)
 
+        in_flight = self._in_flight  # (not the store: a callback pending holds what it names, and a store
+        # dropped unclosed is collected at once, with its warning: a notebook cell run again)
+
         def ended() -> None:
             if passed is not None:
                 passed()
             if not handle.done():  # never started: a task awaiting the handle waited for ever (helper-53)
-                self._in_flight.pop(step, None)
+                in_flight.pop(step, None)
                 handle.finish(SaveCancelledError(f"the save of step {step} was cancelled before it began (its event loop ended)"))
                 handle.set_mirrored(None)
 
