@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Literal
 
 import anyio
@@ -16,6 +17,7 @@ log = logging.getLogger("aiotensor")
 # takes two (its thread's result, then its task), and ~25 steps make a save (helper-50's 5 ms steps:
 # a save committed every ~10 steps, none with none given); idle, 8 turns take 20-100 us
 _TURNS = 8
+_KEPT = 10_000  # the newest entries of skipped_steps and held_seconds kept
 
 
 class Snapshotter:
@@ -48,7 +50,8 @@ class Snapshotter:
 
     Either way at most ``max_staged`` states are held in memory and at most one save waits.
     ``save(..., force=True)`` never skips (it waits as under ``"wait"``): use it for the last step
-    of a run. ``drain`` returns the steps skipped since the previous ``drain`` and logs a warning
+    of a run. ``drain`` returns the steps skipped since the previous ``drain`` (the newest 10,000;
+    ``skipped`` counts them all) and logs a warning
     if the last ``save`` before it was skipped.
 
     A save that fails raises its error from the next ``save``, ``before_update`` or ``drain``.
@@ -77,9 +80,10 @@ class Snapshotter:
         self.background = background
         self.started = 0
         self.skipped = 0
-        self.skipped_steps: list[int] = []  # since the last drain
+        # bounded: a trainer that runs for days and never drains kept one entry a save (helper-54)
+        self.skipped_steps: deque[int] = deque(maxlen=_KEPT)  # since the last drain (the last _KEPT)
         self._last_skipped: int | None = None  # the step of the last save() call, if it was skipped
-        self.held_seconds: list[float] = []  # one per before_update that waited for a save
+        self.held_seconds: deque[float] = deque(maxlen=_KEPT)  # one per before_update that waited for a save
         self._handles: list[SaveHandle] = []  # not yet known committed
         self._failed: list[SaveHandle] = []  # failed, their errors not raised yet
         self._last: SaveHandle | None = None  # not yet known staged
@@ -138,7 +142,8 @@ class Snapshotter:
                 "save the final step with save(step, state, force=True)",
                 self._last_skipped,
             )
-        skipped, self.skipped_steps, self._last_skipped = self.skipped_steps, [], None
+        skipped, self._last_skipped = list(self.skipped_steps), None
+        self.skipped_steps.clear()
         return skipped
 
     def _collect(self) -> None:

@@ -180,3 +180,17 @@ async def test_a_trainer_whose_forward_is_synchronous_still_checkpoints(tmp_path
         during = store.steps()
         await snap.drain()
     assert len(during) > 4, during
+
+
+async def test_what_a_snapshotter_keeps_is_bounded(tmp_path: Any) -> None:
+    """helper-54: ``held_seconds`` and ``skipped_steps`` gained an entry a save and a skip, for ever,
+    in a trainer that runs for days and never drains. They keep the newest 10,000."""
+    from aiotensor import snapshot
+
+    async with TensorStore(tmp_path) as store:
+        snap = Snapshotter(store)
+        for step in range(snapshot._KEPT + 50):
+            snap.skipped_steps.append(step)
+            snap.held_seconds.append(0.0)
+        assert len(snap.skipped_steps) == len(snap.held_seconds) == snapshot._KEPT
+        assert (await snap.drain())[-1] == snapshot._KEPT + 49 and not snap.skipped_steps

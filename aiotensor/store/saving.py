@@ -356,7 +356,10 @@ async def _reuse(
             if incremental is not None:
                 mark = await sched.call(incremental.intact, sched.engine, earlier, priority=prio)
                 if mark is None:
-                    log.warning("%s no longer holds what step %d's manifest said (damaged on disk, or the step deleted): "
+                    if not await sched.call(sched.engine.exists, earlier.path, priority=prio):  # (retention retired the
+                        log.info("%s is gone (its step retired): %s is written", earlier.path, sh.file)  # step: helper-54)
+                        return
+                    log.warning("%s no longer holds what step %d's manifest said (damaged on disk): "
                                 "%s is written, not linked to it", earlier.path, earlier.step, sh.file)  # fmt: skip
                     return
             new = os.path.join(folder, sh.file)

@@ -632,7 +632,12 @@ class TensorStore:
             if scope.cancelled_caught and not h.committed:
                 error = cancelled
         except Exception as e:
-            error = e
+            if not h.committed:
+                error = e
+            else:  # past the commit point the save has succeeded (a progress callback raising at its
+                msg = f"{self.root}: after step {h.step} was committed: {type(e).__name__}: {e}"  # end: helper-54)
+                h.warn(msg)
+                log.warning("%s", msg)
         except BaseException:  # the loop itself is shutting down (its tasks cancelled)
             error = None if h.committed else cancelled  # (committed as it ended: it succeeded, helper-51)
             if not h.committed:  # (nothing else tells: helper-36's trainer lost three steps silently)
@@ -661,7 +666,7 @@ class TensorStore:
         of keep_last=2, and growing)."""
         assert self._mirror is not None and self._tier is not None
         mirror, tier = self._mirror, self._tier
-        self._steps.readers[h.step] += 1
+        self._steps.read(h.step, 1)
         self._uploading.add(h.step)
         token = object()  # (two uploads of one step may wait: a step deleted and saved again)
         self._waiting[token] = h.step
@@ -685,7 +690,7 @@ class TensorStore:
                 log.warning("%s: step %d was not mirrored to %s (%s)", self.root, h.step, tier.root, e)
             finally:
                 if began or self._waiting.pop(token, None) is not None:  # (else _drop_overtaken let it go)
-                    self._steps.readers[h.step] -= 1
+                    self._steps.read(h.step, -1)
                 self._uploading.discard(h.step)
             h.set_mirrored(error)
             if error is None and self._behind:  # the mirror answers again: what it missed meanwhile
@@ -711,7 +716,7 @@ class TensorStore:
         gone = [(t, s) for t, s in self._waiting.items() if which(s)]
         for token, step in gone:
             del self._waiting[token]
-            self._steps.readers[step] -= 1
+            self._steps.read(step, -1)
         return [s for _, s in gone]
 
     def _check_loop(self) -> None:
@@ -911,7 +916,7 @@ class TensorStore:
                 step, into=into, verify=verify, device=device, atomic=atomic, progress=progress, mmap=mmap, strict=strict
             )
         step = self._steps.check(step)
-        self._steps.readers[step] += 1  # never retired by this store meanwhile
+        self._steps.read(step, 1)  # never retired by this store meanwhile
         try:
             with self._tasks.running():  # close() waits for it
                 if self._group is not None and into is not None and not mmap:  # mmap with into=: refused below
@@ -943,7 +948,7 @@ class TensorStore:
                 f"{'this store' if self._steps.writer else 'another process'}, or removed by hand)"
             ) from e
         finally:
-            self._steps.readers[step] -= 1
+            self._steps.read(step, -1)
 
     async def info(self, step: int | None = None) -> dict[str, TensorInfo]:
         """Names, dtypes, shapes and sizes of a committed step's tensors (default: the newest), from
