@@ -292,6 +292,8 @@ class Steps:
                 try:
                     await self.sched.call(eng.remove_tree, doomed, priority=Priority.BACKGROUND)
                     self.unremoved.discard(doomed)
+                except FileNotFoundError:  # (gone: a retry that overlapped another)
+                    self.unremoved.discard(doomed)
                 except OSError as e:
                     if doomed not in self.unremoved:
                         log.warning("%s: could not delete the retired %s (%s); tried again after the next commit",
