@@ -28,7 +28,6 @@ from ._io.tensors import (
     load_device,
     mapped,
     materialize,
-    modified,
     wait_for_streams,
 )
 from ._io.write import crcs_of, write_file
@@ -334,12 +333,9 @@ async def read_file(
         try:
             with reporting(nbytes, progress):
                 await read_tensors(sched, fd, path, targets, Priority.LOAD)
-        except BaseException:
-            if into is not None:  # (some may hold new bytes now)
+        finally:
+            if into is not None:  # (read whole, or failed or cancelled partway: some hold new bytes)
                 await written(sched, map(_TENSOR, targets))
-            raise
-        if into is not None:
-            await sched.call(modified, map(_TENSOR, targets), priority=Priority.LOAD)
     finally:
         await close(sched, fd)
     big = [layout]

@@ -261,18 +261,6 @@ class _Stream:
         try:
             with anyio.CancelScope() as scope:
                 self._reader = scope
-                try:
-                    for path in self._hold:
-                        fds[path] = await open_read(self.scheduler, path)
-                except FileNotFoundError as e:  # the step retired since its manifest was read
-                    self._failed = True
-                    self._ready[0] = CheckpointNotFoundError(
-                        f"step {self._step} was retired (by its writer's retention, or deleted) before it could be read: "
-                        f"{e.filename} is gone; stream the store's newest step again"
-                    )
-                except Exception as e:
-                    self._failed = True
-                    self._ready[0] = e
                 async with anyio.create_task_group() as tg:
                     for batch, (entries, names, nbytes, files) in enumerate(self._batches):
                         while (self._ahead and self._ahead + nbytes > self.window_bytes) or (
@@ -282,14 +270,14 @@ class _Stream:
                         if self._closed or self._failed:
                             break
                         await slots.acquire()
-                        try:
-                            for path in files:
+                        try:  # (a checkpoint's files all with the first batch: _HOLD)
+                            for path in [*self._hold, *files] if batch == 0 else files:
                                 if path not in fds:
                                     fds[path] = await open_read(self.scheduler, path)
                         except Exception as e:  # the consumer gets it where that file's tensors begin
                             slots.release()
                             self._failed = True
-                            self._ready[batch] = e
+                            self._ready[batch] = self._gone(e)
                             break
                         self._ahead += nbytes
                         self._flying += len(entries)
@@ -300,6 +288,15 @@ class _Stream:
             finally:
                 self._reader_done.set()
                 self._notify()
+
+    def _gone(self, e: Exception) -> Exception:
+        """``e`` as the consumer gets it: a checkpoint's file missing is its step retired meanwhile."""
+        if not (isinstance(e, FileNotFoundError) and self._step is not None):
+            return e
+        return CheckpointNotFoundError(
+            f"step {self._step} was retired (by its writer's retention, or deleted) before it could be read: "
+            f"{e.filename} is gone; stream the store's newest step again"
+        )
 
     async def _read_batch(
         self,
