@@ -176,6 +176,10 @@ def _reset(pristine: str, folder: str) -> None:
 
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_sigkill_before_every_operation_of_every_writer(tmp_path: Any, name: str) -> None:
+    if name == "dcp" and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        # an H200 run: DCP's planner asks each tensor is_pinned(), a CUDA call that fails in a child
+        # forked once the parent has CUDA (an earlier test of this process used it); CPU runs test it
+        pytest.skip("dcp.save cannot run in a child forked after CUDA was initialized")
     w = WRITERS[name]
     pristine, folder = _prepared(tmp_path, w)
     recorder = FaultyEngine()

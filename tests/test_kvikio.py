@@ -134,6 +134,41 @@ async def test_checkpoints_load_through_cufile_into_tensors(tmp_path: Any, kv: A
     assert eng.file_modes["gds"] >= 1
 
 
+@pytest.mark.parametrize("atomic", [False, True])
+async def test_a_step_retired_while_it_loads_through_cufile_is_read_whole(
+    tmp_path: Any, kv: Any, monkeypatch: pytest.MonkeyPatch, atomic: bool
+) -> None:
+    """Found on an H200 (the CPU test of this, tests/test_store.py, failed there): the kvikio
+    engine, the default where CUDA is, opened CuFile by path, so it kept no shard open through a
+    load into tensors; a step that the writer's retention deleted meanwhile left the first shards
+    read into ``into`` and the rest ``CheckpointNotFoundError``, atomic=True too. CuFile now opens
+    the descriptor's own file (/proc/self/fd/N): the unlinked shards are read whole, through CuFile."""
+    import shutil
+
+    from aiotensor.store import load as store_load
+
+    old, new = ({f"t{i}": torch.full((256,), float(i + k)) for i in range(4)} for k in (0, 100))
+    async with TensorStore(tmp_path, engine=PosixEngine(), shard_bytes=1024) as store:  # a shard per tensor
+        await store.save(1, new)
+    real = store_load.read_tensors
+    calls = []
+
+    async def read_then_retire(*args: Any) -> None:
+        await real(*args)
+        calls.append(1)
+        if len(calls) == 1:  # the first shard is in `into`: another process retires the step
+            shutil.rmtree(tmp_path / "step-000000000001")
+
+    monkeypatch.setattr(store_load, "read_tensors", read_then_retire)
+    into = {k: v.clone() for k, v in old.items()}
+    async with TensorStore(tmp_path, engine=HostKvikio(), readonly=True) as reader:
+        await reader.load(1, into=into, atomic=atomic)
+    assert len(calls) == 4 and not (tmp_path / "step-000000000001").exists()
+    assert_state_equal(into, new)
+    _check_io(kv, "pread")
+    assert sum(c[3] for c in kv.calls if c[0] == "pread") >= sum(t.nbytes for t in new.values())
+
+
 async def test_multi_megabyte_tensors_at_unaligned_offsets_go_through_cufile(tmp_path: Any, kv: Any) -> None:
     """Above kvikio's GDS threshold (16 KiB) and not 4 KiB aligned: what a real run exercises."""
     state = {"a": torch.randn(3), "big": torch.randn(3 << 20), "odd": torch.randn(1_000_003)}

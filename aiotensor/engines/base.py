@@ -29,7 +29,7 @@ class Engine(abc.ABC):
     # put whole under its final name and a folder is a key prefix (see aiotensor.commit)
     renames: bool = True
     # every read of an open file goes through its handle, so a file unlinked meanwhile is still read
-    # whole (False: kvikio opens CUDA reads by path, an object store's handle is a key)
+    # whole (False: an object store, whose handle is a key)
     holds_files: bool = True
 
     @property

@@ -35,6 +35,8 @@ import torch
 from .._runtime import cuda
 from .posix import PosixEngine
 
+_PROC_FD = os.path.isdir("/proc/self/fd")  # Linux's: opening /proc/self/fd/N opens N's file, unlinked or not
+
 
 class KvikioEngine(PosixEngine):
     """Posix I/O for host memory, ``kvikio.CuFile`` for CUDA tensors.
@@ -70,7 +72,9 @@ class KvikioEngine(PosixEngine):
     files that went through cuFile by the mode that really ran for each.
     """
 
-    holds_files = False  # a CUDA read opens kvikio.CuFile by path
+    # kvikio.CuFile opens a path: the file's own descriptor's (/proc/self/fd/N), so a CUDA read of a
+    # file unlinked since it was opened (a step retired while it loads) still reads that file
+    holds_files = _PROC_FD
 
     name = "kvikio"
 
@@ -158,7 +162,7 @@ class KvikioEngine(PosixEngine):
             f = self._files.get(fd)
             if f is None:
                 path, flags = self._paths[fd]
-                f = self._files[fd] = self.kvikio.CuFile(path, flags)
+                f = self._files[fd] = self.kvikio.CuFile(f"/proc/self/fd/{fd}" if _PROC_FD else path, flags)
                 mode_here = self.mode
                 # GDS needs O_DIRECT on the file: without it kvikio runs this file in compat mode
                 direct_io = getattr(f, "is_direct_io_supported", lambda: True)()
