@@ -73,7 +73,9 @@ class KvikioEngine(PosixEngine):
     """
 
     # kvikio.CuFile opens a path: the file's own descriptor's (/proc/self/fd/N), so a CUDA read of a
-    # file unlinked since it was opened (a step retired while it loads) still reads that file
+    # file unlinked since it was opened (a step retired while it loads) still reads that file (kvikio
+    # reopens it, with O_DIRECT where it runs cuFile; its opt-in KVIKIO_THREAD_POOL_PER_BLOCK_DEVICE
+    # caches a path's device, so there files of several devices may share one pool)
     holds_files = _PROC_FD
 
     name = "kvikio"
