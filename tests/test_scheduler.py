@@ -123,3 +123,44 @@ async def test_discard_empties_containers_a_slice_at_a_time_and_only_those_given
         sched.close()
     assert intervals == [knobs.SWITCH_INTERVAL_S] and sys.getswitchinterval() > knobs.SWITCH_INTERVAL_S
     assert len(seen) == 8000 and len(set(seen[:5000])) >= 4 and len(set(seen[5000:])) >= 4  # several slices each
+
+
+@pytest.mark.parametrize("what", ["close", "written"])
+async def test_what_must_end_waits_for_admission_through_task_cancel(tmp_path: Any, anyio_backend: Any, what: str) -> None:
+    """A load's closing of its files and its marking of the tensors it wrote (``close``,
+    ``written``) wait for admission like any call; asyncio's own ``Task.cancel()`` (``wait_for``, a
+    TaskGroup) goes through an anyio shield, and withdrew them while they waited: the files stayed
+    open, the tensors' version counters unmoved (stop 60's note). They run to their end now."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("asyncio's own Task.cancel()")
+    import asyncio
+    import contextlib
+    import os
+
+    import torch
+
+    from aiotensor._io.read import close, written
+
+    sched = Scheduler(workers=1, chunk_bytes=4096)
+    release = threading.Event()
+    blocker = asyncio.ensure_future(sched.call(release.wait, 5, priority=Priority.SAVE))  # the one worker, busy
+    await anyio.sleep(0.05)
+    fds = [os.open(tmp_path, os.O_RDONLY) for _ in range(3)]
+    t = torch.zeros(4)
+    version = t._version
+    task = asyncio.ensure_future(close(sched, *fds) if what == "close" else written(sched, [t]))
+    await anyio.sleep(0.02)  # waiting for admission
+    task.cancel()
+    await anyio.sleep(0.01)
+    task.cancel()
+    release.set()
+    await blocker
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    if what == "close":
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    else:
+        assert t._version > version

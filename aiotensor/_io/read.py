@@ -15,12 +15,11 @@ from itertools import chain, compress, groupby, islice, repeat
 from operator import add, attrgetter, is_not, itemgetter, le, sub
 from typing import Any
 
-import anyio
 import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime import gil
+from .._runtime import gil, threads
 from .._runtime.buffers import PAGE, address, copy_bytes, disjoint, memory_at, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
@@ -41,21 +40,21 @@ async def open_read(sched: Scheduler, path: str) -> int:
         raise annotate_oserror(e, f"opening {path}") from e
 
 
-async def close(sched: Scheduler, *fds: int) -> None:
-    """Close ``fds``, in one worker call: it waits for the closing whatever cancels the caller (a
-    second asyncio ``Task.cancel()`` goes through an anyio shield, and broke a loop of one call a
-    descriptor off, leaving the rest open)."""
+async def close(sched: Scheduler, *fds: int, priority: int = Priority.LOAD) -> None:
+    """Close ``fds``, in one worker call run to its end whatever cancels the caller
+    (:func:`~aiotensor._runtime.threads.finish`: asyncio's own ``Task.cancel()`` goes through an
+    anyio shield, and withdrew the call while it waited for admission, or broke a loop of one call
+    a descriptor off, leaving the files open); a cancellation is raised once they are closed."""
     if fds:
-        with anyio.CancelScope(shield=True):
-            await sched.call(_close_all, sched.engine, fds, priority=Priority.LOAD)
+        await threads.finish(lambda: sched.call(_close_all, sched.engine, fds, priority=priority))
 
 
 async def written(sched: Scheduler, tensors: Iterable[torch.Tensor | None]) -> None:
     """:func:`~aiotensor._io.tensors.modified` of the tensors a load that failed or was cancelled
     had begun to write in place (a graph made from their old values must refuse ``backward()``
-    then too), in one worker call that waits whatever cancels the caller, as :func:`close`."""
-    with anyio.CancelScope(shield=True):
-        await sched.call(modified, list(tensors), priority=Priority.LOAD)
+    then too), in one worker call run to its end whatever cancels the caller, as :func:`close`."""
+    marked = list(tensors)
+    await threads.finish(lambda: sched.call(modified, marked, priority=Priority.LOAD))
 
 
 def _close_all(engine: Engine, fds: tuple[int, ...]) -> None:

@@ -8,7 +8,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import numpy as np
 import torch
 
@@ -17,6 +16,7 @@ from .._runtime.buffers import PAGE, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..errors import annotate_oserror
 from ..formats import checksum
+from .read import close
 from .tensors import copy_tensor, crc_of_pieces, spans
 
 
@@ -98,8 +98,7 @@ async def write_file(
     except OSError as e:
         raise annotate_oserror(e, f"writing {path}") from e
     finally:
-        with anyio.CancelScope(shield=True):
-            await sched.call(eng.close, fd, priority=priority)
+        await close(sched, fd, priority=priority)
     if len(units) > knobs.INLINE_UNITS:  # a unit per range of 20,000 tensors: freed in a thread
         await sched.discard(units)
 
