@@ -512,26 +512,30 @@ def parser() -> argparse.ArgumentParser:
     desc = "List, inspect, verify and convert checkpoints and weight files."
     p = argparse.ArgumentParser(prog="aiotensor", description=desc, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("-v", "--verbose", action="store_true", help="log what the library does (logger 'aiotensor') to stderr")
+    verbose = "log what the library does (logger 'aiotensor') to stderr"
+    p.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    common = argparse.ArgumentParser(add_help=False)  # -v after the command too (`aiotensor ls -v ckpts/`)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose)
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser(
         "ls",
+        parents=[common],
         help="committed steps of a store root, and what else is in it (read-only)",
         epilog="example: aiotensor ls ckpts/ --json",
     )
     ls.add_argument("root", type=_where)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_ls)
-    ins = sub.add_parser("inspect", help="tensors (name, dtype, shape, bytes) from headers only",
+    ins = sub.add_parser("inspect", parents=[common], help="tensors (name, dtype, shape, bytes) from headers only",
                          epilog="example: aiotensor inspect model.safetensors --json")  # fmt: skip
     ins.add_argument("path", type=_where)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(fn=cmd_inspect)
-    ver = sub.add_parser("verify", help="re-read all, check every checksum (exit 0 all checked, 3 some files carry none, 1 bad)",
+    ver = sub.add_parser("verify", parents=[common], help="re-read all, check every checksum (exit 0 all checked, 3 some files carry none, 1 bad)",
                          epilog="example: aiotensor verify ckpts/ && python train.py --resume")  # fmt: skip
     ver.add_argument("path", type=_where)
     ver.set_defaults(fn=cmd_verify)
-    conv = sub.add_parser("convert", help="any readable format to safetensors (sharded + index), a checkpoint or torch.save",
+    conv = sub.add_parser("convert", parents=[common], help="any readable format to safetensors (sharded + index), a checkpoint or torch.save",
                           epilog="examples:\n  aiotensor convert model.pt model.safetensors\n"
                                  "  aiotensor convert hf-folder/ ckpts/ --to checkpoint --step 0",
                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -547,7 +551,7 @@ def parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it is an existing file")
     conv.set_defaults(fn=cmd_convert)
-    bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
+    bench = sub.add_parser("bench", parents=[common], help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
                            epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md")  # fmt: skip
     bench.add_argument("--dir", type=_path, default="/tmp", help="where to write (the disk to measure)")
     bench.add_argument("--size", type=_size, default=_size("512MB"), help="state size (default 512MB)")

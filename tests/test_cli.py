@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aiotensor import TensorStore, load_file, load_torch, save_file
-from aiotensor.cli import main
+from aiotensor.cli import main, parser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -262,3 +262,23 @@ def test_dcp_checkpoints_inspect_verify_and_convert(tmp_path: Any, capsys: Any) 
     dcp.save({"w": torch.randn(3), "pair": (torch.ones(2), 3)}, checkpoint_id=tmp_path / "pair")
     assert main(["convert", str(tmp_path / "pair"), str(tmp_path / "pair.safetensors")]) == 0
     assert "dropped 2 values safetensors cannot hold: pair.0, pair.1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_before_or_after_the_command(tmp_path: Any, where: str) -> None:
+    """`aiotensor ls -v ckpts/` was a usage error: -v was the top parser's only (helper-50)."""
+
+    async def make() -> None:
+        async with TensorStore(tmp_path / "ck", keep_last=1) as store:
+            for step in (1, 2):
+                await store.save(step, {"w": torch.ones(2)})
+
+    anyio.run(make)
+    args = ["-v", "ls", str(tmp_path / "ck")] if where == "before" else ["ls", "-v", str(tmp_path / "ck")]
+    out = subprocess.run([sys.executable, "-m", "aiotensor", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "step" in out.stdout
+    no_v = subprocess.run([sys.executable, "-m", "aiotensor", "ls", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
+    assert no_v.returncode == 0 and no_v.stdout == out.stdout
+    assert parser().parse_args(args).verbose is True
+    assert parser().parse_args(["ls", "x"]).verbose is False
