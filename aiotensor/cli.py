@@ -531,14 +531,14 @@ def parser() -> argparse.ArgumentParser:
     ins.add_argument("path", type=_where)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(fn=cmd_inspect)
-    ver = sub.add_parser("verify", parents=[common], help="re-read all, check every checksum (exit 0 all checked, 3 some files carry none, 1 bad)",
-                         epilog="example: aiotensor verify ckpts/ && python train.py --resume")  # fmt: skip
+    ver = sub.add_parser("verify", help="re-read all, check every checksum (exit 0 all checked, 3 some files carry none, 1 bad)",
+                         epilog="example: aiotensor verify ckpts/ && python train.py --resume", parents=[common])  # fmt: skip
     ver.add_argument("path", type=_where)
     ver.set_defaults(fn=cmd_verify)
-    conv = sub.add_parser("convert", parents=[common], help="any readable format to safetensors (sharded + index), a checkpoint or torch.save",
+    conv = sub.add_parser("convert", help="any readable format to safetensors (sharded + index), a checkpoint or torch.save",
                           epilog="examples:\n  aiotensor convert model.pt model.safetensors\n"
                                  "  aiotensor convert hf-folder/ ckpts/ --to checkpoint --step 0",
-                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                          formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])  # fmt: skip
     conv.add_argument("src", type=_where)
     conv.add_argument("dst", type=_where)
     conv.add_argument("--to", choices=["safetensors", "checkpoint", "torch"], help="output format (default: from DST)")
@@ -551,8 +551,9 @@ def parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it is an existing file")
     conv.set_defaults(fn=cmd_convert)
-    bench = sub.add_parser("bench", parents=[common], help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
-                           epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md")  # fmt: skip
+    bench = sub.add_parser("bench", help="this machine's disk and memcpy, then aiotensor vs torch.save, safetensors and DCP",
+                           epilog="example: aiotensor bench --dir /mnt/nvme --size 2GB --out bench.md",
+                           parents=[common])  # fmt: skip
     bench.add_argument("--dir", type=_path, default="/tmp", help="where to write (the disk to measure)")
     bench.add_argument("--size", type=_size, default=_size("512MB"), help="state size (default 512MB)")
     bench.add_argument("--reps", type=int, default=2, help="repetitions (medians)")

@@ -278,7 +278,9 @@ def test_verbose_before_or_after_the_command(tmp_path: Any, where: str) -> None:
     out = subprocess.run([sys.executable, "-m", "aiotensor", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "step" in out.stdout
-    no_v = subprocess.run([sys.executable, "-m", "aiotensor", "ls", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
+    no_v = subprocess.run(
+        [sys.executable, "-m", "aiotensor", "ls", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120
+    )
     assert no_v.returncode == 0 and no_v.stdout == out.stdout
     assert parser().parse_args(args).verbose is True
     assert parser().parse_args(["ls", "x"]).verbose is False
