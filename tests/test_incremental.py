@@ -249,10 +249,12 @@ async def test_a_shard_damaged_on_disk_is_never_linked_into_later_steps(tmp_path
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for step in range(4, 7):
-                await store.save(step, lora_state(step, base, adapters))
-                if step == 4:  # written again, not linked to the damaged file
+                h = store.save(step, lora_state(step, base, adapters))
+                await h
+                if step == 4:  # written again, not linked to the damaged file, and the handle says so
                     again = [s for s in manifest(store, 4)["shards"] if s["file"] == os.path.basename(shard)]
                     assert again and "reused_from" not in again[0]
+                    assert any("damaged on disk" in w and "step 3" in w for w in h.warnings), h.warnings
         assert store.steps() == [5, 6]
         for step in (5, 6):  # (the adapters change each step: the frozen part is what was damaged)
             got = (await store.load(step))["model"]

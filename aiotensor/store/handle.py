@@ -87,7 +87,8 @@ class SaveHandle(Coroutine[Any, Any, None]):
     After the commit point the save has succeeded, whatever happens next: a failure to update
     ``latest`` or to retire old steps is logged (logger ``aiotensor``) and listed in
     :attr:`warnings` (``latest`` is repaired by the next save or open, retention by the next
-    commit); it never fails the handle.
+    commit); it never fails the handle. :attr:`warnings` also lists an earlier step that an
+    incremental save found damaged on disk (its shard is written afresh, not linked to it).
 
     Cancellation: cancelling a task that awaits the handle (or ``handle.staged``) cancels the save
     itself: its temporary folder is removed, earlier checkpoints are untouched, and the await
@@ -111,7 +112,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self._co: _Wait | None = None  # the handle's own coroutine side
         self.observed = False
         self.committed = False
-        self.warnings: list[str] = []  # trouble after the commit point (the save still succeeded)
+        self.warnings: list[str] = []  # trouble that did not fail the save (after its commit point; a damaged earlier step)
         self.stage_seconds: float | None = None  # save() to staged
         self.commit_seconds: float | None = None  # save() to committed
         self.bytes_written = 0  # shard bytes written (an incremental save links the rest)
@@ -227,7 +228,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self._mirrored_event.set()
 
     def warn(self, message: str) -> None:
-        """Trouble after the commit point, for :attr:`warnings` (the save still succeeded)."""
+        """Trouble that does not fail the save, for :attr:`warnings`."""
         self.warnings.append(message)
 
     def finish(self, error: BaseException | None) -> None:

@@ -259,7 +259,7 @@ async def _write(
     async with Publication(
         sched, steps.path(h.step), folder=True, priority=prio, fence=steps.fence if steps.writer else None
     ) as pub:
-        digests, reused = await _reuse(sched, plan, arena, pub.tmp, prio, proven, incremental)
+        digests, reused = await _reuse(sched, h, plan, arena, pub.tmp, prio, proven, incremental)
         # the same bytes as those files': their crc32c (tens of thousands of keys: in a thread)
         crcs, skip = await sched.call(_linked_crcs, plan, reused, priority=prio)
 
@@ -325,6 +325,7 @@ def _manifest(
 
 async def _reuse(
     sched: Scheduler,
+    h: SaveHandle,
     plan: SavePlan,
     arena: HostBuffer,
     folder: str,
@@ -359,8 +360,10 @@ async def _reuse(
                     if not await sched.call(sched.engine.exists, earlier.path, priority=prio):  # (retention retired the
                         log.info("%s is gone (its step retired): %s is written", earlier.path, sh.file)  # step: helper-54)
                         return
-                    log.warning("%s no longer holds what step %d's manifest said (damaged on disk): "
-                                "%s is written, not linked to it", earlier.path, earlier.step, sh.file)  # fmt: skip
+                    msg = (f"{earlier.path} no longer holds what step {earlier.step}'s manifest said (damaged on disk): "
+                           f"{sh.file} is written, not linked to it")  # fmt: skip
+                    h.warn(msg)
+                    log.warning("%s", msg)
                     return
             new = os.path.join(folder, sh.file)
             try:
