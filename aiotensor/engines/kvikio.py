@@ -35,7 +35,9 @@ import torch
 from .._runtime import cuda
 from .posix import PosixEngine
 
-_PROC_FD = os.path.isdir("/proc/self/fd")  # Linux's: opening /proc/self/fd/N opens N's file, unlinked or not
+# Linux's: opening <this>/N opens descriptor N's file, unlinked or not (thread-self: it works in a
+# process whose main thread has exited too, where /proc/self/fd does not; Linux 3.17 and later)
+_PROC_FD = next((d for d in ("/proc/thread-self/fd", "/proc/self/fd") if os.path.isdir(d)), None)
 
 
 class KvikioEngine(PosixEngine):
@@ -68,15 +70,15 @@ class KvikioEngine(PosixEngine):
     (they are the user's explicit choice). ``mode`` says what kvikio does here: ``"gds"`` (cuFile
     with GPUDirect Storage), ``"cufile-compat"`` (cuFile without the nvidia-fs driver) or
     ``"compat"`` (kvikio's own POSIX compatibility mode). kvikio may still fall back to compat for
-    one file (a file system without O_DIRECT: tmpfs, overlay); :attr:`file_modes` counts the
+    one file (a file system without O_DIRECT: tmpfs before Linux 6.6); :attr:`file_modes` counts the
     files that went through cuFile by the mode that really ran for each.
     """
 
-    # kvikio.CuFile opens a path: the file's own descriptor's (/proc/self/fd/N), so a CUDA read of a
+    # kvikio.CuFile opens a path: the file's own descriptor's (/proc/thread-self/fd/N), so a CUDA read of a
     # file unlinked since it was opened (a step retired while it loads) still reads that file (kvikio
     # reopens it, with O_DIRECT where it runs cuFile; its opt-in KVIKIO_THREAD_POOL_PER_BLOCK_DEVICE
-    # caches a path's device, so there files of several devices may share one pool)
-    holds_files = _PROC_FD
+    # caches a path's device, so there files of several devices may share one pool: only its speed)
+    holds_files = _PROC_FD is not None
 
     name = "kvikio"
 
@@ -164,7 +166,7 @@ class KvikioEngine(PosixEngine):
             f = self._files.get(fd)
             if f is None:
                 path, flags = self._paths[fd]
-                f = self._files[fd] = self.kvikio.CuFile(f"/proc/self/fd/{fd}" if _PROC_FD else path, flags)
+                f = self._files[fd] = self.kvikio.CuFile(f"{_PROC_FD}/{fd}" if _PROC_FD else path, flags)
                 mode_here = self.mode
                 # GDS needs O_DIRECT on the file: without it kvikio runs this file in compat mode
                 direct_io = getattr(f, "is_direct_io_supported", lambda: True)()
