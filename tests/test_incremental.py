@@ -102,12 +102,12 @@ async def test_a_step_deleted_and_saved_again_is_never_linked_for_its_old_bytes(
 
     real = saving._reuse
 
-    async def late(sched: Any, plan: Any, arena: Any, folder: str, *a: Any) -> Any:
+    async def late(sched: Any, h: Any, plan: Any, arena: Any, folder: str, *a: Any) -> Any:
         if "step-000000000210" in folder:  # (its temporary folder) link only once step 200 is committed again
             while 200 not in store.steps():
                 await anyio.sleep(0.01)
             await anyio.sleep(0.3)  # (and what its commit tells the store of its files)
-        return await real(sched, plan, arena, folder, *a)
+        return await real(sched, h, plan, arena, folder, *a)
 
     monkeypatch.setattr(saving, "_reuse", late)
     frozen = torch.randn(4 << 20)
