@@ -266,34 +266,43 @@ class Publication:
     async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         if self.published:
             return
+        # one worker call, handed to its thread at once (outside the scheduler's gate) and waited
+        # out: asyncio's own Task.cancel() goes through an anyio shield, and withdrew a clean-up
+        # that waited for admission, leaving a failed save_file's hidden temporary file beside the
+        # user's for ever (helper-57)
         with anyio.CancelScope(shield=True):
-            try:
-                if self.folder and self._mark is not None and not await self._call(self._ours, what=f"checking {self.tmp}"):
-                    log.warning("%s: left as it is: another writer's save made it since this one failed", self.tmp)
-                elif self.folder:
-                    await self._call(remove, self.engine, self.tmp, what=f"removing {self.tmp}")
-                else:  # a file: no commit records under it to drop first
-                    await self._call(self.engine.remove_file, self.tmp, what=f"removing {self.tmp}")
-            except OSError as cleanup:
-                if not await self._there():  # never made (its creation failed: a read-only folder), or gone
-                    return
-                if e is None:
-                    raise
-                who = "a store's next writer removes it" if self.folder else "nothing else removes it: delete it"
-                note = f"clean-up could not remove the unfinished {self.tmp} ({cleanup}); {who}"
-                e.add_note(note)
-                log.warning("%s", note)
+            how, err = await self.sched.run_sync(self._clean)
+        if how == "theirs":
+            log.warning("%s: left as it is: another writer's save made it since this one failed", self.tmp)
+        if err is None:
+            return
+        if e is None:
+            raise annotate_oserror(err, f"removing {self.tmp}") from err
+        who = "a store's next writer removes it" if self.folder else "nothing else removes it: delete it"
+        note = f"clean-up could not remove the unfinished {self.tmp} ({err}); {who}"
+        e.add_note(note)
+        log.warning("%s", note)
 
-    async def _there(self) -> bool:
-        """Is ``tmp`` there (True where that cannot be told: only a stat that says it is missing
-        says no)?"""
+    def _clean(self) -> tuple[str, OSError | None]:
+        """Remove ``tmp`` (blocking): ``("theirs", None)`` where another writer's save made it since
+        (its marker holds their token), else ``("removed" or "gone", None)``, or the error where it
+        is still there (where that cannot be told too: only a stat that says it is missing says no)."""
         try:
-            await self._call(self.engine.stat, self.tmp, what=f"checking {self.tmp}")
-        except FileNotFoundError:
-            return False
-        except OSError:
-            pass
-        return True
+            if self.folder and self._mark is not None and not self._ours():
+                return "theirs", None
+            if self.folder:
+                remove(self.engine, self.tmp)
+            else:  # a file: no commit records under it to drop first
+                self.engine.remove_file(self.tmp)
+            return "removed", None
+        except OSError as err:
+            try:
+                self.engine.stat(self.tmp)
+            except FileNotFoundError:  # never made (its creation failed: a read-only folder), or gone
+                return "gone", None
+            except OSError:
+                pass
+            return "failed", err
 
     async def _mkdir(self) -> None:
         made = await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")

@@ -335,3 +335,54 @@ async def test_load_into_a_dtype_torch_cannot_convert_to_is_refused_before_readi
     with pytest.raises(MismatchError, match="'x'.*float4_e2m1fn_x2.*cannot copy"):
         await aiotensor.load_into(m, tmp_path / "f4.safetensors")
     assert not m.x.any() and not m.y.any()  # nothing read
+
+
+async def test_a_cancelled_save_file_removes_its_temporary_through_a_second_task_cancel(
+    tmp_path: Any, anyio_backend: Any
+) -> None:
+    """save_file cancelled during its write, then cancelled again (a TaskGroup or a shutdown
+    cancelling twice) while its clean-up waited for admission behind a load: the removal was
+    withdrawn, and the hidden temporary stayed beside the user's file, which nothing else removes
+    (helper-57: 5 of 5). The clean-up is handed to its thread at once and waited out."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("asyncio's own Task.cancel()")
+    import asyncio
+    import contextlib
+    import threading
+    import time
+
+    from aiotensor import PosixEngine
+    from aiotensor._runtime.scheduler import Priority, Scheduler
+
+    path = tmp_path / "model.safetensors"
+    in_write, go_write, hold = threading.Event(), threading.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    blockers: list[Any] = []
+
+    class Eng(PosixEngine):
+        def pwrite(self, fd: int, buf: Any, off: int) -> int:
+            in_write.set()
+            go_write.wait(5)
+            return super().pwrite(fd, buf, off)
+
+        def close(self, fd: int) -> None:  # the written file's close: a load queues meanwhile, taking the one worker
+            loop.call_soon_threadsafe(
+                lambda: blockers.append(asyncio.ensure_future(sched.call(hold.wait, 5, priority=Priority.LOAD)))
+            )
+            time.sleep(0.05)
+            super().close(fd)
+
+    sched = Scheduler(Eng(direct=False), workers=1)
+    task = asyncio.ensure_future(aiotensor.save_file({"w": torch.randn(1 << 14)}, str(path), scheduler=sched))
+    while not in_write.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()  # held through the write (its thread is waited out)
+    go_write.set()
+    await asyncio.sleep(0.3)  # the write ended, the file closed, the load admitted: the clean-up waits
+    task.cancel()
+    await asyncio.sleep(0.05)
+    hold.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await asyncio.gather(*blockers)
+    assert os.listdir(tmp_path) == []

@@ -130,7 +130,8 @@ async def test_what_must_end_waits_for_admission_through_task_cancel(tmp_path: A
     """A load's closing of its files and its marking of the tensors it wrote (``close``,
     ``written``) wait for admission like any call; asyncio's own ``Task.cancel()`` (``wait_for``, a
     TaskGroup) goes through an anyio shield, and withdrew them while they waited: the files stayed
-    open, the tensors' version counters unmoved (stop 60's note). They run to their end now."""
+    open, the tensors' version counters unmoved (stop 60's note). They are handed to a thread at
+    once now (outside the gate) and waited out."""
     if anyio_backend[0] != "asyncio":
         pytest.skip("asyncio's own Task.cancel()")
     import asyncio
@@ -157,10 +158,52 @@ async def test_what_must_end_waits_for_admission_through_task_cancel(tmp_path: A
     await blocker
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    assert task.cancelled()
     if what == "close":
         for fd in fds:
             with pytest.raises(OSError):
                 os.fstat(fd)
     else:
         assert t._version > version
+
+
+@pytest.mark.parametrize("what", ["close", "written"])
+def test_what_must_end_runs_when_the_loop_ends_in_the_same_turn(tmp_path: Any, what: str) -> None:
+    """A load cancelled as ``asyncio.run``'s main coroutine returns runs its ``finally`` (closing
+    its files, marking its tensors) while the loop cancels what is left: run as a task of its own
+    (``threads.finish``), that work was cancelled before its first step (helper-57: 20 of 20)."""
+    import asyncio
+    import os
+
+    import torch
+
+    from aiotensor._io.read import close, written
+
+    for _ in range(5):
+        fds = [os.open(tmp_path, os.O_RDONLY) for _ in range(3)]
+        t = torch.zeros(2)
+        version = t._version
+
+        async def main() -> None:
+            sched = Scheduler(workers=2, chunk_bytes=4096)
+            started = asyncio.Event()
+
+            async def load() -> None:
+                try:
+                    started.set()
+                    await asyncio.sleep(3600)
+                finally:
+                    await (close(sched, *fds) if what == "close" else written(sched, [t]))
+
+            task = asyncio.ensure_future(load())
+            await started.wait()
+            task.cancel()  # and return: asyncio.run cancels what is left and ends the loop
+
+        asyncio.run(main())
+        if what == "close":
+            for fd in fds:
+                with pytest.raises(OSError):
+                    os.fstat(fd)
+        else:
+            assert t._version > version
+            for fd in fds:
+                os.close(fd)

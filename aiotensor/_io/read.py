@@ -15,11 +15,12 @@ from itertools import chain, compress, groupby, islice, repeat
 from operator import add, attrgetter, is_not, itemgetter, le, sub
 from typing import Any
 
+import anyio
 import numpy as np
 import torch
 
 from .. import knobs
-from .._runtime import gil, threads
+from .._runtime import gil
 from .._runtime.buffers import PAGE, address, copy_bytes, disjoint, memory_at, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
@@ -40,21 +41,24 @@ async def open_read(sched: Scheduler, path: str) -> int:
         raise annotate_oserror(e, f"opening {path}") from e
 
 
-async def close(sched: Scheduler, *fds: int, priority: int = Priority.LOAD) -> None:
-    """Close ``fds``, in one worker call run to its end whatever cancels the caller
-    (:func:`~aiotensor._runtime.threads.finish`: asyncio's own ``Task.cancel()`` goes through an
-    anyio shield, and withdrew the call while it waited for admission, or broke a loop of one call
-    a descriptor off, leaving the files open); a cancellation is raised once they are closed."""
+async def close(sched: Scheduler, *fds: int) -> None:
+    """Close ``fds``, in one worker call handed to its thread at once (outside the scheduler's
+    gate) and waited out whatever cancels the caller: asyncio's own ``Task.cancel()`` goes through
+    an anyio shield, and withdrew a call that waited for admission (or broke a loop of one call a
+    descriptor off), leaving the files open; a task of its own was never started where the event
+    loop ended first (helper-57). A cancellation from asyncio is raised once they are closed."""
     if fds:
-        await threads.finish(lambda: sched.call(_close_all, sched.engine, fds, priority=priority))
+        with anyio.CancelScope(shield=True):
+            await sched.run_sync(_close_all, sched.engine, fds)
 
 
 async def written(sched: Scheduler, tensors: Iterable[torch.Tensor | None]) -> None:
     """:func:`~aiotensor._io.tensors.modified` of the tensors a load that failed or was cancelled
     had begun to write in place (a graph made from their old values must refuse ``backward()``
-    then too), in one worker call run to its end whatever cancels the caller, as :func:`close`."""
+    then too), in one worker call handed to its thread at once, as :func:`close`."""
     marked = list(tensors)
-    await threads.finish(lambda: sched.call(modified, marked, priority=Priority.LOAD))
+    with anyio.CancelScope(shield=True):
+        await sched.run_sync(modified, marked)
 
 
 def _close_all(engine: Engine, fds: tuple[int, ...]) -> None:

@@ -98,7 +98,7 @@ async def write_file(
     except OSError as e:
         raise annotate_oserror(e, f"writing {path}") from e
     finally:
-        await close(sched, fd, priority=priority)
+        await close(sched, fd)
     if len(units) > knobs.INLINE_UNITS:  # a unit per range of 20,000 tensors: freed in a thread
         await sched.discard(units)
 

@@ -88,7 +88,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
     ``latest`` or to retire old steps is logged (logger ``aiotensor``) and listed in
     :attr:`warnings` (``latest`` is repaired by the next save or open, retention by the next
     commit); it never fails the handle. :attr:`warnings` also lists an earlier step that an
-    incremental save found damaged on disk (its shard is written afresh, not linked to it).
+    incremental save found changed (replaced, or damaged on disk): its shard is written afresh.
 
     Cancellation: cancelling a task that awaits the handle (or ``handle.staged``) cancels the save
     itself: its temporary folder is removed, earlier checkpoints are untouched, and the await

@@ -360,8 +360,8 @@ async def _reuse(
                     if not await sched.call(sched.engine.exists, earlier.path, priority=prio):  # (retention retired the
                         log.info("%s is gone (its step retired): %s is written", earlier.path, sh.file)  # step: helper-54)
                         return
-                    msg = (f"{earlier.path} no longer holds what step {earlier.step}'s manifest said (damaged on disk): "
-                           f"{sh.file} is written, not linked to it")  # fmt: skip
+                    msg = (f"{earlier.path} no longer holds what step {earlier.step}'s manifest said (replaced, or "
+                           f"damaged on disk): {sh.file} is written, not linked to it")  # fmt: skip
                     h.warn(msg)
                     log.warning("%s", msg)
                     return
