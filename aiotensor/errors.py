@@ -11,6 +11,7 @@ Every problem of a file, a checkpoint or a store that the library raises is an
     │   ├── UnsafePathError                a symlink, FIFO, device or folder where a regular file belongs
     │   └── ChecksumError                  tensor bytes differ from the recorded crc32c
     ├── StateError (TypeError)             a state_dict that cannot be saved (leaf type, device, layout)
+    │   └── StateChangedError              a tensor changed in place before the save copied it out
     ├── MismatchError (ValueError)         ``load(into=...)`` target has another shape/dtype/key set
     ├── UnsupportedLocationError (ValueError)  a URL aiotensor does not serve there (``gs://...``, ``s3:/bucket``)
     ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
@@ -45,6 +46,7 @@ __all__ = [
     "MismatchError",
     "SaveCancelledError",
     "SaveFailedError",
+    "StateChangedError",
     "StateError",
     "StoreClosedError",
     "UnsafeFileError",
@@ -97,6 +99,14 @@ class ChecksumError(FormatError):
 
 class StateError(AiotensorError, TypeError):
     """The state given to save cannot be stored; the message names the key path."""
+
+
+class StateChangedError(StateError):
+    """A tensor of the state being saved was changed in place (its version counter moved: an
+    optimizer's step, a ``fill_``) after ``save()`` and before the save copied it out (``await
+    handle.staged``): the copy may be half old, half new, so the save failed and nothing was
+    committed. Tensors changed in ways PyTorch does not count (through ``.data``, a NumPy view)
+    cannot be seen."""
 
 
 class MismatchError(AiotensorError, ValueError):

@@ -1020,3 +1020,49 @@ async def test_a_mirror_whose_lease_another_writer_holds_is_caught_up_once_it_is
             assert store.steps() == [2] and store.mirrored_steps() == [2]
     async with TensorStore(mirror, readonly=True) as m:
         assert m.steps() == [2]
+
+
+async def test_a_tensor_changed_in_place_before_it_was_copied_out_fails_the_save(tmp_path: Any) -> None:
+    """A training loop that does not wait for `staged` (a notebook cell that never awaits, a
+    terminal IPython Ctrl-C that left a save in flight: helper-55) changed its tensors before the
+    save copied them out: steps 0 and 1 were committed holding step 3's values, with valid
+    checksums. The version counters taken at save() are compared once the tensors are copied: the
+    save fails (StateChangedError naming the tensor), nothing is committed, and the next save, one
+    that waits for `staged`, commits the right values."""
+    from aiotensor.errors import StateChangedError
+    from aiotensor.snapshot import Snapshotter
+
+    w, b = torch.zeros(64), torch.zeros(3)
+    async with TensorStore(tmp_path) as store:
+        h = store.save(0, {"model": {"w": w, "b": b}, "step": 0})
+        w.fill_(1.0)  # the optimizer's step, before the loop ran once: nothing was copied yet
+        with pytest.raises(StateChangedError, match=r"'model\.w'") as e:
+            await h
+        assert "nothing was committed" in str(e.value) and isinstance(e.value, aiotensor.errors.StateError)
+        assert store.steps() == [] and not h.committed
+        h = store.save(0, {"model": {"w": w, "b": b}, "step": 0})
+        await h.staged
+        w.fill_(2.0)  # the right way: after staged
+        await h
+        assert_state_equal((await store.load(0))["model"], {"w": torch.ones(64), "b": torch.zeros(3)})
+        # the same through a Snapshotter fed by a loop that never yields to the event loop
+        snap = Snapshotter(store)
+        for k in range(1, 4):
+            w.fill_(10.0 + k)
+            snap.save(k, {"model": {"w": w, "b": b}, "step": k})
+        failures = 0
+        while True:  # drain raises each failed save's error in turn
+            try:
+                await snap.drain()
+                break
+            except StateChangedError:
+                failures += 1
+        assert failures >= 1
+        for s in store.steps():  # whatever was committed holds its own step's values
+            got = await store.load(s)
+            assert float(got["model"]["w"][0]) == (1.0 if s == 0 else 10.0 + got["step"])
+        # tensors PyTorch gives no counter (inference mode) are saved as ever
+        with torch.inference_mode():
+            frozen = torch.full((4,), 7.0)
+        await store.save(9, {"frozen": frozen, "w": w})
+        assert_state_equal((await store.load(9))["frozen"], frozen)

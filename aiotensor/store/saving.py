@@ -32,6 +32,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
+from operator import attrgetter
 from typing import Any
 
 import blake3
@@ -45,6 +46,7 @@ from .._runtime.buffers import HostBuffer, StagingPool, round_up
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting, run_concurrently
 from ..commit import Publication
 from ..engines import Engine
+from ..errors import StateChangedError
 from ..formats import checksum
 from ..formats import manifest as mf
 from .handle import SaveHandle
@@ -195,6 +197,47 @@ def _version(t: torch.Tensor) -> tuple[int, int] | None:
         return None
 
 
+def versions(state: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """Each tensor of ``state`` found in its dicts, lists and tuples, and its version counter as
+    ``save()`` is called (PyTorch moves it with every in-place change: an optimizer's step, a
+    ``fill_``); :func:`changed` compares them once the tensors are copied out. Inference tensors
+    have none (skipped). 20,000 tensors of a flat dict: ~5 ms (0.2 us a counter)."""
+    found: list[torch.Tensor] = []
+    todo = [state]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+            continue
+        values: Any = list(x.values()) if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+        found += [v for v in values if isinstance(v, torch.Tensor)]
+        todo += [v for v in values if isinstance(v, (dict, list, tuple))]
+    try:
+        return found, list(map(_VERSION, found))
+    except RuntimeError:  # an inference tensor among them: "Inference tensors do not track version counter"
+        found = [t for t in found if not t.is_inference()]
+        return found, list(map(_VERSION, found))
+
+
+def changed(marks: tuple[list[torch.Tensor], list[int]]) -> list[torch.Tensor]:
+    """The tensors of ``marks`` (:func:`versions`) changed in place since."""
+    tensors, then = marks
+    now = list(map(_VERSION, tensors))
+    return [] if now == then else [t for t, a, b in zip(tensors, then, now, strict=True) if a != b]
+
+
+def _changed_keys(marks: tuple[list[torch.Tensor], list[int]], sources: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of the tensors :func:`changed` finds (by identity; "?" where a key is not known)."""
+    moved = changed(marks)
+    if not moved:
+        return []
+    keys = {id(t): k for k, t in sources.items()}
+    return [keys.get(id(t), "?") for t in moved]
+
+
+_VERSION = attrgetter("_version")
+
+
 async def save(
     sched: Scheduler,
     staging: StagingPool,
@@ -206,8 +249,11 @@ async def save(
     producers: dict[Any, Any],
     progress: ProgressCallback | None,
     incremental: Incremental | None = None,
+    marks: tuple[list[torch.Tensor], list[int]] | None = None,
 ) -> None:
-    """Save ``state`` as ``h.step``. Past the commit point it completes even if cancelled."""
+    """Save ``state`` as ``h.step``. Past the commit point it completes even if cancelled. With
+    ``marks`` (:func:`versions`, taken by ``save()``), a tensor changed in place before it was
+    copied out fails the save (:class:`~aiotensor.errors.StateChangedError`)."""
     plan: SavePlan
     sources: dict[str, torch.Tensor]
     hint: dict[str, Any] = {} if incremental is None else {"stable": incremental.stable, "previous": incremental.previous}
@@ -225,6 +271,16 @@ async def save(
         changed: set[int] = set()
         pieces, views = await stage(sched, plan, sources, arena, prio, producers, set(compare), changed)
         proven = {sh.file for off, sh in compare.items() if off not in changed}
+        if marks is not None:
+            moved = await sched.call(_changed_keys, marks, sources, priority=prio)
+            if moved:
+                raise StateChangedError(
+                    f"step {h.step}: {len(moved)} tensor(s) changed in place after save() and before they were copied "
+                    f"out ({', '.join(map(repr, moved[:3]))}{'...' if len(moved) > 3 else ''}): what was copied may be "
+                    "half old, half new, so nothing was committed. Change the state only once `await handle.staged` "
+                    "returns (Snapshotter: call before_update() first); the event loop must run meanwhile (a "
+                    "notebook cell or a loop that never awaits blocks it: the save copies nothing until it yields)"
+                )
         h.set_staged(plan.nbytes)  # the caller's tensors are free to change from here on
         await sched.discard(sources, *views)  # our references to them: freed in a thread
         with reporting(sum(round_up(sh.layout.file_size) for sh in plan.shards), progress):

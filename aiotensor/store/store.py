@@ -563,6 +563,8 @@ class TensorStore:
             )
         # CUDA sources are copied after the kernels already queued on the current streams as of now
         producers = cuda.record_current_streams() if self.scheduler.cuda is not None else {}
+        # the tensors' version counters now: one changed in place before the save copies it out fails it
+        marks = saving.versions(state) if self._group is None else None
         handle = SaveHandle(step)
         self._in_flight[step] = handle
         prio = Priority.BACKGROUND if background else Priority.SAVE
@@ -584,7 +586,7 @@ class TensorStore:
                 handle.set_mirrored(None)
 
         try:
-            self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress, ticket), ended)
+            self._tasks.start(lambda: self._run_save(handle, state, prio, producers, progress, ticket, marks), ended)
         except BaseException:
             if passed is not None:
                 passed()
@@ -600,6 +602,7 @@ class TensorStore:
         producers: dict[Any, Any],
         progress: ProgressCallback | None,
         ticket: int | None = None,
+        marks: tuple[list[torch.Tensor], list[int]] | None = None,
     ) -> None:
         cancelled = SaveCancelledError(f"the save of step {h.step} was cancelled; nothing was committed")
         error: BaseException | None = None
@@ -628,6 +631,7 @@ class TensorStore:
                             producers,
                             progress,
                             self._incremental,
+                            marks,
                         )
             if scope.cancelled_caught and not h.committed:
                 error = cancelled
