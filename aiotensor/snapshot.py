@@ -153,7 +153,7 @@ class Snapshotter:
         cancelled is observed (its canceller was told): a ``before_update`` or ``drain`` cancelled
         by a timeout made every later ``save`` raise SaveCancelledError (helper-36)."""
         for h in self._handles:
-            if h.done() and h.exception() is not None and not h.observed:  # (drain raised an observed one)
+            if h.done() and not h.observed and h.exception() is not None:  # (drain raised an observed one)
                 h.observed = True
                 self._failed.append(h)
         self._handles = [h for h in self._handles if not h.done()]

@@ -30,6 +30,7 @@ from aiotensor.errors import (
     StaleStepError,
     StateError,
     StoreClosedError,
+    StoreLockedError,
 )
 from aiotensor.testing import FaultyEngine
 
@@ -1066,3 +1067,94 @@ async def test_a_tensor_changed_in_place_before_it_was_copied_out_fails_the_save
             frozen = torch.full((4,), 7.0)
         await store.save(9, {"frozen": frozen, "w": w})
         assert_state_equal((await store.load(9))["frozen"], frozen)
+
+
+async def test_a_second_writer_in_the_same_process_is_told_to_close_the_first(tmp_path: Any) -> None:
+    """A notebook cell that opens a store, run again while Out[n] or a Snapshotter keeps the first
+    open: the error said to pass lock_timeout=, which waits for ever on a store nobody closes
+    (helper-55). It says to close that store."""
+    async with TensorStore(tmp_path):
+        with pytest.raises(StoreLockedError, match=r"in this process.*close that store first") as e:
+            async with TensorStore(tmp_path, lock_timeout=0):
+                pass
+        assert "lock_timeout" not in str(e.value)
+
+
+async def test_a_save_handle_awaited_on_another_event_loop_is_refused(tmp_path: Any, anyio_backend: Any) -> None:
+    """`await handle` on another thread's loop (a notebook's `executor.submit(asyncio.run,
+    store.save(...))`) never woke, the save committed meanwhile: the kernel hung (helper-55). It
+    is a RuntimeError, as the store's own calls from another loop are; once the save is done, any
+    loop may read its outcome."""
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("asyncio loops in two threads")
+    import asyncio
+    import concurrent.futures
+
+    async with TensorStore(tmp_path) as store:
+        h = store.save(1, {"w": torch.ones(1 << 20)})
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            with pytest.raises(RuntimeError, match="another event loop"):
+                await asyncio.wrap_future(ex.submit(asyncio.run, h.wait()))
+            await h
+            await asyncio.wrap_future(ex.submit(asyncio.run, h.wait()))  # done: read from anywhere
+        assert store.steps() == [1]
+
+
+async def test_a_save_handle_says_how_its_save_ended(tmp_path: Any) -> None:
+    """A notebook shows the handle: `<SaveHandle step=1 done>` was shown for a save that failed or
+    was cancelled as for one committed; and reading `handle.exception()` did not count as having
+    seen the failure, so the next save raised SaveFailedError for it (helper-55)."""
+    async with TensorStore(tmp_path) as store:
+        h = store.save(1, {"w": torch.ones(4)})
+        await h
+        assert repr(h) == "<SaveHandle step=1 committed>"
+        bad = store.save(2, {"w": object()})  # a value that cannot be stored
+        while not bad.done():
+            await anyio.sleep(0.01)
+        assert repr(bad) == "<SaveHandle step=2 failed: StateError>"
+        assert isinstance(bad.exception(), StateError)
+        await store.save(3, {"w": torch.ones(4)})  # the failure was seen: no SaveFailedError
+        gone = store.save(4, {"w": torch.ones(4)})
+        gone.cancel()
+        with pytest.raises(SaveCancelledError):
+            await gone
+        assert repr(gone) == "<SaveHandle step=4 cancelled>"
+        unread = store.save(5, {"w": object()})
+        while not unread.done():
+            await anyio.sleep(0.01)
+        with pytest.raises(SaveFailedError):  # never awaited, never read: raised by the next save
+            store.save(6, {"w": torch.ones(4)})
+
+
+async def test_steps_of_a_store_never_opened_are_refused(tmp_path: Any) -> None:
+    """`store.latest()` before `open()` was None on a root full of steps: a resume read it as a
+    fresh run (helper-55). A store never opened has not looked: StoreClosedError saying how to open
+    it; once opened and closed, its last view stays readable."""
+    async with TensorStore(tmp_path) as store:
+        await store.save(3, {"w": torch.ones(2)})
+    fresh = TensorStore(tmp_path)
+    assert repr(fresh) == f"<TensorStore {str(tmp_path)!r} never opened>"
+    for ask in (fresh.steps, fresh.latest):
+        with pytest.raises(StoreClosedError, match=r"never opened.*await store\.open\(\)"):
+            ask()
+    await fresh.open()
+    assert fresh.latest() == 3
+    assert repr(fresh) == f"<TensorStore {str(tmp_path)!r} open, steps 3..3 (1)>"
+    await fresh.close()
+    assert fresh.steps() == [3] and repr(fresh) == f"<TensorStore {str(tmp_path)!r} closed, steps 3..3 (1)>"
+
+
+def test_a_store_used_outside_a_running_loop_says_so(tmp_path: Any) -> None:
+    """Terminal IPython runs a plain cell outside the loop it drives: `store.save()` there raised
+    anyio's "Not currently running on any asynchronous event loop" (helper-55)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        store = TensorStore(tmp_path)
+        loop.run_until_complete(store.open())
+        with pytest.raises(RuntimeError, match="outside a running event loop"):
+            store.save(1, {"w": torch.ones(2)})
+        loop.run_until_complete(store.close())
+    finally:
+        loop.close()

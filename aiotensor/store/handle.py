@@ -9,12 +9,21 @@ from typing import Any
 import anyio
 
 from .._runtime import threads
+from ..errors import SaveCancelledError
 
 
 def _cancellation(exc: Any) -> bool:
     """Is ``exc`` (an exception or its class) asyncio's cancellation? (trio never throws into a
     coroutine that has not started.)"""
     return isinstance(exc, asyncio.CancelledError) or (isinstance(exc, type) and issubclass(exc, asyncio.CancelledError))
+
+
+def _token() -> object | None:
+    """The running event loop's anyio token (None outside one)."""
+    try:
+        return anyio.lowlevel.current_token()
+    except RuntimeError:
+        return None
 
 
 class _Wait(Coroutine[Any, Any, None]):
@@ -64,6 +73,7 @@ class _Mirrored:
 
     async def _wait(self) -> None:
         h = self._handle
+        h._here(h._done_event)
         await h._done_event.wait()
         if h._error is not None:
             h.observed = True
@@ -110,6 +120,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self._cancel_requested = False
         self._error: BaseException | None = None
         self._co: _Wait | None = None  # the handle's own coroutine side
+        self._loop = _token()  # the event loop the save runs on: only it can wait for the save
         self.observed = False
         self.committed = False
         self.warnings: list[str] = []  # trouble that did not fail the save (after its commit point; a damaged earlier step)
@@ -119,14 +130,22 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self.bytes_reused = 0  # shard bytes linked from an earlier step, proven equal
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else ("staged" if self._staged_event.is_set() else "staging")
+        if self.done():  # (a notebook shows it: "done" said nothing of a save that failed, helper-55)
+            e = self._error
+            failed = "cancelled" if isinstance(e, SaveCancelledError) else f"failed: {type(e).__name__}"
+            state = "committed" if e is None else failed
+        else:
+            state = "committed, finishing" if self.committed else ("staged" if self._staged_event.is_set() else "staging")
         return f"<SaveHandle step={self.step} {state}>"
 
     def done(self) -> bool:
         return self._done_event.is_set()
 
     def exception(self) -> BaseException | None:
-        """The failure of a finished save (None while running or on success)."""
+        """The failure of a finished save (None while running or on success). Reading a failure
+        here counts as having seen it: the next ``save()`` does not raise ``SaveFailedError`` for it."""
+        if self._error is not None and self.done():
+            self.observed = True
         return self._error
 
     def cancel(self) -> None:
@@ -182,7 +201,18 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self.observed = True  # its canceller is told (by the cancellation)
         raise exc
 
+    def _here(self, event: anyio.Event) -> None:
+        """Refuse a wait for ``event`` from another event loop than the save's: its events wake
+        tasks of their own loop only (another loop's wait never woke, and a notebook's
+        ``executor.submit(asyncio.run, store.save(...))`` hung its kernel: helper-55)."""
+        if not event.is_set() and self._loop is not None and _token() != self._loop:
+            raise RuntimeError(
+                f"the save of step {self.step} runs on another event loop (the store's): await its handle on that "
+                "loop; a store serves one event loop at a time"
+            )
+
     async def _wait(self, event: anyio.Event) -> None:
+        self._here(event)
         try:
             await event.wait()
         except anyio.get_cancelled_exc_class() as cancelled:

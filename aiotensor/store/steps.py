@@ -322,10 +322,16 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root
     while not await call(sched, lock.try_acquire, what=f"locking {root}"):
         if deadline is not None and anyio.current_time() >= deadline:
             pid = await call(sched, lock.holder, what=f"reading {lock.path}")
-            who = "in this process" if pid == str(os.getpid()) else (f"process {pid}" if pid else "another process")
+            here = pid == str(os.getpid())
+            who = "in this process" if here else (f"process {pid}" if pid else "another process")
+            how = (  # (helper-55: a notebook cell run again while Out[n], a Snapshotter or a handle keeps the first)
+                "close that store first (`await store.close()`; a store kept by a variable, a notebook's Out[n], a "
+                "Snapshotter or a save handle stays open until it is closed), or open this one with readonly=True to read"
+                if here
+                else "Open it with readonly=True to read it, or pass lock_timeout= to wait"
+            )
             raise StoreLockedError(
-                f"{root} is being written by another store ({who}): "
-                "one writer per folder. Open it with readonly=True to read it, or pass lock_timeout= to wait"
+                f"{root} is being written by another store ({who}): one writer per folder. {how}"
                 + (
                     f" (in a bucket a writer that died keeps its lease until it expires, {lock.ttl:.0f} s after its "
                     f"last renewal: lock_timeout={lock.ttl:.0f} waits for that)"

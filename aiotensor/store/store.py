@@ -73,6 +73,9 @@ def _absolute(root: str | os.PathLike[str]) -> str:
     return path if is_object(path) or os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
 
+_OPEN_IT = "use `async with TensorStore(...) as store`, or `await store.open()` (a notebook: then `await store.close()`)"
+
+
 class TensorStore:
     """Checkpoints of nested state (state_dicts, optimizer state, Python scalars) in a folder
     (``docs/store.md``: the layout, what committed means, several processes on one root).
@@ -197,6 +200,7 @@ class TensorStore:
             )
             self._mirror = Mirror(self._tier.scheduler, self._tier._steps)
         self._open = False
+        self._opened = False  # ever: steps() and latest() of a store never opened have nothing to tell
         self._pid = os.getpid()  # the process that opened it (a forked child only reads)
         self._unobserved: list[SaveHandle] = []
 
@@ -217,6 +221,15 @@ class TensorStore:
     def ignored(self) -> dict[str, str]:
         """Names in the root that are not committed steps, and why (as of the last listing)."""
         return self._steps.ignored
+
+    def __repr__(self) -> str:  # (what a notebook shows: helper-55)
+        if not self._opened:
+            return f"<TensorStore {self.root!r} never opened>"
+        steps = self.steps()
+        seen = f"steps {steps[0]}..{steps[-1]} ({len(steps)})" if steps else "no steps"
+        how = ("open" if self._open else "closed") + (", read-only" if self.readonly else "")
+        flight = f", saving {sorted(self._in_flight)}" if self._in_flight else ""
+        return f"<TensorStore {self.root!r} {how}, {seen}{flight}>"
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -283,7 +296,7 @@ class TensorStore:
             with anyio.CancelScope(shield=True):
                 await self._release()
             raise
-        self._open, self._pid = True, os.getpid()
+        self._open, self._opened, self._pid = True, True, os.getpid()
         self._catch_up()
         newest = self._steps.newest()
         self._remembered = anyio.Event()
@@ -489,7 +502,13 @@ class TensorStore:
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first, here or in the mirror (this store's view: see
-        :meth:`refresh`). No I/O."""
+        :meth:`refresh`; after :meth:`close`, what it was then). No I/O.
+
+        Raises:
+            StoreClosedError: the store was never opened (it has not looked: ``[]`` would read as
+                a fresh run's, and a resume would start over, helper-55)."""
+        if not self._opened:
+            raise StoreClosedError(f"the store of {self.root} was never opened: {_OPEN_IT}, then ask for its steps")
         return sorted(self._steps.committed | self._mirrored())
 
     def mirrored_steps(self) -> list[int]:
@@ -500,7 +519,10 @@ class TensorStore:
         return set() if self._tier is None else self._tier._steps.committed
 
     def latest(self) -> int | None:
-        """The newest committed step (here or in the mirror), or None. No I/O."""
+        """The newest committed step (here or in the mirror), or None. No I/O.
+
+        Raises:
+            StoreClosedError: the store was never opened (as :meth:`steps`)."""
         return max(self.steps(), default=None)
 
     def path(self, step: int) -> str:
@@ -512,7 +534,8 @@ class TensorStore:
     def save(self, step: int, state: Any, *, background: bool = False, progress: ProgressCallback | None = None) -> SaveHandle:
         """Start saving ``state`` as ``step``; returns at once with a :class:`SaveHandle`:
         ``await handle.staged`` once the tensors are copied out (until then, change neither the
-        tensors nor the containers of ``state``), ``await handle`` once committed and durable.
+        tensors nor the containers of ``state``: a tensor changed in place meanwhile fails the
+        save, ``StateChangedError``), ``await handle`` once committed and durable.
         ``background=True`` puts the save's I/O behind loads and other saves; ``progress(done,
         total)`` is called on the loop thread as tensor bytes are written.
 
@@ -525,7 +548,8 @@ class TensorStore:
             SaveFailedError: an earlier background save failed and its handle was never awaited.
 
         Awaiting the handle raises the save's failure (``StateError`` naming a key path that cannot
-        be stored, ``OSError`` naming the file, ``SaveCancelledError``); a failed save leaves nothing.
+        be stored, ``StateChangedError`` naming a tensor changed in place before it was copied out,
+        ``OSError`` naming the file, ``SaveCancelledError``); a failed save leaves nothing.
 
         Cancellation: see :class:`SaveHandle`.
         """
@@ -731,7 +755,13 @@ class TensorStore:
 
         Raises:
             RuntimeError: work the store started on another event loop still runs."""
-        token = anyio.lowlevel.current_token()
+        try:
+            token = anyio.lowlevel.current_token()
+        except RuntimeError:  # (anyio's NoEventLoopError: terminal IPython's plain cells, helper-55)
+            raise RuntimeError(
+                f"this store of {self.root} is used outside a running event loop: call it from async code "
+                "(`async def`, a notebook cell that awaits, asyncio.run)"
+            ) from None
         if self._tasks and self._loop is not None and token != self._loop:
             raise RuntimeError(
                 f"this store of {self.root} is busy on another event loop (saves or loads it started there still run): a "
@@ -742,7 +772,7 @@ class TensorStore:
 
     def _check_open(self) -> None:
         if not self._open:
-            raise StoreClosedError("the store is not open: use `async with TensorStore(...) as store`")
+            raise StoreClosedError(f"the store is not open: {_OPEN_IT}")
         if not self._forked():
             self._check_loop()
         elif is_object(self.root) or (self._tier is not None and is_object(self._tier.root)):
