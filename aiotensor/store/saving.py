@@ -32,6 +32,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -201,17 +202,18 @@ def versions(state: Any) -> tuple[list[torch.Tensor], list[int]]:
     """Each tensor of ``state`` found in its dicts, lists and tuples, and its version counter as
     ``save()`` is called (PyTorch moves it with every in-place change: an optimizer's step, a
     ``fill_``); :func:`changed` compares them once the tensors are copied out. Inference tensors
-    have none (skipped). 20,000 tensors of a flat dict: ~5 ms (0.2 us a counter)."""
-    found: list[torch.Tensor] = []
-    todo = [state]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-            continue
-        values: Any = list(x.values()) if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
-        found += [v for v in values if isinstance(v, torch.Tensor)]
-        todo += [v for v in values if isinstance(v, (dict, list, tuple))]
+    have none (skipped). A level of the tree at a time, in C loops (an optimizer's state is a dict
+    per parameter: 10,000 of them walked one by one held the loop 15-18 ms): 20,000 tensors, flat
+    or in 10,000 dicts, ~5 ms, most of it the counters (0.2 us each)."""
+    found: list[torch.Tensor] = [state] if isinstance(state, torch.Tensor) else []
+    level = [] if found else [state]  # the containers of one depth
+    while level:
+        dicts = [x for x in level if isinstance(x, dict)]
+        seqs = [x for x in level if isinstance(x, (list, tuple))] if len(dicts) < len(level) else []
+        values = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(seqs)))
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        found += tensors
+        level = [v for v in values if isinstance(v, (dict, list, tuple))] if len(tensors) < len(values) else []
     try:
         return found, list(map(_VERSION, found))
     except RuntimeError:  # an inference tensor among them: "Inference tensors do not track version counter"
