@@ -32,7 +32,7 @@ from aiotensor.errors import ChecksumError
 from aiotensor.testing import FaultyEngine
 
 from .conftest import assert_state_equal, small_state
-from .test_store import DTYPES, random_tensor
+from .test_store import DTYPES, load_while_its_step_is_retired, random_tensor
 
 pytestmark = pytest.mark.anyio
 FAKE = os.path.join(os.path.dirname(__file__), "fake_kvikio")
@@ -142,29 +142,8 @@ async def test_a_step_retired_while_it_loads_through_cufile_is_read_whole(
     engine, the default where CUDA is, opened CuFile by path, so it kept no shard open through a
     load into tensors; a step that the writer's retention deleted meanwhile left the first shards
     read into ``into`` and the rest ``CheckpointNotFoundError``, atomic=True too. CuFile now opens
-    the descriptor's own file (/proc/self/fd/N): the unlinked shards are read whole, through CuFile."""
-    import shutil
-
-    from aiotensor.store import load as store_load
-
-    old, new = ({f"t{i}": torch.full((256,), float(i + k)) for i in range(4)} for k in (0, 100))
-    async with TensorStore(tmp_path, engine=PosixEngine(), shard_bytes=1024) as store:  # a shard per tensor
-        await store.save(1, new)
-    real = store_load.read_tensors
-    calls = []
-
-    async def read_then_retire(*args: Any) -> None:
-        await real(*args)
-        calls.append(1)
-        if len(calls) == 1:  # the first shard is in `into`: another process retires the step
-            shutil.rmtree(tmp_path / "step-000000000001")
-
-    monkeypatch.setattr(store_load, "read_tensors", read_then_retire)
-    into = {k: v.clone() for k, v in old.items()}
-    async with TensorStore(tmp_path, engine=HostKvikio(), readonly=True) as reader:
-        await reader.load(1, into=into, atomic=atomic)
-    assert len(calls) == 4 and not (tmp_path / "step-000000000001").exists()
-    assert_state_equal(into, new)
+    the descriptor's own file (/proc/thread-self/fd/N): the unlinked shards are read whole, through CuFile."""
+    new = await load_while_its_step_is_retired(tmp_path, monkeypatch, atomic, HostKvikio())
     _check_io(kv, "pread")
     assert sum(c[3] for c in kv.calls if c[0] == "pread") >= sum(t.nbytes for t in new.values())
 

@@ -944,12 +944,20 @@ async def test_a_step_retired_while_it_is_loaded_into_tensors_is_read_whole(
     were opened one at a time, so the first was read into `into` and the next was gone, leaving
     `into` half one step, half the one before, even with atomic=True (helper-28: 5 of 333 loads).
     The shards are kept open from their check on: the unlinked files are read whole."""
+    await load_while_its_step_is_retired(tmp_path, monkeypatch, atomic)
+
+
+async def load_while_its_step_is_retired(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, atomic: bool, engine: aiotensor.Engine | None = None
+) -> dict[str, torch.Tensor]:
+    """Load step 1 (a shard per tensor) into tensors through ``engine``, the step deleted (as another
+    process's retention does) once the first shard is read; checks ``into`` holds step 1 whole."""
     import shutil
 
     from aiotensor.store import load as store_load
 
     old, new = ({f"t{i}": torch.full((256,), float(i + k)) for i in range(4)} for k in (0, 100))
-    async with TensorStore(tmp_path, shard_bytes=1024) as store:  # a shard per tensor
+    async with TensorStore(tmp_path, engine=aiotensor.PosixEngine(), shard_bytes=1024) as store:
         await store.save(1, new)
     real = store_load.read_tensors
     calls = []
@@ -962,10 +970,11 @@ async def test_a_step_retired_while_it_is_loaded_into_tensors_is_read_whole(
 
     monkeypatch.setattr(store_load, "read_tensors", read_then_retire)
     into = {k: v.clone() for k, v in old.items()}
-    async with TensorStore(tmp_path, readonly=True) as reader:
+    async with TensorStore(tmp_path, readonly=True, **({} if engine is None else {"engine": engine})) as reader:
         await reader.load(1, into=into, atomic=atomic)
     assert len(calls) == 4 and not (tmp_path / "step-000000000001").exists()
     assert_state_equal(into, new)
+    return new
 
 
 async def test_loads_cancelled_twice_leave_no_file_open(tmp_path: Any, anyio_backend: Any) -> None:
