@@ -33,11 +33,7 @@ from typing import Any
 import torch
 
 from .._runtime import cuda
-from .posix import PosixEngine
-
-# Linux's: opening <this>/N opens descriptor N's file, unlinked or not (thread-self: it works in a
-# process whose main thread has exited too, where /proc/self/fd does not; Linux 3.17 and later)
-_PROC_FD = next((d for d in ("/proc/thread-self/fd", "/proc/self/fd") if os.path.isdir(d)), None)
+from .posix import FD_DIR, PosixEngine
 
 
 class KvikioEngine(PosixEngine):
@@ -78,7 +74,7 @@ class KvikioEngine(PosixEngine):
     # file unlinked since it was opened (a step retired while it loads) still reads that file (kvikio
     # reopens it, with O_DIRECT where it runs cuFile; its opt-in KVIKIO_THREAD_POOL_PER_BLOCK_DEVICE
     # caches a path's device, so there files of several devices may share one pool: only its speed)
-    holds_files = _PROC_FD is not None
+    holds_files = FD_DIR is not None
 
     name = "kvikio"
 
@@ -166,7 +162,7 @@ class KvikioEngine(PosixEngine):
             f = self._files.get(fd)
             if f is None:
                 path, flags = self._paths[fd]
-                f = self._files[fd] = self.kvikio.CuFile(f"{_PROC_FD}/{fd}" if _PROC_FD else path, flags)
+                f = self._files[fd] = self.kvikio.CuFile(f"{FD_DIR}/{fd}" if FD_DIR else path, flags)
                 mode_here = self.mode
                 # GDS needs O_DIRECT on the file: without it kvikio runs this file in compat mode
                 direct_io = getattr(f, "is_direct_io_supported", lambda: True)()

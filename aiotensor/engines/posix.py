@@ -19,6 +19,9 @@ from ..errors import UnsafePathError
 from .base import Engine
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Linux's: opening FD_DIR/N opens descriptor N's file again, unlinked or not (thread-self: also in a
+# process whose main thread has exited, where /proc/self/fd fails, helper-56; Linux 3.17 and later)
+FD_DIR = next((d for d in ("/proc/thread-self/fd", "/proc/self/fd") if os.path.isdir(d)), None)
 log = logging.getLogger("aiotensor")
 
 
@@ -79,9 +82,11 @@ class PosixEngine(Engine):
     def open_direct(self, fd: int) -> int | None:
         if not self.direct_reads:
             return None
+        if FD_DIR is None:
+            return None
         try:  # the open file itself, by its descriptor: no path is looked up again
-            return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | _O_CLOEXEC)
-        except OSError:  # no /proc, or a file system without O_DIRECT (tmpfs: EINVAL)
+            return os.open(f"{FD_DIR}/{fd}", os.O_RDONLY | os.O_DIRECT | _O_CLOEXEC)
+        except OSError:  # a file system without O_DIRECT (tmpfs before Linux 6.6: EINVAL)
             return None
 
     def cached(self, fd: int, offset: int, nbytes: int) -> int:
