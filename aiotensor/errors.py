@@ -105,8 +105,8 @@ class StateChangedError(StateError):
     """A tensor of the state being saved was changed in place (its version counter moved: an
     optimizer's step, a ``fill_``) after ``save()`` and before the save copied it out (``await
     handle.staged``): the copy may be half old, half new, so the save failed and nothing was
-    committed. Tensors changed in ways PyTorch does not count (through ``.data``, a NumPy view)
-    cannot be seen."""
+    committed. Changes PyTorch does not count (through ``.data``, a NumPy view, a fused optimizer,
+    BatchNorm's running statistics, a CUDA graph) cannot be seen: a net, not a guarantee."""
 
 
 class MismatchError(AiotensorError, ValueError):

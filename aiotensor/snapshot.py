@@ -37,7 +37,8 @@ class Snapshotter:
     state runs alongside step N+1's forward/backward and the trainer waits only for what is left.
     A forward that changes the state does not allow that: BatchNorm in train mode updates its
     running statistics (buffers, in ``state_dict()``), and step N's checkpoint would hold some of
-    step N+1's. For such a model, ``await snap.before_update()`` before the forward instead (the
+    step N+1's (such a save fails: ``StateChangedError``, its ``num_batches_tracked`` having
+    moved). For such a model, ``await snap.before_update()`` before the forward instead (the
     copy then overlaps only what runs before it), or save a copy of those buffers.
 
     Policy when the disk cannot absorb a checkpoint per ``save`` call (every staging arena of the

@@ -31,7 +31,7 @@ from ..errors import ManifestError, StateError
 
 Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
-_MAX_DEPTH = 64
+MAX_DEPTH = 64
 # flatten and unflatten recurse through methods of small classes, not nested functions: a nested
 # function that calls itself is a reference cycle (function -> closure cell -> function) holding all
 # its closure sees (the tensor list, the destination dict), so every save and load handed its
@@ -62,7 +62,7 @@ def _float(x: float) -> Any:
 
 
 class _Flatten:
-    """flatten's walk (a class, not a nested function: see the comment under _MAX_DEPTH)."""
+    """flatten's walk (a class, not a nested function: see the comment under MAX_DEPTH)."""
 
     def __init__(self, leaf: type = torch.Tensor, paths: bool = False) -> None:
         self.leaf = leaf  # what a tensor leaf is (matched() walks a saved tree's keys as leaves)
@@ -76,8 +76,8 @@ class _Flatten:
         return {"tensor": key}
 
     def walk(self, obj: Any, path: Path) -> Any:
-        if len(path) > _MAX_DEPTH:
-            raise StateError(f"state nests deeper than {_MAX_DEPTH} levels at {key_path(path)!r}")
+        if len(path) > MAX_DEPTH:
+            raise StateError(f"state nests deeper than {MAX_DEPTH} levels at {key_path(path)!r}")
         if isinstance(obj, self.leaf):
             if self.paths is not None:
                 self.paths.append(tuple(_NAN if k != k else k for k in path))  # (nan is no key's equal)
@@ -93,7 +93,7 @@ class _Flatten:
         if type(obj) is OrderedDict:
             meta = getattr(obj, "_metadata", None)
             return {"odict": [self.walk(dict(obj), path), None if meta is None else self.walk(meta, (*path, _META))]}
-        if type(obj) in (dict, list, tuple) and len(obj) >= _BULK and len(path) < _MAX_DEPTH and _flat(obj):
+        if type(obj) in (dict, list, tuple) and len(obj) >= _BULK and len(path) < MAX_DEPTH and _flat(obj):
             # only plain scalars one level down (a sampler's indices, per-sample losses): copied by
             # C loops; walked value by value, a list of a million took 0.35 s of a save
             if type(obj) is dict:
@@ -107,7 +107,7 @@ class _Flatten:
                         f"key {k!r} at {key_path(path)!r} is a {type(k).__name__}; keys must be str, int, float, bool or None"
                     )
             if all(isinstance(k, str) for k in keys):
-                if self.paths is None and len(path) < _MAX_DEPTH:  # a tensor's key made here: 1 us of 3 saved
+                if self.paths is None and len(path) < MAX_DEPTH:  # a tensor's key made here: 1 us of 3 saved
                     at = ".".join(map(str, path)) + "." if path else ""
                     leaf, tensor = self.leaf, self.tensor
                     return {
@@ -185,7 +185,7 @@ _META, _NAN = _Marker("_metadata"), _Marker("nan")  # an OrderedDict's _metadata
 
 
 class _Unflatten:
-    """unflatten's walk (a class, not a nested function: see the comment under _MAX_DEPTH)."""
+    """unflatten's walk (a class, not a nested function: see the comment under MAX_DEPTH)."""
 
     def __init__(self, tensor: Callable[[str], Any], where: object) -> None:
         self.tensor = tensor
@@ -202,7 +202,7 @@ class _Unflatten:
         raise self.bad(f"unexpected value {str(x)[:80]!r}")
 
     def walk(self, node: Any, depth: int) -> Any:
-        if depth > _MAX_DEPTH + 1:
+        if depth > MAX_DEPTH + 1:
             raise self.bad("nested too deep")
         if not isinstance(node, dict):
             return self.scalar(node)
@@ -212,15 +212,15 @@ class _Unflatten:
         if tag == "tensor" and isinstance(val, str):
             return self.tensor(val)
         if tag in ("list", "tuple") and isinstance(val, list):
-            plain = len(val) >= _BULK and depth <= _MAX_DEPTH and _plain(val)  # (its items one level down: within the depth)
+            plain = len(val) >= _BULK and depth <= MAX_DEPTH and _plain(val)  # (its items one level down: within the depth)
             items = gil.listed(val) if plain else [self.walk(v, depth + 1) for v in val]
             return items if tag == "list" else tuple(items)
         if tag == "dict" and isinstance(val, dict):
-            keys = _tensor_keys(val.values()) if depth <= _MAX_DEPTH else None
+            keys = _tensor_keys(val.values()) if depth <= MAX_DEPTH else None
             if keys is not None:  # only tensors below (a state_dict): C loops, not a walk per tensor
                 pairs = zip(val, map(self.tensor, keys), strict=True)  # (a slice per C loop: 20,000 held the GIL 1.3 ms)
                 return dict(pairs) if len(val) <= _BULK else gil.filled({}, pairs)
-            if len(val) >= _BULK and depth <= _MAX_DEPTH and _plain(val.values()):
+            if len(val) >= _BULK and depth <= MAX_DEPTH and _plain(val.values()):
                 return _copied(val, {})
             return {k: self.walk(v, depth + 1) for k, v in val.items()}
         if tag == "items" and isinstance(val, list):

@@ -48,6 +48,7 @@ class _Wait(Coroutine[Any, Any, None]):
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
         if self._inner is None:
+            self._handle._here(self._event)  # (another loop's task: refused before anything is cancelled, helper-58)
             exc = val if val is not None else typ
             if _cancellation(exc):  # a task cancelled before it first ran: the save is cancelled
                 self._handle.cancel()  # here, and the task ends once it stopped, as a started wait does
@@ -78,6 +79,7 @@ class _Mirrored:
         if h._error is not None:
             h.observed = True
             raise h._error
+        h._here(h._mirrored_event)
         await h._mirrored_event.wait()
         if h._mirror_error is not None:
             raise h._mirror_error
