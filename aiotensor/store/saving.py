@@ -252,7 +252,8 @@ def changed(marks: tuple[list[torch.Tensor], list[int]]) -> list[torch.Tensor]:
 
 
 def _changed_keys(marks: tuple[list[torch.Tensor], list[int]], sources: dict[str, torch.Tensor]) -> list[str]:
-    """The keys of the tensors :func:`changed` finds (by identity; "?" where a key is not known)."""
+    """The keys of the tensors :func:`changed` finds, each tensor once (by identity; an alias
+    of another key, which ``sources`` leaves out, is named as such)."""
     moved = {id(t): t for t in changed(marks)}  # (a tensor under two keys, tied weights: once)
     if not moved:
         return []
