@@ -1083,7 +1083,7 @@ async def test_a_second_writer_in_the_same_process_is_told_to_close_the_first(tm
     open: the error said to pass lock_timeout=, which waits for ever on a store nobody closes
     (helper-55). It says to close that store."""
     async with TensorStore(tmp_path):
-        with pytest.raises(StoreLockedError, match=r"in this process.*close that store first") as e:
+        with pytest.raises(StoreLockedError, match=r"in this process.*Close that store first") as e:
             async with TensorStore(tmp_path, lock_timeout=0):
                 pass
         assert "lock_timeout" not in str(e.value)

@@ -325,7 +325,7 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root
             here = pid == str(os.getpid())
             who = "in this process" if here else (f"process {pid}" if pid else "another process")
             how = (  # (helper-55: a notebook cell run again while Out[n], a Snapshotter or a handle keeps the first)
-                "close that store first (`await store.close()`; a store kept by a variable, a notebook's Out[n], a "
+                "Close that store first (`await store.close()`; a store kept by a variable, a notebook's Out[n], a "
                 "Snapshotter or a save handle stays open until it is closed), or open this one with readonly=True to read"
                 if here
                 else "Open it with readonly=True to read it, or pass lock_timeout= to wait"
