@@ -271,9 +271,7 @@ class Publication:
         # that waited for admission, leaving a failed save_file's hidden temporary file beside the
         # user's for ever (helper-57)
         with anyio.CancelScope(shield=True):
-            how, err = await self.sched.run_sync(self._clean)
-        if how == "theirs":
-            log.warning("%s: left as it is: another writer's save made it since this one failed", self.tmp)
+            err = await self.sched.run_sync(self._clean)
         if err is None:
             return
         if e is None:
@@ -283,26 +281,27 @@ class Publication:
         e.add_note(note)
         log.warning("%s", note)
 
-    def _clean(self) -> tuple[str, OSError | None]:
-        """Remove ``tmp`` (blocking): ``("theirs", None)`` where another writer's save made it since
-        (its marker holds their token), else ``("removed" or "gone", None)``, or the error where it
-        is still there (where that cannot be told too: only a stat that says it is missing says no)."""
+    def _clean(self) -> OSError | None:
+        """Remove ``tmp`` (blocking; left, and logged here, where another writer's save made it
+        since: its marker holds their token); the error where it is still there (where that cannot
+        be told too: only a stat that says it is missing says no), else None."""
         try:
             if self.folder and self._mark is not None and not self._ours():
-                return "theirs", None
+                log.warning("%s: left as it is: another writer's save made it since this one failed", self.tmp)
+                return None
             if self.folder:
                 remove(self.engine, self.tmp)
             else:  # a file: no commit records under it to drop first
                 self.engine.remove_file(self.tmp)
-            return "removed", None
+            return None
         except OSError as err:
             try:
                 self.engine.stat(self.tmp)
             except FileNotFoundError:  # never made (its creation failed: a read-only folder), or gone
-                return "gone", None
+                return None
             except OSError:
                 pass
-            return "failed", err
+            return err
 
     async def _mkdir(self) -> None:
         made = await self._call(self.engine.mkdir, self.tmp, what=f"creating {self.tmp}")

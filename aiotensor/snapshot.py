@@ -89,6 +89,11 @@ class Snapshotter:
         self._failed: list[SaveHandle] = []  # failed, their errors not raised yet
         self._last: SaveHandle | None = None  # not yet known staged
 
+    def __repr__(self) -> str:  # (what a notebook shows: helper-55)
+        running = sum(not h.done() for h in self._handles)
+        counts = f"{self.started} started, {self.skipped} skipped, {running} running"
+        return f"<Snapshotter of {self.store!r}: policy={self.policy!r}, {counts}>"
+
     def save(self, step: int, state: Any, *, force: bool = False) -> SaveHandle | None:
         """Start saving ``state`` as ``step`` unless the policy skips it; returns at once.
 

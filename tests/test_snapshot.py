@@ -194,3 +194,22 @@ async def test_what_a_snapshotter_keeps_is_bounded(tmp_path: Any) -> None:
             snap.held_seconds.append(0.0)
         assert len(snap.skipped_steps) == len(snap.held_seconds) == snapshot._KEPT
         assert (await snap.drain())[-1] == snapshot._KEPT + 49 and not snap.skipped_steps
+
+
+async def test_what_a_notebook_shows_of_a_snapshotter_and_a_stream(tmp_path: Any) -> None:
+    """Default reprs (`<aiotensor.snapshot.Snapshotter object at 0x...>`) and `help(aiotensor.stream)`
+    without its arguments were what a notebook showed (helper-55)."""
+    import inspect
+
+    import aiotensor
+
+    assert {"device", "dtype", "keys", "rows", "verify"} <= set(inspect.signature(aiotensor.stream).parameters)
+    await aiotensor.save_file({"w": torch.ones(8)}, tmp_path / "m.safetensors")
+    async with aiotensor.stream(tmp_path / "m.safetensors") as s:
+        assert [n async for n, _ in s] == ["w"]
+        assert repr(s).startswith(f"<TensorStream of {str(tmp_path / 'm.safetensors')!r} to cpu")
+    async with TensorStore(tmp_path / "ck") as store:
+        snap = Snapshotter(store)
+        snap.save(1, {"w": torch.ones(2)})
+        await snap.drain()
+        assert repr(snap) == f"<Snapshotter of {store!r}: policy='skip', 1 started, 0 skipped, 0 running>"

@@ -428,6 +428,9 @@ class TensorStream:
             s.scheduler,
         )
 
+    def __repr__(self) -> str:
+        return f"<TensorStream of {str(self.source)!r} to {self.device}, {self.bytes_read / 1e6:.1f} MB read>"
+
     @property
     def bytes_read(self) -> int:
         """The bytes of the batches read so far."""
@@ -452,6 +455,4 @@ class TensorStream:
         await self._s._close()
 
 
-def stream(source: str | os.PathLike[str], **kwargs: Any) -> TensorStream:
-    """``aiotensor.stream(source, ...)``: a :class:`TensorStream` of ``source`` (its arguments)."""
-    return TensorStream(source, **kwargs)
+stream = TensorStream  # ``aiotensor.stream(source, ...)``: the class itself, so that help() shows its arguments (helper-55)
