@@ -163,6 +163,14 @@ def _pool(nice: int) -> _Pool:
         return pool
 
 
+def loop_token() -> anyio.lowlevel.EventLoopToken | None:
+    """The running event loop's anyio token (None outside one: anyio's NoEventLoopError)."""
+    try:
+        return anyio.lowlevel.current_token()
+    except RuntimeError:
+        return None
+
+
 def call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
     """Schedule a callback on the running event loop (asyncio or trio) from any thread."""
     try:

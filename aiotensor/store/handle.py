@@ -18,14 +18,6 @@ def _cancellation(exc: Any) -> bool:
     return isinstance(exc, asyncio.CancelledError) or (isinstance(exc, type) and issubclass(exc, asyncio.CancelledError))
 
 
-def _token() -> object | None:
-    """The running event loop's anyio token (None outside one)."""
-    try:
-        return anyio.lowlevel.current_token()
-    except RuntimeError:
-        return None
-
-
 class _Wait(Coroutine[Any, Any, None]):
     """A wait for a stage of a save (``event``: staged, or done), as an awaitable and as the
     coroutine object asyncio's tasks and trio drive: cancelling it cancels the save, also where
@@ -122,7 +114,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
         self._cancel_requested = False
         self._error: BaseException | None = None
         self._co: _Wait | None = None  # the handle's own coroutine side
-        self._loop = _token()  # the event loop the save runs on: only it can wait for the save
+        self._loop = threads.loop_token()  # the event loop the save runs on: only it can wait for the save
         self.observed = False
         self.committed = False
         self.warnings: list[str] = []  # trouble that did not fail the save (after its commit point; a damaged earlier step)
@@ -207,7 +199,7 @@ class SaveHandle(Coroutine[Any, Any, None]):
         """Refuse a wait for ``event`` from another event loop than the save's: its events wake
         tasks of their own loop only (another loop's wait never woke, and a notebook's
         ``executor.submit(asyncio.run, store.save(...))`` hung its kernel: helper-55)."""
-        if not event.is_set() and self._loop is not None and _token() != self._loop:
+        if not event.is_set() and self._loop is not None and threads.loop_token() != self._loop:
             raise RuntimeError(
                 f"the save of step {self.step} runs on another event loop (the store's): await its handle on that "
                 "loop; a store serves one event loop at a time"

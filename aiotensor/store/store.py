@@ -755,13 +755,12 @@ class TensorStore:
 
         Raises:
             RuntimeError: work the store started on another event loop still runs."""
-        try:
-            token = anyio.lowlevel.current_token()
-        except RuntimeError:  # (anyio's NoEventLoopError: terminal IPython's plain cells, helper-55)
+        token = threads.loop_token()
+        if token is None:  # (terminal IPython's plain cells: anyio's NoEventLoopError, helper-55)
             raise RuntimeError(
                 f"this store of {self.root} is used outside a running event loop: call it from async code "
                 "(`async def`, a notebook cell that awaits, asyncio.run)"
-            ) from None
+            )
         if self._tasks and self._loop is not None and token != self._loop:
             raise RuntimeError(
                 f"this store of {self.root} is busy on another event loop (saves or loads it started there still run): a "
