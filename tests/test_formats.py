@@ -798,7 +798,6 @@ def test_the_fragment_parse_agrees_with_the_member_walk(
     """Headers as writers make them and near misses (duplicate keys, keys holding '},"', empty or
     array values, extra fields, bad dtypes, whitespace): the C-scanner fragments accept exactly what
     the member-by-member walk accepts, with the same tensors, metadata and error."""
-    from unittest import mock
 
     members, pos = [], 0
     for key, e in entries:
@@ -818,11 +817,23 @@ def test_the_fragment_parse_agrees_with_the_member_walk(
         members.insert(len(members) // 2 if shuffle else 0, f'"__metadata__"{seps[1]}{json.dumps(meta, separators=seps)}')
     text = ("{" + seps[0].join(members) + "}   ").encode()
     size = 8 + len(text) + pos
-    with mock.patch.object(st, "_FRAGMENT_CHARS", chars):  # fragments of one to a few members
+    _three_ways_agree(text, size, chars)
+
+
+def _three_ways_agree(text: bytes, size: int, chars: int) -> None:
+    """The C helper's scan (in slices of one, two or all members), the C-scanner fragments of
+    ``chars`` characters and the member walk give the same layout, or the same error."""
+    from unittest import mock
+
+    walks = []
+    for per in (1, 2, 4096):
+        with mock.patch.object(st, "_ROWS_PER_CALL", per):
+            walks.append(_outcome(text, size))
+    with mock.patch.object(st, "native", None), mock.patch.object(st, "_FRAGMENT_CHARS", chars):
         fast = _outcome(text, size)
-    with mock.patch.object(st, "_fragment", lambda *args: 0):
+    with mock.patch.object(st, "native", None), mock.patch.object(st, "_fragment", lambda *args: 0):
         slow = _outcome(text, size)
-    assert fast == slow
+    assert walks == [slow] * 3 and fast == slow
 
 
 # fields of a header entry made odd (data_offsets from the entry's place): what the member walk
@@ -865,7 +876,6 @@ def test_header_fragments_taken_at_once_agree_with_the_member_walk(
     a key twice or a value not a string, a file too short for the last tensor: whole fragments
     taken at once (``bulk``, column by column) give the same layout, or the same error, as the
     member walk."""
-    from unittest import mock
 
     members, pos = [], 0
     for i, kind in enumerate(kinds):
@@ -885,11 +895,7 @@ def test_header_fragments_taken_at_once_agree_with_the_member_walk(
         members.insert(where % (len(members) + 1), f'"__metadata__":{text}')
     text = ("{" + ",".join(members) + "}").encode()
     size = 8 + len(text) + pos - short
-    with mock.patch.object(st, "_FRAGMENT_CHARS", chars):
-        fast = _outcome(text, size)
-    with mock.patch.object(st, "_fragment", lambda *args: 0):
-        slow = _outcome(text, size)
-    assert fast == slow
+    _three_ways_agree(text, size, chars)
 
 
 def test_real_headers_and_manifests_are_taken_a_fragment_at_a_time() -> None:
@@ -901,7 +907,7 @@ def test_real_headers_and_manifests_are_taken_a_fragment_at_a_time() -> None:
 
     blob = st_save({f"layer.{i}.weight": torch.ones(3, i % 5 + 1) for i in range(3000)}, {"format": "pt"})
     n = struct.unpack("<Q", blob[:8])[0]
-    with mock.patch.object(st, "_spec", side_effect=AssertionError("one by one")):
+    with mock.patch.object(st, "_spec", side_effect=AssertionError("one by one")), mock.patch.object(st, "native", None):
         parsed = st.parse(blob[8 : 8 + n], len(blob), "x")
     assert len(parsed.tensors) == 3000 and parsed.metadata == {"format": "pt"}
     specs = {e.key: e for e in parsed.tensors}
@@ -922,7 +928,10 @@ def test_a_header_of_many_tensors_is_parsed_in_fragments() -> None:
     calls: list[int] = []
     real = st._TUPLES.raw_decode
     with mock.patch.object(st, "_TUPLES", mock.Mock(raw_decode=lambda s: calls.append(len(s)) or real(s))):
-        with mock.patch.object(json.decoder, "scanstring", side_effect=AssertionError("walked")):
+        with (
+            mock.patch.object(json.decoder, "scanstring", side_effect=AssertionError("walked")),
+            mock.patch.object(st, "native", None),
+        ):
             parsed = st.parse(blob[8 : 8 + n], layout.file_size, "x")
     assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
     assert len(calls) > 3 and max(calls) <= 4 * st._FRAGMENT_CHARS + 2

@@ -1,0 +1,341 @@
+/* aiotensor._native: the per-tensor loops that cost microseconds in Python, for files and states of
+ * tens of thousands of tensors. Optional: where it is not built, aiotensor does the same in Python
+ * (aiotensor/formats/safetensors.py says what each function stands in for, and the tests compare
+ * the two on the same inputs). Each call does a bounded slice of work (its caller asks again), so
+ * the GIL changes hands between calls, as between aiotensor's other C loops (_runtime/gil.py).
+ *
+ * rows(cls, iterators, most): up to `most` instances of the named tuple `cls`, one per row of the
+ *     iterators (one per field, zip's rows), as tuple.__new__(cls, row) makes them.
+ *
+ * scan_header(doc, pos, most, data_start, file_size, itemsizes, max_dims, spec) -> None or
+ *     (specs, next, meta_start, meta_end): up to `most` tensor entries of a safetensors header
+ *     written as every writer writes it (no white space but the trailing pad; each entry exactly
+ *     {"dtype":"..","shape":[..],"data_offsets":[b,e]}; keys without escapes), each validated and
+ *     made a `spec(key, dtype, shape, data_start + b, nbytes)`. `next`: where to go on (0: the
+ *     document ended, well formed); the "__metadata__" member met in this slice, if one was, is
+ *     doc[meta_start:meta_end] (its text, left to the JSON decoder; else -1, -1). None: the text is
+ *     not that (the Python parser then takes it and names what is wrong).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* a tuple subclass whose instances are laid out as tuples (a named tuple: no __dict__, no slots) */
+static int
+plain_tuple_type(PyObject *cls)
+{
+    if (PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) &&
+        ((PyTypeObject *)cls)->tp_basicsize == PyTuple_Type.tp_basicsize &&
+        ((PyTypeObject *)cls)->tp_itemsize == PyTuple_Type.tp_itemsize)
+        return 1;
+    PyErr_SetString(PyExc_TypeError, "a named tuple class (a tuple subclass without slots) is needed");
+    return 0;
+}
+
+static PyObject *
+rows(PyObject *self, PyObject *args)
+{
+    PyTypeObject *cls;
+    PyObject *iters;
+    Py_ssize_t most;
+    if (!PyArg_ParseTuple(args, "O!O!n", &PyType_Type, &cls, &PyTuple_Type, &iters, &most))
+        return NULL;
+    if (!plain_tuple_type((PyObject *)cls))
+        return NULL;
+    Py_ssize_t width = PyTuple_GET_SIZE(iters);
+    for (Py_ssize_t j = 0; j < width; j++) {
+        if (!PyIter_Check(PyTuple_GET_ITEM(iters, j))) {
+            PyErr_SetString(PyExc_TypeError, "rows: every field must be an iterator");
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < most; i++) {
+        PyObject *row = cls->tp_alloc(cls, width);
+        if (row == NULL)
+            goto fail;
+        for (Py_ssize_t j = 0; j < width; j++) {
+            PyObject *v = PyIter_Next(PyTuple_GET_ITEM(iters, j));
+            if (v == NULL) {
+                Py_DECREF(row);
+                if (PyErr_Occurred())
+                    goto fail;
+                return out; /* the shortest field ended */
+            }
+            PyTuple_SET_ITEM(row, j, v);
+        }
+        int bad = PyList_Append(out, row);
+        Py_DECREF(row);
+        if (bad)
+            goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* ---- safetensors headers ---------------------------------------------------------------------- */
+
+#define MAX_DIGITS 18 /* below 2**63 */
+
+typedef struct {
+    const char *s;
+    Py_ssize_t n, i;
+} Doc;
+
+static int
+lit(Doc *d, const char *text)
+{
+    size_t k = strlen(text);
+    if (d->i + (Py_ssize_t)k > d->n || memcmp(d->s + d->i, text, k) != 0)
+        return 0;
+    d->i += (Py_ssize_t)k;
+    return 1;
+}
+
+/* a JSON number as writers write a count: 0, or digits without a leading zero */
+static int
+count(Doc *d, int64_t *out)
+{
+    Py_ssize_t a = d->i;
+    int64_t v = 0;
+    while (d->i < d->n && d->s[d->i] >= '0' && d->s[d->i] <= '9') {
+        if (d->i - a >= MAX_DIGITS)
+            return 0;
+        v = v * 10 + (d->s[d->i] - '0');
+        d->i++;
+    }
+    if (d->i == a || (d->s[a] == '0' && d->i - a > 1))
+        return 0;
+    *out = v;
+    return 1;
+}
+
+/* a key: '"', bytes that need no escape (no '"', '\\' or control character), '"' */
+static int
+key_span(Doc *d, Py_ssize_t *a, Py_ssize_t *b)
+{
+    if (d->i >= d->n || d->s[d->i] != '"')
+        return 0;
+    *a = ++d->i;
+    while (d->i < d->n) {
+        unsigned char c = (unsigned char)d->s[d->i];
+        if (c == '"') {
+            *b = d->i++;
+            return 1;
+        }
+        if (c == '\\' || c < 0x20)
+            return 0;
+        d->i++;
+    }
+    return 0;
+}
+
+/* any JSON string (escapes skipped over, not checked: the decoder checks the text later) */
+static int
+skip_string(Doc *d)
+{
+    if (d->i >= d->n || d->s[d->i] != '"')
+        return 0;
+    d->i++;
+    while (d->i < d->n) {
+        char c = d->s[d->i];
+        if (c == '"') {
+            d->i++;
+            return 1;
+        }
+        d->i += c == '\\' ? 2 : 1;
+    }
+    return 0;
+}
+
+/* the metadata object: {} or {"k":"v",...}, compact */
+static int
+skip_metadata(Doc *d)
+{
+    if (!lit(d, "{"))
+        return 0;
+    if (lit(d, "}"))
+        return 1;
+    for (;;) {
+        if (!skip_string(d) || !lit(d, ":") || !skip_string(d))
+            return 0;
+        if (lit(d, "}"))
+            return 1;
+        if (!lit(d, ","))
+            return 0;
+    }
+}
+
+static PyObject *
+scan_header(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    Py_ssize_t pos, most, max_dims;
+    long long data_start, file_size;
+    PyObject *itemsizes, *spec;
+    if (!PyArg_ParseTuple(args, "y*nnLLO!nO", &buf, &pos, &most, &data_start, &file_size, &PyDict_Type, &itemsizes,
+                          &max_dims, &spec))
+        return NULL;
+    if (!plain_tuple_type(spec)) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    Doc d = {(const char *)buf.buf, buf.len, pos};
+    PyObject *specs = PyList_New(0), *dtype = NULL, *result = NULL;
+    const char *dtype_at = NULL;
+    Py_ssize_t dtype_len = 0, meta_a = -1, meta_b = -1;
+    int64_t itemsize = 0, dims[64];
+    if (specs == NULL)
+        goto done;
+    if (max_dims < 0 || max_dims > 64) {
+        PyErr_SetString(PyExc_ValueError, "scan_header: max_dims must be 0 to 64");
+        goto done;
+    }
+    if (pos == 0) { /* the document's start: '{', and '}' at once for an empty one */
+        if (!lit(&d, "{"))
+            goto refuse;
+        if (lit(&d, "}"))
+            goto end;
+    }
+    else if (!lit(&d, ","))
+        goto refuse;
+    for (Py_ssize_t done_here = 0; done_here < most; done_here++) {
+        Py_ssize_t ka, kb;
+        if (!key_span(&d, &ka, &kb) || !lit(&d, ":"))
+            goto refuse;
+        if (kb - ka == 12 && memcmp(d.s + ka, "__metadata__", 12) == 0) {
+            if (meta_a >= 0) /* twice in one slice: the Python parser names it */
+                goto refuse;
+            meta_a = d.i;
+            if (!skip_metadata(&d))
+                goto refuse;
+            meta_b = d.i;
+        }
+        else {
+            if (!lit(&d, "{\"dtype\":\""))
+                goto refuse;
+            Py_ssize_t ta = d.i;
+            while (d.i < d.n && d.i - ta <= 32 &&
+                   ((d.s[d.i] >= 'A' && d.s[d.i] <= 'Z') || (d.s[d.i] >= 'a' && d.s[d.i] <= 'z') ||
+                    (d.s[d.i] >= '0' && d.s[d.i] <= '9') || d.s[d.i] == '_'))
+                d.i++;
+            Py_ssize_t tn = d.i - ta;
+            if (tn == 0 || tn > 32 || !lit(&d, "\",\"shape\":["))
+                goto refuse;
+            if (dtype == NULL || tn != dtype_len || memcmp(d.s + ta, dtype_at, tn) != 0) { /* a dtype unlike the last */
+                Py_XDECREF(dtype);
+                dtype = PyUnicode_FromStringAndSize(d.s + ta, tn);
+                if (dtype == NULL)
+                    goto done;
+                PyObject *size = PyDict_GetItemWithError(itemsizes, dtype); /* borrowed */
+                if (size == NULL) {
+                    if (PyErr_Occurred())
+                        goto done;
+                    goto refuse; /* a packed or unknown dtype */
+                }
+                itemsize = PyLong_AsLongLong(size);
+                if (itemsize <= 0) {
+                    PyErr_Clear();
+                    goto refuse;
+                }
+                dtype_at = d.s + ta, dtype_len = tn;
+            }
+            Py_ssize_t ndim = 0;
+            if (!lit(&d, "]")) {
+                for (;;) {
+                    if (ndim == max_dims || !count(&d, &dims[ndim]))
+                        goto refuse;
+                    ndim++;
+                    if (lit(&d, "]"))
+                        break;
+                    if (!lit(&d, ","))
+                        goto refuse;
+                }
+            }
+            int64_t b, e, nbytes = itemsize, elements = 1;
+            if (!lit(&d, ",\"data_offsets\":[") || !count(&d, &b) || !lit(&d, ",") || !count(&d, &e) || !lit(&d, "]}"))
+                goto refuse;
+            for (Py_ssize_t k = 0; k < ndim; k++) /* torch counts elements in int64, zero-size or not */
+                if (__builtin_mul_overflow(nbytes, dims[k], &nbytes) ||
+                    (dims[k] && __builtin_mul_overflow(elements, dims[k], &elements)))
+                    goto refuse;
+            if (b > e || e - b != nbytes || e > file_size - data_start)
+                goto refuse;
+            PyObject *key = PyUnicode_DecodeUTF8(d.s + ka, kb - ka, "strict");
+            if (key == NULL) {
+                PyErr_Clear();
+                goto refuse;
+            }
+            PyObject *shape = PyTuple_New(ndim);
+            PyObject *offset = PyLong_FromLongLong(data_start + b), *size = PyLong_FromLongLong(nbytes);
+            PyObject *row = ((PyTypeObject *)spec)->tp_alloc((PyTypeObject *)spec, 5);
+            int bad = shape == NULL || offset == NULL || size == NULL || row == NULL;
+            for (Py_ssize_t k = 0; !bad && k < ndim; k++) {
+                PyObject *v = PyLong_FromLongLong(dims[k]);
+                if (v == NULL)
+                    bad = 1;
+                else
+                    PyTuple_SET_ITEM(shape, k, v);
+            }
+            if (bad) {
+                Py_DECREF(key);
+                Py_XDECREF(shape);
+                Py_XDECREF(offset);
+                Py_XDECREF(size);
+                Py_XDECREF(row);
+                goto done;
+            }
+            Py_INCREF(dtype);
+            PyTuple_SET_ITEM(row, 0, key);
+            PyTuple_SET_ITEM(row, 1, dtype);
+            PyTuple_SET_ITEM(row, 2, shape);
+            PyTuple_SET_ITEM(row, 3, offset);
+            PyTuple_SET_ITEM(row, 4, size);
+            bad = PyList_Append(specs, row);
+            Py_DECREF(row);
+            if (bad)
+                goto done;
+        }
+        if (lit(&d, "}"))
+            goto end;
+        if (d.i >= d.n || d.s[d.i] != ',')
+            goto refuse;
+        if (done_here + 1 < most)
+            d.i++; /* the ',' before the next member (left for the next call, which begins there) */
+    }
+    result = Py_BuildValue("(Onnn)", specs, d.i, meta_a, meta_b);
+    goto done;
+end:
+    while (d.i < d.n && d.s[d.i] == ' ') /* safetensors pads its header with spaces */
+        d.i++;
+    if (d.i != d.n)
+        goto refuse;
+    result = Py_BuildValue("(Onnn)", specs, (Py_ssize_t)0, meta_a, meta_b);
+    goto done;
+refuse:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(dtype);
+    Py_XDECREF(specs);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"rows", rows, METH_VARARGS, "rows(cls, iterators, most): up to most named tuples, one per row of the iterators."},
+    {"scan_header", scan_header, METH_VARARGS, "scan_header(doc, pos, most, data_start, file_size, itemsizes, max_dims, spec)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "aiotensor._native", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,248 @@
+"""The optional C helpers (``aiotensor/_native.c``) against the Python code they stand in for: the
+same records, the same layouts, the same errors, on the headers real writers make and on near misses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import struct
+from collections import namedtuple
+from itertools import repeat
+from typing import Any, NamedTuple
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from aiotensor._runtime.native import native
+from aiotensor.errors import HeaderError
+from aiotensor.formats import safetensors as st
+
+needs_native = pytest.mark.skipif(
+    native is None, reason="aiotensor._native is not built here (no C compiler, or AIOTENSOR_NATIVE=0)"
+)
+
+
+def test_the_helpers_are_built_where_a_compiler_is() -> None:
+    """An install with a C compiler builds them (else every test here skips, and the fast paths go
+    untested: this says so)."""
+    if os.environ.get("AIOTENSOR_NATIVE") == "0" or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("AIOTENSOR_NATIVE=0, or no C compiler: the Python code does the work")
+    assert native is not None, "aiotensor._native did not build: run `pip install -e .` again and read its output"
+
+
+class _Row(NamedTuple):
+    a: Any
+    b: Any
+    c: Any
+
+
+@needs_native
+@pytest.mark.parametrize("per", [1, 3, 4096])
+def test_rows_are_what_tuple_new_makes(per: int) -> None:
+    """Records from lists, strings, generators, maps, zips and ``repeat`` (the shortest ends them),
+    in slices of ``per``: those ``tuple.__new__`` makes, of the class, each field the same object."""
+    objs = [object() for _ in range(10)]
+    cases = [
+        lambda: ([1, 2, 3], "xyz", repeat(None)),
+        lambda: (objs, (o for o in objs), map(id, objs)),
+        lambda: (range(7), zip(range(9)), repeat(objs[0])),
+        lambda: ([], repeat(1), repeat(2)),
+    ]
+    for fields in cases:
+        want = [tuple.__new__(_Row, r) for r in zip(*fields())]  # noqa: B905
+        got = _rows_by(per, _Row, *fields())
+        assert got == want and all(type(r) is _Row for r in got)
+        assert all(x is y for r, w in zip(got, want, strict=True) for x, y in zip(r, w, strict=True) if type(x) is object)
+    pair = namedtuple("pair", "x y")
+    assert _rows_by(per, pair, [1], [2]) == [pair(1, 2)]
+
+
+def _rows_by(per: int, cls: Any, *fields: Any) -> list[Any]:
+    with mock.patch.object(st, "_ROWS_PER_CALL", per):
+        return st.rows(cls, *fields)
+
+
+@needs_native
+def test_rows_refuse_what_is_not_a_named_tuple() -> None:
+    class WithDict(tuple):  # instances have a __dict__ after their items
+        pass
+
+    for cls in (dict, WithDict):
+        with pytest.raises(TypeError, match="named tuple"):
+            native.rows(cls, (iter([1]),), 4)
+    with pytest.raises(TypeError, match="iterator"):
+        native.rows(_Row, ([1],), 4)
+    boom = map(lambda x: 1 / x, [1, 0])
+    with pytest.raises(ZeroDivisionError):
+        native.rows(_Row, (boom, iter("ab"), iter("cd")), 4)
+
+
+def _header(blob: bytes) -> tuple[bytes, int]:
+    n = struct.unpack("<Q", blob[:8])[0]
+    return blob[8 : 8 + n], len(blob)
+
+
+def _both(header: bytes, size: int) -> tuple[object, object]:
+    """parse's outcome with the helper, and without it (the Python parser)."""
+
+    def outcome() -> object:
+        try:
+            layout = st.parse(header, size, "f")
+        except HeaderError as e:
+            return ("error", str(e))
+        return (layout.tensors, layout.metadata)
+
+    fast = outcome()
+    with mock.patch.object(st, "native", None):
+        return fast, outcome()
+
+
+@needs_native
+def test_real_writers_headers_are_scanned_by_the_helper(tmp_path: Any) -> None:
+    """safetensors' (with and without metadata, scalars, empty tensors, every plain dtype), and
+    aiotensor's own (its crc metadata is a big escaped string): taken by the helper, never by the
+    Python parser, with the layout the Python parser gives."""
+    from safetensors.torch import save as st_save
+
+    import aiotensor
+
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64, torch.int8]
+    state = {f"m.{i}.w": torch.zeros(i % 3 + 1, 2, dtype=dtypes[i % len(dtypes)]) for i in range(40)}
+    state |= {"scalar": torch.tensor(1.5), "empty": torch.zeros(0, 3), "é.ünï": torch.ones(2)}
+    asyncio.run(aiotensor.save_file(state, tmp_path / "ours.safetensors"))
+    blobs = [
+        st_save(state),
+        st_save(state, {"format": "pt", "x": 'a "quoted" \\ value'}),
+        (tmp_path / "ours.safetensors").read_bytes(),
+    ]
+    for blob in blobs:
+        header, size = _header(blob)
+        with mock.patch.object(st, "parse_members", side_effect=AssertionError("the Python parser ran")):
+            fast = st.parse(header, size, "f")
+        with mock.patch.object(st, "native", None):
+            slow = st.parse(header, size, "f")
+        assert (fast.tensors, fast.metadata, fast.data_start) == (slow.tensors, slow.metadata, slow.data_start)
+        assert len(fast.tensors) == len(state)
+
+
+_ENTRY = '"{k}":{{"dtype":"F32","shape":[{n}],"data_offsets":[{b},{e}]}}'
+
+
+def _doc(members: list[str], pad: str = "") -> bytes:
+    return ("{" + ",".join(members) + "}" + pad).encode()
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "case",
+    [
+        "escaped key",
+        "control in key",
+        "metadata twice",
+        "metadata not strings",
+        "newline pad",
+        "leading zero",
+        "19 digits",
+        "elements overflow",
+        "65 dims",
+        "bad utf-8",
+        "key twice",
+        "space after colon",
+        "packed dtype",
+        "past the end",
+        "wrong span",
+        "backwards",
+        "not closed",
+    ],
+)
+def test_near_misses_go_to_the_python_parser_with_its_outcome(case: str) -> None:
+    """Each is refused by the helper (or agreed with), and parse's outcome is the Python parser's."""
+    ok = [_ENTRY.format(k=f"t{i}", n=2, b=8 * i, e=8 * i + 8) for i in range(3)]
+    size = 8 + 24
+    members, pad = list(ok), " "
+    if case == "escaped key":
+        members[1] = members[1].replace('"t1"', '"t\\u00e91"')
+    elif case == "control in key":
+        members[1] = members[1].replace('"t1"', '"t\t1"')
+    elif case == "metadata twice":
+        members[1:1] = ['"__metadata__":{"a":"b"}', '"__metadata__":{"a":"c"}']
+    elif case == "metadata not strings":
+        members.insert(0, '"__metadata__":{"a":1}')
+    elif case == "newline pad":
+        pad = "\n"
+    elif case == "leading zero":
+        members[0] = members[0].replace("[0,8]", "[00,8]")
+    elif case == "19 digits":
+        members[2] = members[2].replace("[16,24]", "[16,0000000000000000024]")
+    elif case == "elements overflow":
+        members[2] = _ENTRY.format(k="t2", n=f"0,{2**40},{2**40}", b=16, e=16)
+    elif case == "65 dims":
+        members[2] = _ENTRY.format(k="t2", n=",".join(["1"] * 65), b=16, e=20)
+    elif case == "bad utf-8":
+        members[1] = members[1].replace('"t1"', '"t\udcff1"')
+    elif case == "key twice":
+        members[2] = members[2].replace('"t2"', '"t0"')
+    elif case == "space after colon":
+        members[1] = members[1].replace('":{', '": {')
+    elif case == "packed dtype":
+        members[2] = '"t2":{"dtype":"F4","shape":[16],"data_offsets":[16,24]}'
+    elif case == "past the end":
+        size -= 1
+    elif case == "wrong span":
+        members[2] = _ENTRY.format(k="t2", n=3, b=16, e=24)
+    elif case == "backwards":
+        members[2] = _ENTRY.format(k="t2", n=0, b=24, e=16)
+    elif case == "not closed":
+        pad = ""
+        members[-1] = members[-1][:-1]
+    header = ("{" + ",".join(members) + "}" + pad).encode("utf-8", "surrogateescape")
+    size += len(header)
+    for per in (1, 2, 4096):
+        with mock.patch.object(st, "_ROWS_PER_CALL", per):
+            fast, slow = _both(header, size)
+            assert fast == slow
+
+
+@needs_native
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 10_000), hs.binary(min_size=1, max_size=3)), min_size=1, max_size=3), hs.integers(1, 4))
+def test_a_header_with_bytes_changed_parses_as_the_python_parser_says(edits: list[tuple[int, bytes]], per: int) -> None:
+    """A real header (metadata, a scalar, an empty tensor) with a few bytes replaced: the same
+    layout or the same error with the helper (in slices of ``per`` members) as without."""
+    from safetensors.torch import save as st_save
+
+    state = {"a.w": torch.ones(2, 3), "s": torch.tensor(2.0), "e": torch.zeros(0), "b": torch.ones(4, dtype=torch.bfloat16)}
+    header, size = _header(st_save(state, {"format": "pt"}))
+    doc = bytearray(header)
+    for at, new in edits:
+        at %= len(doc)
+        doc[at : at + len(new)] = new
+    text = bytes(doc)
+    with mock.patch.object(st, "_ROWS_PER_CALL", per):
+        fast, slow = _both(text, size - len(header) + len(text))
+    assert fast == slow
+
+
+@needs_native
+def test_a_header_of_many_tensors_is_scanned_in_slices() -> None:
+    """20,000 entries: the helper is called a slice at a time (the GIL changes hands between), and
+    its layout is the Python parser's."""
+    blob, layout = st.build([(f"layer.{i}.weight", "F32", (3, i % 5 + 1)) for i in range(20_000)], {"format": "pt"})
+    header, _ = _header(blob)
+    size = layout.file_size
+    calls: list[int] = []
+    real = native.scan_header
+
+    def counted(*args: Any) -> Any:
+        calls.append(args[1])
+        return real(*args)
+
+    with mock.patch.object(st, "native", mock.Mock(scan_header=counted, rows=native.rows)):
+        parsed = st.parse(header, size, "x")
+    assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
+    assert len(calls) == -(-20_001 // st._ROWS_PER_CALL) and calls[0] == 0 and json.loads(header)  # (a valid document)
