@@ -124,6 +124,11 @@ class CheckpointNotFoundError(AiotensorError, LookupError, FileNotFoundError):
     """No committed checkpoint for the step asked for (or none at all)."""
 
 
+class SourceChangedError(AiotensorError, RuntimeError):
+    """A file was replaced (or written) while it was being loaded: its data is no longer the data its
+    header, read first, describes. Nothing read from it is returned or switched to; load again."""
+
+
 class CheckpointExistsError(AiotensorError, FileExistsError):
     """The step is already committed in this store, or a save of it is in flight."""
 

@@ -63,7 +63,10 @@ class Source:
     nesting kept) from a lookup of tensors by name, where the source has more than a flat mapping
     of names (a checkpoint, a torch.save file); otherwise it is None. ``checksummed``: every byte
     read is covered by a crc32c the writer recorded. ``metadata``: each safetensors file's
-    ``__metadata__``.
+    ``__metadata__``. ``seen``: each file read (its header, its zip directory) and what told it
+    from another then (:meth:`~aiotensor.engines.Engine.identity`): where a file opened again to
+    read its data is not that file any more, the load fails (:class:`SourceChangedError`) instead
+    of reading other bytes by the header it read.
     """
 
     kind: str
@@ -74,6 +77,7 @@ class Source:
     step: int | None = None
     state: Callable[[Callable[[str], Any]], Any] | None = None
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    seen: dict[str, Any] = field(default_factory=dict)
 
     @property
     def stored_bytes(self) -> int:
@@ -292,20 +296,20 @@ def _set_element(root: dict[str, Any], place: tuple[str | int, ...], value: Any)
 
 
 def _file(engine: Engine, path: str) -> Source:
-    if _is_torch_zip(engine, path):
-        return _torch_file(engine, path)
-    layout, crcs = _safetensors_layout(engine, path)
-    return Source("safetensors", path, _safetensors_entries(path, layout, crcs), (path,), crcs is not None or not layout.tensors,
-                  metadata={path: dict(layout.metadata or {})})  # fmt: skip
-
-
-def _is_torch_zip(engine: Engine, path: str) -> bool:
+    """A safetensors file or a torch.save zip, its header read through one descriptor (the file
+    whose identity the source keeps: ``Source.seen``)."""
     fd = engine.open_read(path)  # a FIFO or a device is refused here, before anything reads it
     try:
+        seen = {path: engine.identity(fd)}
         head = bytearray(4)
-        return engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head))
+        if engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head)):
+            return replace(_torch_file(engine, path, fd), seen=seen)
+        layout = layout_of(engine, fd, path)
     finally:
         engine.close(fd)
+    crcs = st.crc_table(layout, path)
+    return Source("safetensors", path, _safetensors_entries(path, layout, crcs), (path,), crcs is not None or not layout.tensors,
+                  metadata={path: dict(layout.metadata or {})}, seen=seen)  # fmt: skip
 
 
 def _safetensors_layout(engine: Engine, path: str) -> tuple[st.Layout, dict[str, int] | None]:
@@ -333,10 +337,11 @@ def _safetensors_entries(path: str, layout: st.Layout, crcs: dict[str, int] | No
 _KEY, _DTYPE, _SHAPE = attrgetter("key"), attrgetter("dtype"), attrgetter("shape")
 
 
-def _torch_file(engine: Engine, path: str) -> Source:
-    """A torch.save zip: one span per storage (read once, whatever shares it), each tensor a view of
-    its storage's span; the tree walked once per object (shared structure stays shared)."""
-    tree = ts.parse_path(engine, path)
+def _torch_file(engine: Engine, path: str, fd: int) -> Source:
+    """A torch.save zip (open: ``fd``): one span per storage (read once, whatever shares it), each
+    tensor a view of its storage's span; the tree walked once per object (shared structure stays
+    shared)."""
+    tree = ts.parse_open(engine, fd, path)
     refs = ts.tensor_refs(tree, path)  # each distinct tensor, with all its names, in first-seen order
     spans: dict[str, Span] = {}
     entries = []
@@ -374,7 +379,7 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
         )
     entries: list[Entry] = []
     seen: dict[str, str] = {}
-    checksummed, metadata = True, dict[str, dict[str, str]]()
+    checksummed, metadata, seen = True, dict[str, dict[str, str]](), dict[str, Any]()
     for name in files:
         try:
             src = _file(engine, real_path(os.path.join(folder, name)))
@@ -388,8 +393,9 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
         entries += src.entries
         checksummed = checksummed and src.checksummed
         metadata |= src.metadata
+        seen |= src.seen
     paths = tuple(real_path(os.path.join(folder, n)) for n in files)
-    return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata)
+    return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata, seen=seen)
 
 
 def _index_files(engine: Engine, index: str) -> list[str]:

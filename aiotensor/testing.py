@@ -86,6 +86,9 @@ class FaultyEngine(Engine):
     def size(self, fd: int) -> int:
         return self.inner.size(fd)
 
+    def identity(self, fd: int) -> Any:
+        return self.inner.identity(fd)
+
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         self._op("pread", self._paths.get(fd), offset, len(buf))
         return self.inner.pread(fd, buf, offset)

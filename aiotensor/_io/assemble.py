@@ -8,11 +8,11 @@ the whole tensor. :func:`prepare` and :func:`finish` block (allocations, copies)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, is_, is_not, itemgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -246,12 +246,15 @@ async def read(
     verify: bool = True,
     into: Sequence[torch.Tensor | None] | None = None,
     dtype: DtypeRule = None,
+    seen: Mapping[str, Any] | None = None,
 ) -> list[torch.Tensor]:
     """Read ``entries`` (see :func:`prepare`), one file at a time, and finish them; CUDA memory is
-    allocated and finished on the caller's current stream.
+    allocated and finished on the caller's current stream. ``seen``: the identity each file had
+    when its header was read (``Source.seen``), compared as it is opened again.
 
     Raises:
         ChecksumError, FormatError, OSError: as :func:`~aiotensor._io.read.read_tensors`.
+        SourceChangedError: a file of ``seen`` is not that file any more.
 
     Cancellation: returns once no thread writes into the tensors any more.
     """
@@ -269,7 +272,7 @@ async def read(
     a = await sched.call(start, priority=Priority.LOAD, home=True)
     try:
         for path, targets in a.targets.items():
-            fd = await open_read(sched, path)
+            fd = await open_read(sched, path, (seen or {}).get(path))
             try:
                 await read_named(sched, fd, path, targets, entries)
             finally:

@@ -24,21 +24,40 @@ from .._runtime import gil
 from .._runtime.buffers import PAGE, address, copy_bytes, disjoint, memory_at, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
-from ..errors import ChecksumError, FormatError, annotate_oserror
+from ..errors import ChecksumError, FormatError, SourceChangedError, annotate_oserror
 from ..formats import checksum
 from ..formats import safetensors as st
 from ..formats.dtypes import SAFETENSORS_TO_TORCH
 from .tensors import Block, Target, byte_view, copy_tensor, crc_of_pieces, direct, io_bytes, modified, spans, wait_for_streams
 
 
-async def open_read(sched: Scheduler, path: str) -> int:
+async def open_read(sched: Scheduler, path: str, seen: Any = None) -> int:
     """Open a file to read it (the engine's safe opener); a cancelled caller's descriptor is closed.
+    ``seen``: the :meth:`~aiotensor.engines.Engine.identity` the file had when its header was read
+    (None: nothing to compare).
+
+    Raises:
+        SourceChangedError: the file there is not that file any more (replaced by a rename, or
+            written since): its header would place other bytes.
+        OSError: naming the file.
 
     Cancellation: returns once the open has stopped; nothing is left open."""
     try:
-        return await sched.call(sched.engine.open_read, path, priority=Priority.LOAD, cleanup=sched.engine.close)
+        return await sched.call(_open_same, sched.engine, path, seen, priority=Priority.LOAD, cleanup=sched.engine.close)
     except OSError as e:
         raise annotate_oserror(e, f"opening {path}") from e
+
+
+def _open_same(engine: Engine, path: str, seen: Any) -> int:
+    fd = engine.open_read(path)
+    if seen is not None and engine.identity(fd) != seen:
+        engine.close(fd)
+        raise SourceChangedError(
+            f"{path} changed while it was being loaded: it is not the file whose header was read at the start "
+            "(replaced, or written since); nothing was read from the new one. Load again (a file replaced "
+            "by a rename is safe to load once it is there)"
+        )
+    return fd
 
 
 async def close(sched: Scheduler, *fds: int) -> None:

@@ -4,12 +4,13 @@ does the same work in Python; the tests run both ways)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
 native: Any = None
 if os.environ.get("AIOTENSOR_NATIVE", "1") != "0":
     try:
-        from .. import _native as native
+        native = importlib.import_module("aiotensor._native")
     except ImportError:  # not built: the Python code does its work
         native = None

@@ -53,6 +53,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def size(self, fd: int) -> int: ...
 
+    def identity(self, fd: int) -> Any:
+        """What tells this open file from another file, or from itself written since, at the same
+        path (compared, never read): None where the engine cannot tell."""
+        return None
+
     @abc.abstractmethod
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; return the count (0 at end of file)."""

@@ -147,6 +147,11 @@ class ObjectEngine(Engine):
     def size(self, fd: int) -> int:
         return self._open[fd][2]
 
+    def identity(self, fd: int) -> tuple[int, str] | None:
+        """The object's size and ETag (None where the store gives no ETag)."""
+        _, _, size, etag = self._open[fd]
+        return (size, etag) if etag else None
+
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         store, key, size, etag = self._open[fd]
         end = min(size, offset + len(buf))

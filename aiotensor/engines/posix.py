@@ -68,6 +68,12 @@ class PosixEngine(Engine):
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
 
+    def identity(self, fd: int) -> tuple[int, int, int, int]:
+        """The file (device, inode: a file renamed over the path is another) and its size and
+        modification time (written in place since)."""
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
     def pread(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.preadv(fd, [buf], offset)
 

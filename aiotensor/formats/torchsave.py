@@ -455,11 +455,16 @@ def parse_path(engine: Engine, path: str) -> Any:
     directory, each entry's local header) is a ranged GET."""
     fd = engine.open_read(path)
     try:
-        size = engine.size(fd)
-        window = _Window(engine, fd, 0, size)
-        return parse(io.BufferedReader(window), size, path, window.prefetch)
+        return parse_open(engine, fd, path)
     finally:
         engine.close(fd)
+
+
+def parse_open(engine: Engine, fd: int, path: str) -> Any:
+    """:func:`parse` on the open file ``fd`` (``path``: for messages; blocking)."""
+    size = engine.size(fd)
+    window = _Window(engine, fd, 0, size)
+    return parse(io.BufferedReader(window), size, path, window.prefetch)
 
 
 class _Window(io.RawIOBase):

@@ -221,7 +221,7 @@ async def _matched(
         if why is not None:
             if meta := [k for k, v in known.items() if v.is_meta]:  # its load_state_dict(assign=True) would drop dtypes and ties
                 raise MismatchError(f"{why}, and has tensors on the meta device ({meta[:5]}): materialize it first (to_empty)")
-            got = await read(sched, src.entries, dev, verify)
+            got = await read(sched, src.entries, dev, verify, seen=src.seen)
             loaded = {n: t for e, t in zip(src.entries, got, strict=True) for n in e.names}
             try:
                 return await sched.call(
@@ -237,7 +237,7 @@ async def _matched(
             cuda.under, streams, _plan, src.entries, known, ties, place, strict, str(source), window_bytes, priority=Priority.LOAD
         )
         for entries, into, fills in batches:
-            got = await read(sched, entries, dev, verify, into=into)
+            got = await read(sched, entries, dev, verify, into=into, seen=src.seen)
             await sched.call(_each, fn, fills, got, streams, priority=Priority.LOAD)
         # on the meta device, an optional name stays there: missing, as before torch's default fills it
         left = [k for k in left if k not in optional or known[k].is_meta]

@@ -36,6 +36,7 @@ class _Plan(NamedTuple):
     batches: list[_Batch]
     hold: list[str]  # the files opened before the first read (a checkpoint's: see _HOLD)
     step: int | None  # a checkpoint step's number, or None
+    seen: dict[str, Any]  # each file's identity when its header was read (Source.seen)
 
 
 def _planned(engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[int, int]], batch_bytes: int) -> _Plan:
@@ -77,7 +78,7 @@ def _planned(engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[i
         cut(lo, len(spans), size)
     files = list(dict.fromkeys(f for b in batches for f in b[3]))
     hold = files if src.kind in ("step", "root", "dcp") and len(files) <= _HOLD else []
-    return _Plan(len(chosen), batches, hold, src.step)
+    return _Plan(len(chosen), batches, hold, src.step, src.seen)
 
 
 # a checkpoint's files (at most this many) are all opened before the first read: its writer's
@@ -154,6 +155,7 @@ class _Stream:
         self._batch_bytes = min(window_bytes, knobs.STREAM_BATCH_BYTES)
         self._batches: list[_Batch] | None = None
         self._hold: list[str] = []
+        self._seen: dict[str, Any] = {}
         self._step: int | None = None
         # read ahead, by batch: its (name, tensor) pairs in reverse order (a tied tensor once per
         # name), or the error the consumer gets there
@@ -195,7 +197,7 @@ class _Stream:
                 with anyio.CancelScope(shield=True):
                     await self._close()
                 raise
-            self._batches, self._hold, self._step = plan.batches, plan.hold, plan.step
+            self._batches, self._hold, self._step, self._seen = plan.batches, plan.hold, plan.step, plan.seen
             self._start_reader()
         while self._next not in self._ready:
             if self._next >= len(self._batches) or (self._reader_done is not None and self._reader_done.is_set()):
@@ -273,7 +275,7 @@ class _Stream:
                         try:  # (a checkpoint's files all with the first batch: _HOLD)
                             for path in [*self._hold, *files] if batch == 0 else files:
                                 if path not in fds:
-                                    fds[path] = await open_read(self.scheduler, path)
+                                    fds[path] = await open_read(self.scheduler, path, self._seen.get(path))
                         except Exception as e:  # the consumer gets it where that file's tensors begin
                             slots.release()
                             self._failed = True
