@@ -35,7 +35,7 @@ from ._runtime import cuda, gil
 from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
 from .commit import Publication
 from .engines import Engine
-from .errors import MismatchError, StateError, annotate_oserror
+from .errors import MismatchError, StateError, UnsafePathError, annotate_oserror
 from .formats import safetensors as st
 from .formats.dtypes import SAFETENSORS_TO_TORCH, file_shape, torch_shape
 from .location import engine_for, is_object, local_path, where
@@ -181,6 +181,14 @@ def _opened(engine: Engine, path: str, resolve: bool) -> tuple[int, st.Layout]:
     real = os.path.realpath(path) if resolve and not is_object(path) else path
     try:
         fd = engine.open_read(real)
+    except UnsafePathError as e:
+        if e.reason.startswith("is a folder"):  # (helper-59: the message sent them nowhere)
+            raise UnsafePathError(
+                "is a folder: load_file and read_header read one safetensors file; stream, load_into and "
+                "prepare_swap read a model folder or a checkpoint (TensorStore reads a store's steps)",
+                path,
+            ) from None
+        raise
     except OSError as e:
         raise annotate_oserror(e, f"opening {path}") from e
     try:

@@ -102,6 +102,8 @@ def resolve(engine: Engine, path: str) -> Source:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
+    if os.path.basename(path) in (INDEX, BIN_INDEX):  # a model's index named: the shards it names (helper-59)
+        return _hf(engine, os.path.dirname(real), {os.path.basename(path)})
     return _file(engine, real)
 
 
@@ -304,6 +306,8 @@ def _file(engine: Engine, path: str) -> Source:
         head = bytearray(4)
         if engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head)):
             return replace(_torch_file(engine, path, fd), seen=seen)
+        if head == _LEGACY_TORCH:  # (as a safetensors header's length: over 100 MB, its cap)
+            raise UnsafeFileError(f"not a torch.save zip: the file {st.A_PICKLE}", path)
         layout = layout_of(engine, fd, path)
     finally:
         engine.close(fd)
@@ -335,6 +339,7 @@ def _safetensors_entries(path: str, layout: st.Layout, crcs: dict[str, int] | No
 
 
 _KEY, _DTYPE, _SHAPE = attrgetter("key"), attrgetter("dtype"), attrgetter("shape")
+_LEGACY_TORCH = b"\x80\x02\x8a\x0a"  # pickle protocol 2, then the long of torch's old magic number
 
 
 def _torch_file(engine: Engine, path: str, fd: int) -> Source:

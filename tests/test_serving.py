@@ -1092,3 +1092,31 @@ async def test_a_file_replaced_between_its_header_and_its_data_fails_the_load(tm
         assert_state_equal(model.state_dict(), before)
     got = await aiotensor.load_torch(target) if api == "load_torch" else await aiotensor.load_file(folder / name)
     assert all(torch.equal(got[k], twos[k]) for k in twos)  # the new file, whole, once it is there
+
+
+async def test_what_a_server_passes_by_mistake_gets_a_clear_answer(tmp_path: Any) -> None:
+    """helper-59: a model's index named instead of its folder reads the shards it names (it was
+    a HeaderError about an 8-exabyte header); a folder given to load_file says what reads one; a
+    torch.save file of the pre-1.6 format says so (it was a HeaderError); window_bytes=0 is
+    refused, as stream refuses it."""
+    from aiotensor.errors import UnsafeFileError, UnsafePathError
+
+    w = weights(4, n=4)
+    keys = sorted(w)
+    halves = {"model-00001-of-00002.safetensors": keys[:2], "model-00002-of-00002.safetensors": keys[2:]}
+    for f, ks in halves.items():
+        await save_file({k: w[k] for k in ks}, tmp_path / f)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}))
+    async with stream(index) as s:
+        got = {name: t async for name, t in s}
+    assert sorted(got) == keys and all(torch.equal(got[k], w[k]) for k in keys)
+    with pytest.raises(UnsafePathError, match="is a folder: load_file and read_header read one safetensors file; stream"):
+        await aiotensor.load_file(tmp_path)
+    legacy = tmp_path / "old.pt"
+    torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(UnsafeFileError, match="not a torch.save zip: the file is a pickle .a legacy torch.save"):
+        await load_into(model, legacy)
+    with pytest.raises(ValueError, match="window_bytes must be >= 1"):
+        await load_into(model, tmp_path, window_bytes=0)

@@ -146,14 +146,17 @@ def header_length(prefix: bytes, file_size: int, path: object) -> int:
     return n
 
 
+A_PICKLE = (
+    "is a pickle (a legacy torch.save file, _use_new_zipfile_serialization=False?), not a safetensors file or "
+    "a torch.save zip: aiotensor reads neither pickle nor that format; torch.load it and save it again"
+)
+
+
 def _not_safetensors(prefix: bytes, n: int, file_size: int) -> str:
     if prefix.startswith(b"PK\x03\x04"):
         return "is a zip archive (a torch.save file?), not a safetensors file; read it with aiotensor.load_torch"
     if prefix[:1] == b"\x80":
-        return (
-            "is a pickle (a legacy torch.save file, _use_new_zipfile_serialization=False?), not a safetensors file or "
-            "a torch.save zip: aiotensor reads neither pickle nor that format; torch.load it and save it again"
-        )
+        return A_PICKLE
     why = f"over the {MAX_HEADER_BYTES} byte cap" if n > MAX_HEADER_BYTES else f"but the file has only {file_size - 8} after it"
     return f"is not a safetensors file: its first 8 bytes claim a {n} byte header, {why}"
 

@@ -199,6 +199,8 @@ async def _matched(
     by its ``load_state_dict`` from new tensors of the whole file instead; ``swap``: that is a
     MismatchError (a swap switches tensors, which would skip it). ``keys``: only the file's
     tensors it selects are read, and only the module's names it selects can be missing."""
+    if window_bytes < 1:  # (as stream refuses it)
+        raise ValueError(f"window_bytes must be >= 1, got {window_bytes}")
     path = local_path(source, objects=True)
     async with own_scheduler(scheduler, engine_for(path, scheduler, storage_options)) as sched:
         src = await sched.call(sources.resolve, sched.engine, path, priority=Priority.LOAD)
