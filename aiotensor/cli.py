@@ -171,8 +171,16 @@ def cmd_ls(a: argparse.Namespace) -> int:
         )
     listing = _root.scan(engine, a.root, {})
     rows: list[dict[str, Any]] = []
+    damaged = 0
     for step, name in sorted(listing.committed.items()):
-        src = sources.step(engine, os.path.join(a.root, name), step)
+        try:
+            src = sources.step(engine, os.path.join(a.root, name), step)
+        except (errors.AiotensorError, OSError) as e:  # one bad step: listed as such, the others too (helper-60)
+            if isinstance(e, FileNotFoundError) and not commit.has_records(engine, os.path.join(a.root, name)):
+                continue  # retired by its writer since the scan
+            damaged += 1
+            rows.append({"step": step, "name": name, "state": f"damaged: {type(e).__name__}: {e}"})
+            continue
         mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
         count = sum(len(e.names) for e in src.entries)
@@ -192,7 +200,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
     rows += [{"name": n, "state": f"ignored: {why}"} for n, why in sorted(listing.ignored.items())]
     if a.json:
         print(json.dumps({"root": a.root, "latest": listing.latest, "entries": rows}, indent=1))
-        return 0
+        return BAD if damaged else 0
     print(f"{a.root}  (latest: {listing.latest or '-'})")
     for r in rows:
         if r["state"] == "committed":
@@ -202,7 +210,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
             print(f"  {r['name']}  [{r['state']}]")
     if not listing.committed:
         print("  no committed step")
-    return 0
+    return BAD if damaged else 0
 
 
 def _shard_bytes(engine: Engine, folder: str) -> tuple[int, int] | None:

@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 
+from . import commit
 from . import root as _root
 from ._io.assemble import Entry, Part, Span, stored_bytes
-from ._io.read import layout_of
+from ._io.read import check_shard, layout_of
 from .engines import Engine
 from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError, annotate_oserror
 from .formats import dcp_metadata as dm
@@ -147,7 +148,35 @@ def _manifest_step(engine: Engine, folder: str, number: int | None) -> Source:
     )
     where = os.path.join(folder, _root.MANIFEST)
     files = tuple(os.path.join(folder, s) for s in m.shards)
+    _check_shards(engine, folder, m, where)
     return Source("step", folder, entries, files, True, m.step, lambda get: unflatten(m.tree, get, where))
+
+
+def _check_shards(engine: Engine, folder: str, m: Any, where: str) -> None:
+    """Each shard of the step ``m`` holds what its manifest lists for it, as a store's ``load()``
+    checks (:func:`~aiotensor._io.read.check_shard`: its size, its header's crc32c).
+
+    Raises:
+        ManifestError: a shard that is not what the manifest lists.
+        FileNotFoundError: a shard not there; as a step "damaged" where the step is still
+            committed (else it was retired meanwhile, and the caller says so).
+    """
+    by_shard: dict[str, list[Any]] = {s: [] for s in m.shards}
+    for e in m.entries.values():
+        by_shard[e.shard].append(e)
+    for shard, size in m.shards.items():
+        path = os.path.join(folder, shard)
+        try:
+            fd = engine.open_read(path)
+        except FileNotFoundError as e:
+            if not commit.has_records(engine, folder):
+                raise
+            why = f"step {m.step} in {folder} is damaged, a file it lists is not there"
+            raise FileNotFoundError(e.errno, why, path) from None
+        try:
+            check_shard(engine, fd, path, size, by_shard[shard], m.headers.get(shard), where)
+        finally:
+            engine.close(fd)
 
 
 def _dcp_step(engine: Engine, folder: str) -> Source:

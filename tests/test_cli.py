@@ -68,6 +68,62 @@ def test_verify_names_the_bad_tensor_and_file(files: dict[str, Any], capsys: Any
     assert out.splitlines()[-1].endswith("ckpts: 1 problem; 1 of 2 sources read whole"), out  # and a count
 
 
+@pytest.mark.parametrize("damage", ["dtype", "shape digit", "padding", "bytes appended", "shard gone"])
+def test_every_reader_of_a_step_refuses_a_shard_its_load_refuses(files: dict[str, Any], damage: str, capsys: Any) -> None:
+    """helper-60: a byte changed in a shard's header, or bytes appended, and `verify` said OK (its
+    stream of the step read by the manifest's offsets) while the store's load() refused the step;
+    a shard gone made ls list no step at all, and verify call it retired. Now the step's readers
+    check each shard as load() does: verify, stream and load_into fail, ls lists the step as
+    damaged beside the good one, and exits 1."""
+    from aiotensor import load_into, stream
+    from aiotensor.errors import FormatError
+
+    root = files["root"] / "ckpts"
+    step = root / "step-000000000002"
+    shard = step / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + n].decode()
+    if damage == "dtype":
+        data[8 + header.index('"F32"') + 2] ^= 1  # F32 -> F22
+    elif damage == "shape digit":
+        data[8 + header.index('"shape":[') + 9] ^= 1
+    elif damage == "padding":
+        data[8 + n - 1] ^= 1  # a space of the pad: no longer one
+    elif damage == "bytes appended":
+        data += b"\0" * 100
+    shard.write_bytes(bytes(data))
+    if damage == "shard gone":
+        shard.unlink()
+
+    async def load() -> None:
+        async with TensorStore(root, readonly=True) as store:
+            await store.load(2)
+
+    bad = (FormatError, FileNotFoundError)
+    with pytest.raises(bad):
+        anyio.run(load)
+    assert main(["verify", str(step)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD" in out and ("damaged, a file it lists is not there" in out if damage == "shard gone" else "shard-00000" in out)
+
+    async def streamed() -> None:
+        async with stream(step) as s:
+            async for _ in s:
+                pass
+
+    with pytest.raises(bad):
+        anyio.run(streamed)
+    holder = torch.nn.Module()
+    for k, v in files["w"].items():
+        holder.register_buffer(k.replace(".", "_"), torch.empty_like(v))
+    with pytest.raises(bad):
+        anyio.run(lambda: load_into(holder, step, keys=lambda k: False))
+    assert main(["ls", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "step            1" in out and "step-000000000002  [damaged:" in out, out
+
+
 def test_verify_of_a_root_being_trained_on_an_odd_step_folder_and_an_empty_root(
     files: dict[str, Any], capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,12 +14,9 @@ import torch
 from .. import knobs, sources
 from .. import root as _root
 from .._io.assemble import read
-from .._io.plan import shard_header
 from .._io.read import (
-    begins_with,
+    check_shard,
     close,
-    header_crc,
-    layout_of,
     open_read,
     read_tensors,
     verify_mapped,
@@ -29,7 +26,7 @@ from .._io.read import (
 from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch, modified, new_tensor
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
-from ..errors import ManifestError, annotate_oserror
+from ..errors import annotate_oserror
 from ..formats import manifest as mf
 from ..formats import safetensors as st
 from ..formats.tree import UNREAD, flatten, leaves, matched, under_empty, unflatten, update
@@ -334,7 +331,7 @@ def _open_shard(
     verify: bool,
     held: dict[str, int] | None = None,
 ) -> list[Target] | None:
-    """Check that ``shard`` holds what the manifest lists for it (:func:`_check_header`), before
+    """Check that ``shard`` holds what the manifest lists for it (:func:`~aiotensor._io.read.check_shard`), before
     anything is allocated: a hostile manifest cannot make us allocate what the files do not hold;
     with ``mmap``, map it too: its views (:func:`_map_shard`). The file is closed again, or kept
     open in ``held`` (by shard) once checked, where ``held`` is given (:func:`_open_step`)."""
@@ -348,7 +345,7 @@ def _open_shard(
         args = (sched, fd, path, m.shards[shard], by_shard[shard], m.headers.get(shard), os.path.join(folder, _root.MANIFEST))
         if mmap:
             return _map_shard(*args, verify)
-        _check_header(*args)
+        check_shard(eng, *args[1:])
         if held is not None:
             held[shard], fd = fd, -1
         return None
@@ -422,40 +419,10 @@ def _finish(
 def _map_shard(
     sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], crc: int | None, mpath: str, verify: bool
 ) -> list[Target]:
-    """:func:`_check_header`, then a copy-on-write mapping of the shard and a view of it for each
+    """:func:`~aiotensor._io.read.check_shard`, then a copy-on-write mapping of the shard and a view of it for each
     entry (with its crc, to verify, if ``verify``)."""
-    _check_header(sched, fd, path, size, entries, crc, mpath)
+    check_shard(sched.engine, fd, path, size, entries, crc, mpath)
     return mapped(fd, path, size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
-
-
-def _check_header(sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], crc: int | None, mpath: str) -> None:
-    """Check that the shard holds what its manifest entries say (else ManifestError): its size,
-    the entries' bytes one after the other from its header's end to its end, and that header the
-    one written with them. ``crc``: the crc32c of the header that the manifest records, if it
-    does (version 2 and later).
-
-    A header with that crc is the one the store wrote beside these entries: the manifest's seal
-    ties the two, so a damaged or swapped shard, or a damaged manifest, is caught. The seal is a
-    checksum, not a signature: a manifest edited and sealed again that renames or reinterprets
-    tensors (same bytes, other names, dtypes or shapes) but keeps the crc is believed, as its
-    tree's values are. Without a crc, or with another one, the header the entries make is rebuilt
-    and compared byte for byte (20 ms per 20,000 tensors, the crc 0.1 ms), and where that
-    differs the header is parsed and its tensors compared with the entries (a shard rewritten by
-    another safetensors writer)."""
-    specs = sorted(map(_SPEC, entries), key=_OFFSET)
-    # the tensors follow the header with no gap, in this order, up to the end of the file
-    if size == sched.engine.size(fd):
-        if crc is not None:
-            end, got = header_crc(sched.engine, fd, path)
-            if got == crc and st.follow_on(specs, end, size):
-                return
-        header = shard_header(specs)
-        if st.follow_on(specs, len(header), size) and begins_with(sched.engine, fd, header, path):
-            return
-    layout = layout_of(sched.engine, fd, path)
-    listed = {e.spec.key: e.spec for e in entries}
-    if layout.file_size != size or {s.key: s for s in layout.tensors} != listed:
-        raise ManifestError(f"shard {os.path.basename(path)} does not hold the tensors the manifest lists for it", mpath)
 
 
 async def _mapped(
