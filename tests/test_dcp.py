@@ -845,7 +845,7 @@ def test_a_dcp_step_retired_or_damaged_while_a_reader_loads_it_says_which(tmp_pa
                 await store.load(1)
             assert not isinstance(e.value, CheckpointNotFoundError)
             monkeypatch.setattr(dcp_metadata, "check", retired_meanwhile)
-            with pytest.raises(CheckpointNotFoundError, match="step 2 was retired while it was being loaded"):
+            with pytest.raises(CheckpointNotFoundError, match="step 2 is gone: the writer"):
                 await store.load(2)
 
     anyio.run(load)

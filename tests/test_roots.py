@@ -89,8 +89,11 @@ async def test_the_lock_goes_with_its_writer_not_with_a_helper_it_forked(tmp_pat
         assert line[0] == "locked", line
         helper = int(line[1])
         try:
-            with pytest.raises(StoreLockedError):
+            with pytest.raises(StoreLockedError, match="or pass lock_timeout= to wait"):
                 async with TensorStore(tmp_path):
+                    pass
+            with pytest.raises(StoreLockedError, match=r"lock_timeout=0.2 s was not long enough"):  # (helper-60)
+                async with TensorStore(tmp_path, lock_timeout=0.2):
                     pass
             os.kill(holder.pid, signal.SIGKILL)
             holder.wait()

@@ -701,9 +701,11 @@ async def test_a_step_retired_by_another_store_is_not_found_not_an_oserror(tmp_p
         async with TensorStore(tmp_path, readonly=True) as reader:
             assert reader.steps() == [1]
             await writer.save(2, {"w": torch.zeros(3)})  # retires step 1 under the reader
-            with pytest.raises(CheckpointNotFoundError, match="step 1 was retired while it was being loaded"):
+            with pytest.raises(CheckpointNotFoundError, match=r"step 1 is gone: the writer .* before or while .* refresh\(\)"):
                 await reader.load(1)
             assert reader.steps() == []  # forgotten; refresh() finds step 2
+            with pytest.raises(CheckpointNotFoundError, match=r"as this store last read it \(refresh\(\) reads it again\)"):
+                await reader.load()  # (helper-60: a reader that never refreshed was told only "no committed checkpoint")
             assert await reader.refresh() == [2]
 
 
@@ -1196,3 +1198,25 @@ def test_the_version_walk_is_bounded_and_finds_the_tensors() -> None:
     assert {id(w), id(p), id(q)} <= ids and {id(t) for t in many} <= ids
     assert len(counters) == len(found) and all(type(c) is int for c in counters)
     assert versions(w)[0] == [w]
+
+
+async def test_a_writer_on_a_read_only_file_system_is_told_to_open_it_read_only(tmp_path: Any, monkeypatch: Any) -> None:
+    """helper-60: a store opened to save on a read-only mount got a bare EROFS from locking."""
+    import errno
+
+    from aiotensor import root as _root
+
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(2)})
+
+    def read_only(self: Any) -> bool:
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".lock"))
+
+    monkeypatch.setattr(_root.WriterLock, "try_acquire", read_only)
+    with pytest.raises(
+        OSError, match=r"Read-only file system \(a store that saves writes its lock file there: open it with readonly=True"
+    ):
+        async with TensorStore(tmp_path):
+            pass
+    async with TensorStore(tmp_path, readonly=True) as reader:
+        assert reader.steps() == [1]

@@ -83,7 +83,8 @@ class Steps:
         if step is None:
             step = self.newest()
             if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
+                seen = "" if self.writer else " as this store last read it (refresh() reads it again)"
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}{seen}")
         check_step(step)
         if step in self.committed:
             return step
@@ -311,6 +312,18 @@ def _failed(root: str, what: str, e: Exception, h: SaveHandle | None, then: str)
     log.warning("%s", msg)
 
 
+async def _try_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root: str) -> bool:
+    """One try at ``root``'s writer lock; a file system that refuses the lock file's writes (a
+    read-only mount: helper-60 got a bare EROFS) says to open the store read-only."""
+    try:
+        return bool(await call(sched, lock.try_acquire, what=f"locking {root}"))
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        hint = "a store that saves writes its lock file there: open it with readonly=True to read it"
+        raise type(e)(e.errno, f"{e.strerror} ({hint})", e.filename) from None
+
+
 async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root: str, wait: float | None) -> None:
     """Take ``root``'s writer lock, waiting up to ``wait`` seconds (None: for ever) for the writer
     that holds it.
@@ -319,7 +332,7 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root
         StoreLockedError: naming the root and the holder's pid.
     """
     deadline = None if wait is None else anyio.current_time() + wait
-    while not await call(sched, lock.try_acquire, what=f"locking {root}"):
+    while not await _try_lock(sched, lock, root):
         if deadline is not None and anyio.current_time() >= deadline:
             pid = await call(sched, lock.holder, what=f"reading {lock.path}")
             here = pid == str(os.getpid())
@@ -329,6 +342,8 @@ async def take_lock(sched: Scheduler, lock: _root.WriterLock | ObjectLease, root
                 "Snapshotter or a save handle stays open until it is closed), or open this one with readonly=True to read"
                 if here
                 else "Open it with readonly=True to read it, or pass lock_timeout= to wait"
+                if not wait
+                else f"Open it with readonly=True to read it; lock_timeout={wait:g} s was not long enough"
             )
             raise StoreLockedError(
                 f"{root} is being written by another store ({who}): one writer per folder. {how}"

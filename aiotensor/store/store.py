@@ -976,9 +976,13 @@ class TensorStore:
                     e.errno, f"step {step} of {self.root} is damaged, a file it lists is not there ({why})", e.filename
                 ) from None
             self._steps.committed.discard(step)
-            raise CheckpointNotFoundError(
-                f"step {step} was retired while it was being loaded (by the writer of {self.root}, "
-                f"{'this store' if self._steps.writer else 'another process'}, or removed by hand)"
+            if self._steps.writer:
+                raise CheckpointNotFoundError(
+                    f"step {step} was retired while it was being loaded (by this store's retention, or removed by hand)"
+                ) from e
+            raise CheckpointNotFoundError(  # (helper-60: a reader that never refreshed was told "while")
+                f"step {step} is gone: the writer of {self.root} (another process) retired it, or it was removed by hand, "
+                "before or while it was being loaded; refresh() reads the root again, and latest() then names its newest step"
             ) from e
         finally:
             self._steps.read(step, -1)
