@@ -1173,3 +1173,34 @@ def test_flatten_copies_a_container_of_plain_scalars_as_its_walk_writes_it(value
         slow = flatten(state)[0]
     assert json.dumps(fast) == json.dumps(slow)
     assert json.dumps(copied) == json.dumps(unflatten(slow, lambda k: None))  # (walked: fewer than 256 values)
+
+
+def test_a_state_changed_by_another_thread_while_it_is_walked_is_a_state_changed_error(monkeypatch: Any) -> None:
+    """helper-60: a dict of the state grown by another thread (a forward under to_thread) while a
+    save walked it was a bare RuntimeError; a key gone meanwhile a KeyError. Both are now
+    StateChangedError (a StateError), saying what happened and that nothing was saved."""
+    from aiotensor._runtime import gil
+    from aiotensor.errors import StateChangedError
+
+    log = {f"k{i}": float(i) for i in range(5000)}
+    real = gil.slices
+
+    def grown_meanwhile(items: Any, size: int = 4096) -> Any:
+        for i, some in enumerate(real(items, size)):
+            if i == 0 and "late" not in log:
+                log["late"] = 1.0  # another thread's write, between two slices of the walk
+            yield some
+
+    monkeypatch.setattr(gil, "slices", grown_meanwhile)
+    with pytest.raises(StateChangedError, match=r"changed while the save walked it \(RuntimeError: dictionary changed size"):
+        flatten({"w": torch.ones(2), "log": log})
+    monkeypatch.setattr(gil, "slices", real)
+
+    class Gone(dict):  # type: ignore[type-arg]
+        def __getitem__(self, k: Any) -> Any:
+            if k == "b":  # listed, then deleted before the walk reached it
+                raise KeyError(k)
+            return dict.__getitem__(self, k)
+
+    with pytest.raises(StateChangedError, match=r"\(KeyError: 'b'\)"):
+        flatten({"m": Gone(a=torch.ones(1), b=torch.ones(1))})

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._runtime import gil
-from ..errors import ManifestError, StateError
+from ..errors import ManifestError, StateChangedError, StateError
 
 Path = tuple[Any, ...]
 _SCALARS = (type(None), bool, int, str)
@@ -133,9 +133,19 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
 
     Raises:
         StateError: a leaf that JSON cannot hold, a non-string-able key, or nesting over 64 deep.
+        StateChangedError: a dict of it changed size, or lost a key, while the walk went through it
+            (another thread changing the state: helper-60 got a bare RuntimeError).
     """
     f = _Flatten()
-    return f.walk(state, ()), f.tensors
+    try:
+        return f.walk(state, ()), f.tensors
+    except (RuntimeError, KeyError) as e:
+        if isinstance(e, RuntimeError) and "changed size during iteration" not in str(e):
+            raise
+        raise StateChangedError(
+            f"the state changed while the save walked it ({type(e).__name__}: {e}): another thread changed one of its "
+            "dicts or lists; do not change the state's containers until the save's handle is staged. Nothing was saved"
+        ) from None
 
 
 def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tensor]:
