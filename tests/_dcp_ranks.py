@@ -133,6 +133,10 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                     await store.save(2, sharded(2) | {"args": argparse.Namespace(lr=0.1)})
                 except Exception as e:
                     report["error"] = f"{type(e).__name__}: {e}"
+                try:  # two values DCP names alike (helper-60: DCP's bare ValueError)
+                    await store.save(2, sharded(2) | {"d": {1: 1.0, "1": 2.0}})
+                except Exception as e:
+                    report["named_twice"] = f"{type(e).__name__}: {e}"
                 report["steps"] = store.steps()
             elif mode == "two-roots":  # two stores on one group, a load called after a save
                 async with TensorStore(path + "-b", distributed=True) as other:

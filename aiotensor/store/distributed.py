@@ -325,7 +325,9 @@ class Saver:
             self.stager.close()  # CUDA came into use (or a fork left it) since the last save
             self.opts, self.stager = self._stager()
         try:
-            staged, problem = self.stager.stage(plain(state)), None
+            values = plain(state)
+            dcp_names(values)
+            staged, problem = self.stager.stage(values), None
         except Exception as e:
             staged, problem = None, e
         if spent(self.stager):
@@ -388,6 +390,26 @@ def plain(state: Any, path: tuple[Any, ...] = ()) -> Any:
         return items if isinstance(obj, list) else tuple(items)
     tree.flatten(_at(path, obj))  # raises the store's StateError, naming the path
     raise AssertionError(f"unreachable: {type(obj)}")  # pragma: no cover
+
+
+def dcp_names(state: Any) -> None:
+    """Refuse a state two of whose values DCP names alike (it saves by dotted names): DCP's own
+    refusal is a bare ValueError on every rank (helper-60).
+
+    Raises:
+        StateError: naming the name made twice."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    try:
+        flatten_state_dict(state if isinstance(state, dict) else {"": state})
+    except ValueError as e:
+        if "duplicated flatten key" not in str(e):
+            raise
+        raise StateError(
+            f"under distributed=True a state is saved by DCP's dotted names, and two of its values get one ({e}): a key "
+            "holding a '.' beside a nested dict of that name, or 1 and '1' as keys of one dict; rename one (a store "
+            "in one process keeps both)"
+        ) from None
 
 
 def _at(path: tuple[Any, ...], obj: Any) -> Any:
