@@ -103,8 +103,11 @@ def resolve(engine: Engine, path: str) -> Source:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
-    if os.path.basename(path) in (INDEX, BIN_INDEX):  # a model's index named: the shards it names (helper-59)
-        return _hf(engine, os.path.dirname(real), {os.path.basename(path)})
+    name = os.path.basename(path)
+    if name in (INDEX, BIN_INDEX):  # a model's index named: the shards it names (helper-59)
+        return _hf(engine, os.path.dirname(real), {name})
+    if name in (_root.MANIFEST, dm.PICKLE_NAME, dm.JSON_NAME):  # a checkpoint's record named: its folder (helper-60)
+        return _folder(engine, os.path.dirname(real))
     return _file(engine, real)
 
 

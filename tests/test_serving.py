@@ -1111,6 +1111,10 @@ async def test_what_a_server_passes_by_mistake_gets_a_clear_answer(tmp_path: Any
     async with stream(index) as s:
         got = {name: t async for name, t in s}
     assert sorted(got) == keys and all(torch.equal(got[k], w[k]) for k in keys)
+    async with TensorStore(tmp_path / "ckpt") as store:
+        await store.save(3, {"w": w[keys[0]]})
+    async with stream(tmp_path / "ckpt" / "step-000000000003" / "manifest.json") as s:  # a step's record: the step
+        assert [name async for name, _ in s] == ["w"]
     with pytest.raises(UnsafePathError, match="is a folder: load_file and read_header read one safetensors file; stream"):
         await aiotensor.load_file(tmp_path)
     legacy = tmp_path / "old.pt"
