@@ -306,6 +306,7 @@ def test_dcp_checkpoints_inspect_verify_and_convert(tmp_path: Any, capsys: Any) 
     for path in (tmp_path / "ours" / "step-000000000001", tmp_path / "theirs"):
         record = ".metadata.json" if path.name.startswith("step") else ".metadata"
         assert main(["inspect", str(path / record)]) == 0  # its record named: the checkpoint (helper-60: "a legacy torch.save")
+        assert capsys.readouterr().out.split(": ")[1].startswith("dcp, 2 tensors")
         code = main(["inspect", str(path), "--json"])
         captured = capsys.readouterr()
         assert code == 0, captured.err
