@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from aiotensor import TensorStore
+from aiotensor._io import read as read_module
 from aiotensor.errors import FormatError, ManifestError
 from aiotensor.formats import checksum
 from aiotensor.formats import manifest as mf
 from aiotensor.formats.tree import unflatten
-from aiotensor.store import load as store_load
 
 from .conftest import assert_state_equal, manifest_rows, set_manifest_rows
 
@@ -240,7 +240,7 @@ def test_a_shards_header_is_checked_by_its_recorded_crc_else_rebuilt(recorded: b
     assert doc["shards"][0]["header_crc32c"] == checksum.crc32c(raw[: 8 + struct.unpack("<Q", raw[:8])[0]])
     if recorded:  # its header is taken as written, not rebuilt from the entries
         with monkeypatch.context() as m:
-            m.setattr(store_load, "shard_header", lambda specs: pytest.fail("the header was rebuilt"))
+            m.setattr(read_module, "shard_header", lambda specs: pytest.fail("the header was rebuilt"))
             assert_state_equal(load_copy(files), the_state())
     else:  # a version 1 manifest: no header crcs, its tensors an object of objects
         for s in doc["shards"]:

@@ -603,7 +603,7 @@ def test_a_streams_batches_are_the_unit_by_unit_grouping(
         monkeypatch.setattr(sources, "resolve", lambda engine, p: src)
     monkeypatch.setattr(knobs, "STREAM_BATCH_TENSORS", 64)
     engine = PosixEngine()
-    count, got, _, _ = tensor_stream._planned(engine, path, None, rows, limit)
+    count, got, *_ = tensor_stream._planned(engine, path, None, rows, limit)
     chosen = sources.select(sources.resolve(engine, path), None)
     if rows:
         chosen = [(sources.with_rows(e, rows[n[0]]), n[:1]) if n[0] in rows else (e, n) for e, n in chosen]
