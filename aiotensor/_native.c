@@ -21,15 +21,23 @@
 #include <stdint.h>
 #include <string.h>
 
-/* a tuple subclass whose instances are laid out as tuples (a named tuple: no __dict__, no slots) */
+/* a named tuple class of `width` fields: a direct subclass of tuple whose instances are laid out
+ * as tuples (no __dict__, no slots), with `_fields` of that length (a struct sequence, such as
+ * os.stat_result, is a tuple subclass of that size too, but frees hidden fields: refused) */
 static int
-plain_tuple_type(PyObject *cls)
+plain_tuple_type(PyObject *cls, Py_ssize_t width)
 {
-    if (PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) &&
+    if (PyType_Check(cls) && ((PyTypeObject *)cls)->tp_base == &PyTuple_Type &&
         ((PyTypeObject *)cls)->tp_basicsize == PyTuple_Type.tp_basicsize &&
-        ((PyTypeObject *)cls)->tp_itemsize == PyTuple_Type.tp_itemsize)
-        return 1;
-    PyErr_SetString(PyExc_TypeError, "a named tuple class (a tuple subclass without slots) is needed");
+        ((PyTypeObject *)cls)->tp_itemsize == PyTuple_Type.tp_itemsize) {
+        PyObject *fields = PyObject_GetAttrString(cls, "_fields");
+        int ok = fields != NULL && PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == width;
+        Py_XDECREF(fields);
+        if (ok)
+            return 1;
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_TypeError, "a named tuple class of %zd fields is needed", width);
     return 0;
 }
 
@@ -41,9 +49,9 @@ rows(PyObject *self, PyObject *args)
     Py_ssize_t most;
     if (!PyArg_ParseTuple(args, "O!O!n", &PyType_Type, &cls, &PyTuple_Type, &iters, &most))
         return NULL;
-    if (!plain_tuple_type((PyObject *)cls))
-        return NULL;
     Py_ssize_t width = PyTuple_GET_SIZE(iters);
+    if (!plain_tuple_type((PyObject *)cls, width))
+        return NULL;
     for (Py_ssize_t j = 0; j < width; j++) {
         if (!PyIter_Check(PyTuple_GET_ITEM(iters, j))) {
             PyErr_SetString(PyExc_TypeError, "rows: every field must be an iterator");
@@ -91,7 +99,7 @@ static int
 lit(Doc *d, const char *text)
 {
     size_t k = strlen(text);
-    if (d->i + (Py_ssize_t)k > d->n || memcmp(d->s + d->i, text, k) != 0)
+    if ((Py_ssize_t)k > d->n - d->i || memcmp(d->s + d->i, text, k) != 0)
         return 0;
     d->i += (Py_ssize_t)k;
     return 1;
@@ -181,8 +189,13 @@ scan_header(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*nnLLO!nO", &buf, &pos, &most, &data_start, &file_size, &PyDict_Type, &itemsizes,
                           &max_dims, &spec))
         return NULL;
-    if (!plain_tuple_type(spec)) {
+    if (!plain_tuple_type(spec, 5)) {
         PyBuffer_Release(&buf);
+        return NULL;
+    }
+    if (pos < 0 || pos > buf.len) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "scan_header: pos outside the document");
         return NULL;
     }
     Doc d = {(const char *)buf.buf, buf.len, pos};

@@ -175,16 +175,16 @@ def cmd_ls(a: argparse.Namespace) -> int:
     for step, name in sorted(listing.committed.items()):
         try:
             src = sources.step(engine, os.path.join(a.root, name), step)
+            mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
+            written, linked = _shard_bytes(engine, src.path) or (src.stored_bytes, 0)
         except (errors.AiotensorError, OSError) as e:  # one bad step: listed as such, the others too (helper-60)
             if isinstance(e, FileNotFoundError) and not commit.has_records(engine, os.path.join(a.root, name)):
                 continue  # retired by its writer since the scan
             damaged += 1
             rows.append({"step": step, "name": name, "state": f"damaged: {type(e).__name__}: {e}"})
             continue
-        mtime = engine.stat(src.files[0] if src.files else src.path).st_mtime
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
         count = sum(len(e.names) for e in src.entries)
-        written, linked = _shard_bytes(engine, src.path) or (src.stored_bytes, 0)
         rows.append(
             {
                 "step": step,

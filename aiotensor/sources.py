@@ -30,16 +30,16 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
 import torch
 
-from . import commit
 from . import root as _root
 from ._io.assemble import Entry, Part, Span, stored_bytes
-from ._io.read import check_shard, layout_of
+from ._io.read import Check, check_shard, layout_of, same_file
 from .engines import Engine
 from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError, annotate_oserror
 from .formats import dcp_metadata as dm
@@ -64,10 +64,13 @@ class Source:
     nesting kept) from a lookup of tensors by name, where the source has more than a flat mapping
     of names (a checkpoint, a torch.save file); otherwise it is None. ``checksummed``: every byte
     read is covered by a crc32c the writer recorded. ``metadata``: each safetensors file's
-    ``__metadata__``. ``seen``: each file read (its header, its zip directory) and what told it
-    from another then (:meth:`~aiotensor.engines.Engine.identity`): where a file opened again to
-    read its data is not that file any more, the load fails (:class:`SourceChangedError`) instead
-    of reading other bytes by the header it read.
+    ``__metadata__``. ``checks``: what each file must pass as a reader opens it for its data
+    (:func:`~aiotensor._io.read.open_read`): a file whose header was read must still be that file
+    (:func:`~aiotensor._io.read.same_file`: else a :class:`SourceChangedError`, not other bytes
+    read by the header read), a step's shard must hold what its manifest lists
+    (:func:`~aiotensor._io.read.check_shard`, as a store's ``load()`` checks it: helper-60 found
+    ``verify`` and ``stream`` reading a shard whose header ``load()`` refused). Checked where the
+    data is read, so a listing (``ls``, ``info()``) or a stream of some keys opens only what it reads.
     """
 
     kind: str
@@ -78,7 +81,7 @@ class Source:
     step: int | None = None
     state: Callable[[Callable[[str], Any]], Any] | None = None
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
-    seen: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, Check] = field(default_factory=dict)
 
     @property
     def stored_bytes(self) -> int:
@@ -104,10 +107,11 @@ def resolve(engine: Engine, path: str) -> Source:
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
     name = os.path.basename(path)
-    if name in (INDEX, BIN_INDEX):  # a model's index named: the shards it names (helper-59)
-        return _hf(engine, os.path.dirname(real), {name})
-    if name in (_root.MANIFEST, dm.PICKLE_NAME, dm.JSON_NAME):  # a checkpoint's record named: its folder (helper-60)
-        return _folder(engine, os.path.dirname(real))
+    if name in (INDEX, BIN_INDEX, _root.MANIFEST, dm.PICKLE_NAME, dm.JSON_NAME):
+        # a model's index (helper-59) or a checkpoint's record (helper-60) named: its folder, the
+        # one it was named in (a Hugging Face cache links it to a blob elsewhere: helper-61)
+        folder = real_path(os.path.dirname(path) or ".")
+        return _hf(engine, folder, {name}) if name in (INDEX, BIN_INDEX) else _folder(engine, folder)
     return _file(engine, real)
 
 
@@ -151,35 +155,20 @@ def _manifest_step(engine: Engine, folder: str, number: int | None) -> Source:
     )
     where = os.path.join(folder, _root.MANIFEST)
     files = tuple(os.path.join(folder, s) for s in m.shards)
-    _check_shards(engine, folder, m, where)
-    return Source("step", folder, entries, files, True, m.step, lambda get: unflatten(m.tree, get, where))
+    checks = _shard_checks(m, folder, where)
+    return Source("step", folder, entries, files, True, m.step, lambda get: unflatten(m.tree, get, where), checks=checks)
 
 
-def _check_shards(engine: Engine, folder: str, m: Any, where: str) -> None:
-    """Each shard of the step ``m`` holds what its manifest lists for it, as a store's ``load()``
-    checks (:func:`~aiotensor._io.read.check_shard`: its size, its header's crc32c).
-
-    Raises:
-        ManifestError: a shard that is not what the manifest lists.
-        FileNotFoundError: a shard not there; as a step "damaged" where the step is still
-            committed (else it was retired meanwhile, and the caller says so).
-    """
+def _shard_checks(m: Any, folder: str, where: str) -> dict[str, Check]:
+    """The check of each shard of the step ``m`` (:func:`~aiotensor._io.read.check_shard`)."""
     by_shard: dict[str, list[Any]] = {s: [] for s in m.shards}
     for e in m.entries.values():
         by_shard[e.shard].append(e)
+    checks: dict[str, Check] = {}
     for shard, size in m.shards.items():
         path = os.path.join(folder, shard)
-        try:
-            fd = engine.open_read(path)
-        except FileNotFoundError as e:
-            if not commit.has_records(engine, folder):
-                raise
-            why = f"step {m.step} in {folder} is damaged, a file it lists is not there"
-            raise FileNotFoundError(e.errno, why, path) from None
-        try:
-            check_shard(engine, fd, path, size, by_shard[shard], m.headers.get(shard), where)
-        finally:
-            engine.close(fd)
+        checks[path] = partial(check_shard, path=path, size=size, entries=by_shard[shard], crc=m.headers.get(shard), mpath=where)
+    return checks
 
 
 def _dcp_step(engine: Engine, folder: str) -> Source:
@@ -331,13 +320,13 @@ def _set_element(root: dict[str, Any], place: tuple[str | int, ...], value: Any)
 
 def _file(engine: Engine, path: str) -> Source:
     """A safetensors file or a torch.save zip, its header read through one descriptor (the file
-    whose identity the source keeps: ``Source.seen``)."""
+    whose identity the source keeps: ``Source.checks``)."""
     fd = engine.open_read(path)  # a FIFO or a device is refused here, before anything reads it
     try:
-        seen = {path: engine.identity(fd)}
+        checks: dict[str, Check] = {path: partial(same_file, path, engine.identity(fd))}
         head = bytearray(4)
         if engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head)):
-            return replace(_torch_file(engine, path, fd), seen=seen)
+            return replace(_torch_file(engine, path, fd), checks=checks)
         if head == _LEGACY_TORCH:  # (as a safetensors header's length: over 100 MB, its cap)
             raise UnsafeFileError(f"not a torch.save zip: the file {st.A_PICKLE}", path)
         layout = layout_of(engine, fd, path)
@@ -345,7 +334,7 @@ def _file(engine: Engine, path: str) -> Source:
         engine.close(fd)
     crcs = st.crc_table(layout, path)
     return Source("safetensors", path, _safetensors_entries(path, layout, crcs), (path,), crcs is not None or not layout.tensors,
-                  metadata={path: dict(layout.metadata or {})}, seen=seen)  # fmt: skip
+                  metadata={path: dict(layout.metadata or {})}, checks=checks)  # fmt: skip
 
 
 def _safetensors_layout(engine: Engine, path: str) -> tuple[st.Layout, dict[str, int] | None]:
@@ -415,8 +404,8 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
             f"{SINGLE}, {INDEX}, {BIN}, {BIN_INDEX} or other safetensors file)"
         )
     entries: list[Entry] = []
-    seen: dict[str, str] = {}
-    checksummed, metadata, seen = True, dict[str, dict[str, str]](), dict[str, Any]()
+    found_in: dict[str, str] = {}  # tensor name -> the file that holds it
+    checksummed, metadata, checks = True, dict[str, dict[str, str]](), dict[str, Check]()
     for name in files:
         try:
             src = _file(engine, real_path(os.path.join(folder, name)))
@@ -424,15 +413,15 @@ def _hf(engine: Engine, folder: str, names: set[str]) -> Source:
             raise annotate_oserror(gone, f"{folder}: {name}, a file of the model, is not there") from None
         for e in src.entries:
             for n in e.names:
-                if n in seen:
-                    raise ManifestError(f"tensor {n!r} is in both {seen[n]} and {name}", folder)
-                seen[n] = name
+                if n in found_in:
+                    raise ManifestError(f"tensor {n!r} is in both {found_in[n]} and {name}", folder)
+                found_in[n] = name
         entries += src.entries
         checksummed = checksummed and src.checksummed
         metadata |= src.metadata
-        seen |= src.seen
+        checks |= src.checks
     paths = tuple(real_path(os.path.join(folder, n)) for n in files)
-    return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata, seen=seen)
+    return Source("hf", folder, tuple(entries), paths, checksummed, metadata=metadata, checks=checks)
 
 
 def _index_files(engine: Engine, index: str) -> list[str]:

@@ -1196,11 +1196,21 @@ def test_a_state_changed_by_another_thread_while_it_is_walked_is_a_state_changed
         flatten({"w": torch.ones(2), "log": log})
     monkeypatch.setattr(gil, "slices", real)
 
-    class Gone(dict):  # type: ignore[type-arg]
-        def __getitem__(self, k: Any) -> Any:
-            if k == "b":  # listed, then deleted before the walk reached it
-                raise KeyError(k)
-            return dict.__getitem__(self, k)
+    m = {"a": torch.ones(1), "b": torch.ones(1)}
+    real_tensor = tree_module._Flatten.tensor
 
+    def b_deleted_meanwhile(self: Any, t: Any, name: str) -> Any:
+        m.pop("b", None)  # another thread's delete, after the walk listed the dict's keys
+        return real_tensor(self, t, name)
+
+    monkeypatch.setattr(tree_module._Flatten, "tensor", b_deleted_meanwhile)
     with pytest.raises(StateChangedError, match=r"\(KeyError: 'b'\)"):
-        flatten({"m": Gone(a=torch.ones(1), b=torch.ones(1))})
+        flatten({"m": m})
+    monkeypatch.setattr(tree_module._Flatten, "tensor", real_tensor)
+
+    class Lazy(dict):  # type: ignore[type-arg]  # a mapping's own KeyError is its own (helper-61)
+        def __getitem__(self, k: Any) -> Any:
+            raise KeyError(f"{k} not downloaded")
+
+    with pytest.raises(KeyError, match="not downloaded"):
+        flatten({"m": Lazy(a=torch.ones(1))})

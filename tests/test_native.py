@@ -72,11 +72,21 @@ def test_rows_refuse_what_is_not_a_named_tuple() -> None:
     class WithDict(tuple):  # instances have a __dict__ after their items
         pass
 
-    for cls in (dict, WithDict):
+    stat_result = type(
+        os.stat("/")
+    )  # a struct sequence: a tuple subclass of that size, with hidden fields (helper-61: freed, a crash)
+    for cls in (dict, WithDict, tuple, stat_result):
         with pytest.raises(TypeError, match="named tuple"):
             native.rows(cls, (iter([1]),), 4)
+    with pytest.raises(TypeError, match="named tuple class of 2 fields"):  # _Row has 3 (helper-61: records of 2)
+        native.rows(_Row, (iter([1]), iter([2])), 4)
     with pytest.raises(TypeError, match="iterator"):
-        native.rows(_Row, ([1],), 4)
+        native.rows(_Row, ([1], [2], [3]), 4)
+    for pos in (-1, 10, 2**62):  # (helper-61: read before the buffer, or past it)
+        with pytest.raises(ValueError, match="pos outside the document"):
+            native.scan_header(b'{"a":{}}', pos, 4, 0, 100, {"F32": 4}, 64, st.TensorSpec)
+    with pytest.raises(TypeError, match="named tuple class of 5 fields"):
+        native.scan_header(b"{}", 0, 4, 0, 100, {"F32": 4}, 64, _Row)
     boom = map(lambda x: 1 / x, [1, 0])
     with pytest.raises(ZeroDivisionError):
         native.rows(_Row, (boom, iter("ab"), iter("cd")), 4)

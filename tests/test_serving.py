@@ -1124,3 +1124,20 @@ async def test_what_a_server_passes_by_mistake_gets_a_clear_answer(tmp_path: Any
         await load_into(model, legacy)
     with pytest.raises(ValueError, match="window_bytes must be >= 1"):
         await load_into(model, tmp_path, window_bytes=0)
+
+
+async def test_a_hugging_face_caches_index_named_reads_its_snapshot(tmp_path: Any) -> None:
+    """helper-61: in a cache snapshot every file links to ../../blobs/<hash>; naming the index read
+    the folder of its blob (FileNotFoundError), not the snapshot's shards."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev1"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    st_save({"a": torch.ones(2)}, str(blobs / "h1"))
+    st_save({"b": torch.ones(3)}, str(blobs / "h2"))
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (blobs / "h3").write_text(json.dumps({"weight_map": shards}))
+    for name, blob in [(shards["a"], "h1"), (shards["b"], "h2"), ("model.safetensors.index.json", "h3")]:
+        (snap / name).symlink_to(os.path.join("..", "..", "blobs", blob))
+    for what in (snap, snap / "model.safetensors.index.json"):
+        async with stream(what) as s:
+            assert sorted([k async for k, _ in s]) == ["a", "b"], what

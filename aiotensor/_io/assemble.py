@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, is_, is_not, itemgetter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from ..errors import ChecksumError
 from ..formats import safetensors as st
 from ..formats import torchsave as ts
 from ..formats.dtypes import PACKED, SAFETENSORS_TO_TORCH, torch_shape
-from .read import close, open_read, read_tensors, written
+from .read import Check, close, open_read, read_tensors, written
 from .tensors import Block, Target, assign, carve, carved_targets, modified
 
 
@@ -246,15 +246,15 @@ async def read(
     verify: bool = True,
     into: Sequence[torch.Tensor | None] | None = None,
     dtype: DtypeRule = None,
-    seen: Mapping[str, Any] | None = None,
+    checks: Mapping[str, Check] | None = None,
 ) -> list[torch.Tensor]:
     """Read ``entries`` (see :func:`prepare`), one file at a time, and finish them; CUDA memory is
-    allocated and finished on the caller's current stream. ``seen``: the identity each file had
-    when its header was read (``Source.seen``), compared as it is opened again.
+    allocated and finished on the caller's current stream. ``checks``: what each file must pass as
+    it is opened (``Source.checks``).
 
     Raises:
         ChecksumError, FormatError, OSError: as :func:`~aiotensor._io.read.read_tensors`.
-        SourceChangedError: a file of ``seen`` is not that file any more.
+        SourceChangedError, ManifestError: a file failed its check.
 
     Cancellation: returns once no thread writes into the tensors any more.
     """
@@ -272,7 +272,7 @@ async def read(
     a = await sched.call(start, priority=Priority.LOAD, home=True)
     try:
         for path, targets in a.targets.items():
-            fd = await open_read(sched, path, (seen or {}).get(path))
+            fd = await open_read(sched, path, (checks or {}).get(path))
             try:
                 await read_named(sched, fd, path, targets, entries)
             finally:

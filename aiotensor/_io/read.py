@@ -32,34 +32,50 @@ from ..formats.dtypes import SAFETENSORS_TO_TORCH
 from .plan import shard_header
 from .tensors import Block, Target, byte_view, copy_tensor, crc_of_pieces, direct, io_bytes, modified, spans, wait_for_streams
 
+Check = Callable[[Engine, int], None]
+"""What a file must pass as it is opened to read its data, given the engine and its descriptor
+(``Source.checks``): :func:`same_file`, :func:`check_shard`."""
 
-async def open_read(sched: Scheduler, path: str, seen: Any = None) -> int:
-    """Open a file to read it (the engine's safe opener); a cancelled caller's descriptor is closed.
-    ``seen``: the :meth:`~aiotensor.engines.Engine.identity` the file had when its header was read
-    (None: nothing to compare).
+
+async def open_read(sched: Scheduler, path: str, check: Check | None = None) -> int:
+    """Open a file to read it (the engine's safe opener), and ``check`` it; a cancelled caller's
+    descriptor is closed.
 
     Raises:
-        SourceChangedError: the file there is not that file any more (replaced by a rename, or
-            written since): its header would place other bytes.
+        What ``check`` raises (:class:`SourceChangedError`, :class:`ManifestError`...).
         OSError: naming the file.
 
     Cancellation: returns once the open has stopped; nothing is left open."""
     try:
-        return await sched.call(_open_same, sched.engine, path, seen, priority=Priority.LOAD, cleanup=sched.engine.close)
+        return await sched.call(_open_checked, sched.engine, path, check, priority=Priority.LOAD, cleanup=sched.engine.close)
     except OSError as e:
         raise annotate_oserror(e, f"opening {path}") from e
 
 
-def _open_same(engine: Engine, path: str, seen: Any) -> int:
+def _open_checked(engine: Engine, path: str, check: Check | None) -> int:
     fd = engine.open_read(path)
-    if seen is not None and engine.identity(fd) != seen:
-        engine.close(fd)
+    if check is not None:
+        try:
+            check(engine, fd)
+        except BaseException:
+            engine.close(fd)
+            raise
+    return fd
+
+
+def same_file(path: str, identity: Any, engine: Engine, fd: int) -> None:
+    """A :data:`Check`: the open file ``fd`` is the one whose header was read, whose
+    :meth:`~aiotensor.engines.Engine.identity` was ``identity`` (None: nothing to compare).
+
+    Raises:
+        SourceChangedError: another file is there now (renamed over it), or it was written since:
+            the header read would place other bytes (helper-59)."""
+    if identity is not None and engine.identity(fd) != identity:
         raise SourceChangedError(
             f"{path} changed while it was being loaded: it is not the file whose header was read at the start "
             "(replaced, or written since); nothing was read from the new one. Load again (a file replaced "
             "by a rename is safe to load once it is there)"
         )
-    return fd
 
 
 async def close(sched: Scheduler, *fds: int) -> None:

@@ -702,7 +702,7 @@ def _canonical(header: bytes, data_start: int, file_size: int, path: object) -> 
     ``{"dtype":..,"shape":[..],"data_offsets":[..]}`` of a dtype that is not packed, keys without
     escapes), each entry checked as :func:`_spec` checks one; None where the helper is not built or
     the header is anything else (the Python parser then takes it, and names what is wrong). The
-    Python parser takes 50 ms for a header of 20,000 tensors, this 5."""
+    Python parser takes 50 ms for a header of 20,000 tensors, this 10-12."""
     if native is None:
         return None
     _text_density(header, path, "header", HeaderError)

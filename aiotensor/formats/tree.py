@@ -140,12 +140,22 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     try:
         return f.walk(state, ()), f.tensors
     except (RuntimeError, KeyError) as e:
+        # a dict changed while iterated, or a key this walk listed gone when it looked it up (not a
+        # Mapping's own __getitem__ refusing: a lazy mapping's KeyError is its own, helper-61)
         if isinstance(e, RuntimeError) and "changed size during iteration" not in str(e):
+            raise
+        if isinstance(e, KeyError) and (e.__traceback__ is None or _last_frame(e.__traceback__).f_code.co_filename != __file__):
             raise
         raise StateChangedError(
             f"the state changed while the save walked it ({type(e).__name__}: {e}): another thread changed one of its "
             "dicts or lists; do not change the state's containers until the save's handle is staged. Nothing was saved"
         ) from None
+
+
+def _last_frame(tb: Any) -> Any:
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame
 
 
 def matched(tree: Any, keys: Iterable[str], state: Any) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from operator import attrgetter, is_
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -223,7 +224,7 @@ async def _matched(
         if why is not None:
             if meta := [k for k, v in known.items() if v.is_meta]:  # its load_state_dict(assign=True) would drop dtypes and ties
                 raise MismatchError(f"{why}, and has tensors on the meta device ({meta[:5]}): materialize it first (to_empty)")
-            got = await read(sched, src.entries, dev, verify, seen=src.seen)
+            got = await read(sched, src.entries, dev, verify, checks=src.checks)
             loaded = {n: t for e, t in zip(src.entries, got, strict=True) for n in e.names}
             try:
                 return await sched.call(
@@ -239,7 +240,7 @@ async def _matched(
             cuda.under, streams, _plan, src.entries, known, ties, place, strict, str(source), window_bytes, priority=Priority.LOAD
         )
         for entries, into, fills in batches:
-            got = await read(sched, entries, dev, verify, into=into, seen=src.seen)
+            got = await read(sched, entries, dev, verify, into=into, checks=src.checks)
             await sched.call(_each, fn, fills, got, streams, priority=Priority.LOAD)
         # on the meta device, an optional name stays there: missing, as before torch's default fills it
         left = [k for k in left if k not in optional or known[k].is_meta]
@@ -309,6 +310,9 @@ def _plan(
 ) -> tuple[list[_Batch], list[str], list[str]]:
     """The reads, in batches of at most ``window_bytes`` of new tensors (an entry read straight to
     its place counts nothing), with the module's names left unfilled and the file's unexpected ones."""
+    at_once = _in_place_at_once(entries, known, ties, place)
+    if at_once is not None:
+        return at_once
     left = dict.fromkeys(known)
     unexpected: list[str] = []
     batches: list[_Batch] = []
@@ -354,6 +358,36 @@ def _plan(
     if batch[0]:
         batches.append(batch)
     return batches, list(left), unexpected
+
+
+def _in_place_at_once(
+    entries: tuple[Entry, ...], known: dict[str, torch.Tensor], ties: dict[str, tuple[str, ...]], place: Place
+) -> tuple[list[_Batch], list[str], list[str]] | None:
+    """:func:`_plan`'s answer where every entry is read straight into the module's tensor of its one
+    name (``place`` is :func:`_itself`; no tie; every name the module's; its shape and dtype; none
+    on the meta device: a model loaded into itself), by C loops a column at a time (the loop per
+    entry cost 22 ms per 20,000); None otherwise (the loop then names what differs)."""
+    if place is not _itself or ties or set(map(len, map(_NAMES, entries))) - {1}:
+        return None
+    names = list(map(_FIRST, map(_NAMES, entries)))
+    dsts = list(map(known.get, names))
+    if any(map(is_, dsts, repeat(None))) or len(set(names)) != len(names):
+        return None
+    if list(map(_SHAPE, dsts)) != list(map(_SHAPE, entries)) or list(map(_DTYPE, dsts)) != list(map(_DTYPE, entries)):
+        return None
+    if any(map(_IS_META, dsts)):
+        return None
+    chosen = set(names)
+    return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
+
+
+_NAMES, _FIRST, _SHAPE, _DTYPE, _IS_META = (
+    attrgetter("names"),
+    itemgetter(0),
+    attrgetter("shape"),
+    attrgetter("dtype"),
+    attrgetter("is_meta"),
+)
 
 
 @functools.cache

@@ -17,9 +17,9 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from .. import knobs, sources
+from .. import commit, knobs, sources
 from .._io.assemble import Assembly, DtypeRule, Entry, check_rule, finish, prepare, read_named, stored_bytes
-from .._io.read import close, open_read
+from .._io.read import Check, close, open_read
 from .._io.tensors import check_device
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler
@@ -36,7 +36,7 @@ class _Plan(NamedTuple):
     batches: list[_Batch]
     hold: list[str]  # the files opened before the first read (a checkpoint's: see _HOLD)
     step: int | None  # a checkpoint step's number, or None
-    seen: dict[str, Any]  # each file's identity when its header was read (Source.seen)
+    checks: dict[str, Check]  # what each file must pass as it is opened (Source.checks)
 
 
 def _planned(engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[int, int]], batch_bytes: int) -> _Plan:
@@ -78,7 +78,7 @@ def _planned(engine: Engine, source: str, keys: Keys, rows: Mapping[str, tuple[i
         cut(lo, len(spans), size)
     files = list(dict.fromkeys(f for b in batches for f in b[3]))
     hold = files if src.kind in ("step", "root", "dcp") and len(files) <= _HOLD else []
-    return _Plan(len(chosen), batches, hold, src.step, src.seen)
+    return _Plan(len(chosen), batches, hold, src.step, src.checks)
 
 
 # a checkpoint's files (at most this many) are all opened before the first read: its writer's
@@ -155,7 +155,7 @@ class _Stream:
         self._batch_bytes = min(window_bytes, knobs.STREAM_BATCH_BYTES)
         self._batches: list[_Batch] | None = None
         self._hold: list[str] = []
-        self._seen: dict[str, Any] = {}
+        self._checks: dict[str, Check] = {}
         self._step: int | None = None
         # read ahead, by batch: its (name, tensor) pairs in reverse order (a tied tensor once per
         # name), or the error the consumer gets there
@@ -197,7 +197,7 @@ class _Stream:
                 with anyio.CancelScope(shield=True):
                     await self._close()
                 raise
-            self._batches, self._hold, self._step, self._seen = plan.batches, plan.hold, plan.step, plan.seen
+            self._batches, self._hold, self._step, self._checks = plan.batches, plan.hold, plan.step, plan.checks
             self._start_reader()
         while self._next not in self._ready:
             if self._next >= len(self._batches) or (self._reader_done is not None and self._reader_done.is_set()):
@@ -275,11 +275,11 @@ class _Stream:
                         try:  # (a checkpoint's files all with the first batch: _HOLD)
                             for path in [*self._hold, *files] if batch == 0 else files:
                                 if path not in fds:
-                                    fds[path] = await open_read(self.scheduler, path, self._seen.get(path))
+                                    fds[path] = await open_read(self.scheduler, path, self._checks.get(path))
                         except Exception as e:  # the consumer gets it where that file's tensors begin
                             slots.release()
                             self._failed = True
-                            self._ready[batch] = self._gone(e)
+                            self._ready[batch] = await self._gone(e)
                             break
                         self._ahead += nbytes
                         self._flying += len(entries)
@@ -291,10 +291,18 @@ class _Stream:
                 self._reader_done.set()
                 self._notify()
 
-    def _gone(self, e: Exception) -> Exception:
-        """``e`` as the consumer gets it: a checkpoint's file missing is its step retired meanwhile."""
+    async def _gone(self, e: Exception) -> Exception:
+        """``e`` as the consumer gets it: a checkpoint's file missing is its step retired meanwhile,
+        or, where the step is still committed, the step damaged (helper-60: verify said retired)."""
         if not (isinstance(e, FileNotFoundError) and self._step is not None):
             return e
+        folder = os.path.dirname(e.filename) if isinstance(e.filename, str) else ""
+        committed = False
+        if folder:
+            committed = await self.scheduler.call(commit.has_records, self.scheduler.engine, folder, priority=Priority.LOAD)
+        if committed:
+            why = f"step {self._step} in {folder} is damaged, a file it lists is not there"
+            return FileNotFoundError(e.errno, why, e.filename)
         return CheckpointNotFoundError(
             f"step {self._step} was retired (by its writer's retention, or deleted) before it could be read: "
             f"{e.filename} is gone; stream the store's newest step again"

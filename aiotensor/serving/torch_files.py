@@ -62,7 +62,7 @@ async def load_torch(
             raise UnsafeFileError(
                 f"not a torch.save zip (a {src.kind} {'folder' if src.kind in ('hf', 'dcp', 'step', 'root') else 'file'})", path
             )
-        tensors = await read(sched, src.entries, dev, verify=verify, seen=src.seen)
+        tensors = await read(sched, src.entries, dev, verify=verify, checks=src.checks)
         state = await sched.call(_state, src, tensors, priority=Priority.LOAD)
         await sched.discard(tensors)
         return state
