@@ -347,8 +347,17 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "aiotensor._native", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+#ifndef SOURCE_HASH
+#define SOURCE_HASH "unknown"
+#endif
+
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE", SOURCE_HASH) < 0) { /* setup.py: the source's hash */
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -4,6 +4,7 @@ same records, the same layouts, the same errors, on the headers real writers mak
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -33,6 +34,10 @@ def test_the_helpers_are_built_where_a_compiler_is() -> None:
     if os.environ.get("AIOTENSOR_NATIVE") == "0" or shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("AIOTENSOR_NATIVE=0, or no C compiler: the Python code does the work")
     assert native is not None, "aiotensor._native did not build: run `pip install -e .` again and read its output"
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "aiotensor", "_native.c")
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    assert native.SOURCE == digest, "aiotensor._native was built from another _native.c: run `pip install -e .` again"
 
 
 class _Row(NamedTuple):
