@@ -827,7 +827,7 @@ def _three_ways_agree(text: bytes, size: int, chars: int) -> None:
 
     walks = []
     for per in (1, 2, 4096):
-        with mock.patch.object(st, "_ROWS_PER_CALL", per):
+        with mock.patch.object(st, "_SPECS_PER_CALL", per):
             walks.append(_outcome(text, size))
     with mock.patch.object(st, "native", None), mock.patch.object(st, "_FRAGMENT_CHARS", chars):
         fast = _outcome(text, size)

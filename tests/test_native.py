@@ -218,7 +218,7 @@ def test_near_misses_go_to_the_python_parser_with_its_outcome(case: str) -> None
     header = ("{" + ",".join(members) + "}" + pad).encode("utf-8", "surrogateescape")
     size += len(header)
     for per in (1, 2, 4096):
-        with mock.patch.object(st, "_ROWS_PER_CALL", per):
+        with mock.patch.object(st, "_SPECS_PER_CALL", per):
             fast, slow = _both(header, size)
             assert fast == slow
 
@@ -238,7 +238,7 @@ def test_a_header_with_bytes_changed_parses_as_the_python_parser_says(edits: lis
         at %= len(doc)
         doc[at : at + len(new)] = new
     text = bytes(doc)
-    with mock.patch.object(st, "_ROWS_PER_CALL", per):
+    with mock.patch.object(st, "_SPECS_PER_CALL", per):
         fast, slow = _both(text, size - len(header) + len(text))
     assert fast == slow
 
@@ -260,4 +260,4 @@ def test_a_header_of_many_tensors_is_scanned_in_slices() -> None:
     with mock.patch.object(st, "native", mock.Mock(scan_header=counted, rows=native.rows)):
         parsed = st.parse(header, size, "x")
     assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
-    assert len(calls) == -(-20_001 // st._ROWS_PER_CALL) and calls[0] == 0 and json.loads(header)  # (a valid document)
+    assert len(calls) == -(-20_001 // st._SPECS_PER_CALL) and calls[0] == 0 and json.loads(header)  # (a valid document)

@@ -23,7 +23,7 @@ import torch
 from .. import knobs, sources
 from .._io.assemble import Entry, read
 from .._io.tensors import assign, load_device, mismatch, modified, writing
-from .._runtime import cuda, threads
+from .._runtime import cuda, gil, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
 from ..location import engine_for, local_path
@@ -367,15 +367,17 @@ def _in_place_at_once(
     name (``place`` is :func:`_itself`; no tie; every name the module's; its shape and dtype; none
     on the meta device: a model loaded into itself), by C loops a column at a time (the loop per
     entry cost 22 ms per 20,000); None otherwise (the loop then names what differs)."""
-    if place is not _itself or ties or set(map(len, map(_NAMES, entries))) - {1}:
+    if place is not _itself or ties or set(gil.listed(map(len, map(_NAMES, entries)))) - {1}:
         return None
-    names = list(map(_FIRST, map(_NAMES, entries)))
-    dsts = list(map(known.get, names))
-    if any(map(is_, dsts, repeat(None))) or len(set(names)) != len(names):
+    names = gil.listed(map(_FIRST, map(_NAMES, entries)))  # (a slice per C loop: the GIL changes hands)
+    dsts = gil.listed(map(known.get, names))
+    if any(gil.listed(map(is_, dsts, repeat(None)))) or len(set(names)) != len(names):
         return None
-    if list(map(_SHAPE, dsts)) != list(map(_SHAPE, entries)) or list(map(_DTYPE, dsts)) != list(map(_DTYPE, entries)):
+    if gil.listed(map(_SHAPE, dsts)) != gil.listed(map(_SHAPE, entries)):
         return None
-    if any(map(_IS_META, dsts)):
+    if gil.listed(map(_DTYPE, dsts)) != gil.listed(map(_DTYPE, entries)):
+        return None
+    if any(gil.listed(map(_IS_META, dsts))):
         return None
     chosen = set(names)
     return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
