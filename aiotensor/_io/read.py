@@ -153,9 +153,10 @@ def check_shard(engine: Engine, fd: int, path: str, size: int, entries: Sequence
     tree's values are. Without a crc, or with another one, the header the entries make is rebuilt
     and compared byte for byte (20 ms per 20,000 tensors, the crc 0.1 ms), and where that
     differs the header is parsed and its tensors compared with the entries (a shard rewritten by
-    another safetensors writer). Every reader of a step checks its shards so (a store's ``load()``,
-    and :func:`aiotensor.sources.step`, for ``stream``, ``load_into``, ``verify`` and ``convert``:
-    helper-60 found ``verify`` saying OK of a shard whose header ``load()`` refused)."""
+    another safetensors writer). Every reader of a step checks a shard so as it opens it for its
+    data: a store's ``load()``, and through ``Source.checks`` (:func:`aiotensor.sources.step`)
+    ``stream``, ``load_into``, ``verify`` and ``convert`` (helper-60 found ``verify`` saying OK
+    of a shard whose header ``load()`` refused)."""
     specs = sorted(map(_ENTRY_SPEC, entries), key=_SPEC_OFFSET)
     # the tensors follow the header with no gap, in this order, up to the end of the file
     if size == engine.size(fd):
