@@ -1142,3 +1142,15 @@ async def test_a_hugging_face_caches_index_named_reads_its_snapshot(tmp_path: An
     for what in (snap, snap / "model.safetensors.index.json"):
         async with stream(what) as s:
             assert sorted([k async for k, _ in s]) == ["a", "b"], what
+
+
+async def test_load_into_an_expanded_buffer_is_a_mismatch_before_anything_is_read(tmp_path: Any) -> None:
+    """helper-59: a module's buffer that is an expand()ed view (its elements share memory) made
+    load_into fail with torch's bare RuntimeError; now a MismatchError naming it, nothing read."""
+    st_save({"b": torch.ones(3, 4), "w": torch.full((2,), 7.0)}, str(tmp_path / "m.safetensors"))
+    m = torch.nn.Module()
+    m.register_buffer("b", torch.zeros(4).expand(3, 4))
+    m.register_buffer("w", torch.zeros(2))
+    with pytest.raises(MismatchError, match="tensor 'b': the tensor to read it into has elements that share memory"):
+        await load_into(m, tmp_path / "m.safetensors")
+    assert torch.equal(m.w, torch.zeros(2))  # nothing read

@@ -24,7 +24,7 @@ from .._runtime import gil
 from .._runtime.buffers import PAGE, address, copy_bytes, disjoint, memory_at, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
-from ..errors import ChecksumError, FormatError, ManifestError, SourceChangedError, annotate_oserror
+from ..errors import ChecksumError, FormatError, ManifestError, MismatchError, SourceChangedError, annotate_oserror
 from ..formats import checksum
 from ..formats import manifest as mf
 from ..formats import safetensors as st
@@ -488,6 +488,12 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
                 for a, b in spans(spec.nbytes, piece)
             ]
             continue
+        if torch._debug_has_internal_overlap(dst) == 1:  # (planned before any read: nothing written)
+            raise MismatchError(
+                f"tensor {spec.key!r}: the tensor to read it into has elements that share memory (an expand()ed "
+                "view, stride 0), which nothing can be written into; make it a tensor of its own (.clone()) first "
+                "(helper-59: torch's RuntimeError)"
+            )
         rows = dst.shape[0] if dst.dim() else 1
         row_bytes = spec.nbytes // rows
         per = max(1, host // row_bytes)
