@@ -325,7 +325,9 @@ def _plan(
             dst = known.get(name)
             if dst is None:
                 if strict:
-                    raise MismatchError(f"{source} has a tensor {name!r} the module does not")
+                    raise MismatchError(  # (worded as load_into's after its read: helper-59)
+                        f"{source} has a tensor {name!r} the module does not (unexpected); strict=False loads the names both have"
+                    )
                 unexpected.append(name)
                 continue
             if dst.shape != e.shape:  # torch.Size is a tuple
