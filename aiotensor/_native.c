@@ -7,6 +7,11 @@
  * rows(cls, iterators, most): up to `most` instances of the named tuple `cls`, one per row of the
  *     iterators (one per field, zip's rows), as tuple.__new__(cls, row) makes them.
  *
+ * header_entries(keys, dtypes, shapes, begins, ends, lo, hi) -> bytes or None: entries [lo, hi) of
+ *     a safetensors header as json.dumps(ensure_ascii=False, compact) writes them, joined by ",":
+ *     '"key":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}' (None: a key that is not valid
+ *     Unicode, a lone surrogate: the Python code names it).
+ *
  * scan_header(doc, pos, most, data_start, file_size, itemsizes, max_dims, spec) -> None or
  *     (specs, next, meta_start, meta_end): up to `most` tensor entries of a safetensors header
  *     written as every writer writes it (no white space but the trailing pad; each entry exactly
@@ -339,8 +344,162 @@ done:
     return result;
 }
 
+/* ---- safetensors headers, written ------------------------------------------------------------- */
+
+typedef struct {
+    char *s;
+    Py_ssize_t n, cap;
+} Out;
+
+static int
+grow(Out *o, Py_ssize_t more)
+{
+    if (o->n + more <= o->cap)
+        return 1;
+    Py_ssize_t cap = o->cap * 2 > o->n + more ? o->cap * 2 : o->n + more + 4096;
+    char *s = PyMem_Realloc(o->s, cap);
+    if (s == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    o->s = s;
+    o->cap = cap;
+    return 1;
+}
+
+static int
+put(Out *o, const char *text, Py_ssize_t k)
+{
+    if (!grow(o, k))
+        return 0;
+    memcpy(o->s + o->n, text, k);
+    o->n += k;
+    return 1;
+}
+
+#define PUT(o, text) put((o), (text), (Py_ssize_t)sizeof(text) - 1) /* a string literal */
+
+/* a str as json.encoder.encode_basestring writes it (ensure_ascii=False), in UTF-8; 0: not valid
+ * Unicode (a lone surrogate), the error cleared */
+static int
+put_string(Out *o, PyObject *str)
+{
+    Py_ssize_t k;
+    const char *u = PyUnicode_AsUTF8AndSize(str, &k);
+    if (u == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!grow(o, 6 * k + 2))
+        return -1;
+    char *w = o->s + o->n;
+    *w++ = '"';
+    for (Py_ssize_t i = 0; i < k; i++) {
+        unsigned char c = (unsigned char)u[i];
+        switch (c) {
+        case '"': *w++ = '\\'; *w++ = '"'; break;
+        case '\\': *w++ = '\\'; *w++ = '\\'; break;
+        case '\n': *w++ = '\\'; *w++ = 'n'; break;
+        case '\r': *w++ = '\\'; *w++ = 'r'; break;
+        case '\t': *w++ = '\\'; *w++ = 't'; break;
+        case '\b': *w++ = '\\'; *w++ = 'b'; break;
+        case '\f': *w++ = '\\'; *w++ = 'f'; break;
+        default:
+            if (c < 0x20) {
+                static const char hex[] = "0123456789abcdef";
+                *w++ = '\\', *w++ = 'u', *w++ = '0', *w++ = '0', *w++ = hex[c >> 4], *w++ = hex[c & 15];
+            }
+            else
+                *w++ = (char)c;
+        }
+    }
+    *w++ = '"';
+    o->n = w - o->s;
+    return 1;
+}
+
+/* an int in decimal: 1; 0: an error set; -1: beyond a long long (the error cleared: the Python
+ * code writes it) */
+static int
+put_int(Out *o, PyObject *v)
+{
+    if (!PyLong_CheckExact(v)) {
+        PyErr_SetString(PyExc_TypeError, "header_entries: shapes and offsets must be ints");
+        return 0;
+    }
+    int over = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &over);
+    if (over)
+        return -1;
+    if (x == -1 && PyErr_Occurred())
+        return 0;
+    char buf[32];
+    int k = snprintf(buf, sizeof buf, "%lld", x);
+    return put(o, buf, k);
+}
+
+static PyObject *
+header_entries(PyObject *self, PyObject *args)
+{
+    PyObject *keys, *dtypes, *shapes, *begins, *ends;
+    Py_ssize_t lo, hi;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!nn", &PyList_Type, &keys, &PyList_Type, &dtypes, &PyList_Type, &shapes,
+                          &PyList_Type, &begins, &PyList_Type, &ends, &lo, &hi))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (lo < 0 || hi < lo || hi > n || PyList_GET_SIZE(dtypes) < hi || PyList_GET_SIZE(shapes) < hi ||
+        PyList_GET_SIZE(begins) < hi || PyList_GET_SIZE(ends) < hi) {
+        PyErr_SetString(PyExc_ValueError, "header_entries: [lo, hi) outside the columns");
+        return NULL;
+    }
+    Out o = {NULL, 0, 0};
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i), *dtype = PyList_GET_ITEM(dtypes, i);
+        PyObject *shape = PyList_GET_ITEM(shapes, i);
+        if (!PyUnicode_Check(key) || !PyUnicode_Check(dtype) || !PyTuple_Check(shape)) {
+            PyErr_SetString(PyExc_TypeError, "header_entries: keys and dtypes must be str, shapes tuples");
+            goto fail;
+        }
+        if (i > lo && !PUT(&o, ","))
+            goto fail;
+        int got = put_string(&o, key);
+        if (got <= 0) {
+            PyMem_Free(o.s);
+            if (got < 0)
+                return NULL;
+            Py_RETURN_NONE; /* not valid Unicode: the Python code says where */
+        }
+        if (!PUT(&o, ":{\"dtype\":") || put_string(&o, dtype) <= 0 || !PUT(&o, ",\"shape\":["))
+            goto fail;
+        int ok = 1;
+        for (Py_ssize_t k = 0; ok == 1 && k < PyTuple_GET_SIZE(shape); k++)
+            ok = (k && !PUT(&o, ",")) ? 0 : put_int(&o, PyTuple_GET_ITEM(shape, k));
+        if (ok == 1)
+            ok = PUT(&o, "],\"data_offsets\":[") ? put_int(&o, PyList_GET_ITEM(begins, i)) : 0;
+        if (ok == 1)
+            ok = PUT(&o, ",") ? put_int(&o, PyList_GET_ITEM(ends, i)) : 0;
+        if (ok == 1)
+            ok = PUT(&o, "]}");
+        if (ok < 0) { /* a number beyond a long long: the Python code writes it */
+            PyMem_Free(o.s);
+            Py_RETURN_NONE;
+        }
+        if (!ok)
+            goto fail;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(o.s ? o.s : "", o.n);
+    PyMem_Free(o.s);
+    return out;
+fail:
+    PyMem_Free(o.s);
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "header_entries: a dtype that is not valid Unicode");
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"rows", rows, METH_VARARGS, "rows(cls, iterators, most): up to most named tuples, one per row of the iterators."},
+    {"header_entries", header_entries, METH_VARARGS, "header_entries(keys, dtypes, shapes, begins, ends, lo, hi)."},
     {"scan_header", scan_header, METH_VARARGS, "scan_header(doc, pos, most, data_start, file_size, itemsizes, max_dims, spec)."},
     {NULL, NULL, 0, NULL},
 };

@@ -261,3 +261,46 @@ def test_a_header_of_many_tensors_is_scanned_in_slices() -> None:
         parsed = st.parse(header, size, "x")
     assert parsed.tensors == layout.tensors and parsed.metadata == {"format": "pt"}
     assert len(calls) == -(-20_001 // st._SPECS_PER_CALL) and calls[0] == 0 and json.loads(header)  # (a valid document)
+
+
+@needs_native
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(
+    hs.lists(
+        hs.text(
+            alphabet=hs.sampled_from(["a", '"', "\\", "\n", "\x01", "\x1f", "\x7f", "é", "\u2028", "😀", "\t", "\b", "\f", "\r"]),
+            min_size=1,
+            max_size=6,
+        ),
+        max_size=8,
+        unique=True,
+    ),
+    hs.sampled_from([None, {"format": "pt"}, {"x": 'q"\\\n\x00'}]),
+    hs.integers(1, 5),
+)
+def test_header_bytes_written_by_the_helper_are_the_pythons(keys: list[str], meta: Any, per: int) -> None:
+    """A shard's header written by the helper (``header_entries``, in slices of ``per`` entries):
+    byte for byte what the Python code writes (``json.dumps``' escapes, ``ensure_ascii=False``)."""
+    entries = [(k, ["F32", "BF16", "U8", "F4"][i % 4], tuple(2 * (j + i % 3) for j in range(i % 4))) for i, k in enumerate(keys)]
+    with mock.patch.object(st, "_ROWS_PER_CALL", 2 * per):
+        fast = st.header_bytes(entries, meta)
+    with mock.patch.object(st, "native", None):
+        slow = st.header_bytes(entries, meta)
+    assert fast == slow
+    doc = json.loads(fast[0][8:])
+    assert list(doc) == ([st.METADATA_KEY] if meta else []) + keys
+
+
+@needs_native
+def test_header_entries_refuses_odd_arguments() -> None:
+    cols: list[list[Any]] = [["a"], ["F32"], [(2,)], [0], [8]]
+    assert native.header_entries(*cols, 0, 1) == b'"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+    for lo, hi in ((-1, 1), (0, 2), (1, 0)):
+        with pytest.raises(ValueError, match="outside the columns"):
+            native.header_entries(*cols, lo, hi)
+    with pytest.raises(TypeError, match="must be ints"):
+        native.header_entries(["a"], ["F32"], [(True,)], [0], [8], 0, 1)
+    with pytest.raises(TypeError, match="shapes tuples"):
+        native.header_entries(["a"], ["F32"], [[2]], [0], [8], 0, 1)
+    assert native.header_entries(["a\udc80"], ["F32"], [(2,)], [0], [8], 0, 1) is None  # (the Python code names it)
+    assert native.header_entries(["a"], ["F32"], [(2**70,)], [0], [8], 0, 1) is None  # (beyond C's: the Python code writes it)

@@ -98,20 +98,46 @@ def header_bytes(
     sizes = gil.listed(map(floordiv, map(mul, map(math.prod, shapes), itemsizes), map(PACKED.get, dtypes, repeat(1))))
     ends = gil.listed(accumulate(sizes))
     begins = [0, *ends[:-1]]
-    parts = [_quoted(METADATA_KEY) + ":" + gil.dumps(dict(metadata))] if metadata else []
-    step = max(1, JSON_CHUNK_VALUES // 8)  # about 8 JSON values an entry
-    for i in range(0, len(sizes), step):  # the GIL can change hands between calls
-        j = i + step
-        dims = map(",".join, map(map, repeat(str), shapes[i:j]))
-        members = zip(map(_quoted, keys[i:j]), dtypes[i:j], dims, begins[i:j], ends[i:j], strict=True)
-        parts.append(",".join(map(_ENTRY_TEXT.__mod__, members)))
-    text = utf8("{" + ",".join(parts) + "}", keys)
+    head = [_quoted(METADATA_KEY) + ":" + gil.dumps(dict(metadata))] if metadata else []
+    text = _entries_text(keys, dtypes, shapes, begins, ends, head)
+    if text is None:
+        parts = list(head)
+        step = max(1, JSON_CHUNK_VALUES // 8)  # about 8 JSON values an entry
+        for i in range(0, len(sizes), step):  # the GIL can change hands between calls
+            j = i + step
+            dims = map(",".join, map(map, repeat(str), shapes[i:j]))
+            members = zip(map(_quoted, keys[i:j]), dtypes[i:j], dims, begins[i:j], ends[i:j], strict=True)
+            parts.append(",".join(map(_ENTRY_TEXT.__mod__, members)))
+        text = utf8("{" + ",".join(parts) + "}", keys)
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
     return struct.pack("<Q", padded) + text + b" " * (padded - len(text)), sizes
 
 
 _ENTRY_TEXT = '%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'
+
+
+def _entries_text(
+    keys: list[str], dtypes: list[str], shapes: list[Any], begins: list[int], ends: list[int], head: list[str]
+) -> bytes | None:
+    """:func:`header_bytes`' JSON text, made by :mod:`aiotensor._native` (``header_entries``, a
+    slice of entries per call: 34 ms of ``%``-formatting per 20,000 entries in Python, ~4 in C);
+    None where the helper is not built, or a shape is not a tuple of ints, or a key is not valid
+    Unicode (the Python code then writes it, or names the key)."""
+    if native is None or not _TUPLE.issuperset(map(type, shapes)):
+        return None
+    out = [b"{", utf8(",".join(head))] if head else [b"{"]
+    for i in range(0, len(keys), _ROWS_PER_CALL // 2):
+        some = native.header_entries(keys, dtypes, shapes, begins, ends, i, min(len(keys), i + _ROWS_PER_CALL // 2))
+        if some is None:
+            return None
+        out.append(b"," if len(out) > 1 else b"")
+        out.append(some)
+    out.append(b"}")
+    return b"".join(out)
+
+
+_TUPLE = frozenset({tuple})
 _quoted: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]  # json.dumps' (ensure_ascii=False)
 
 
