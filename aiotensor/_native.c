@@ -418,15 +418,13 @@ put_string(Out *o, PyObject *str)
     return 1;
 }
 
-/* an int in decimal: 1; 0: an error set; -1: beyond a long long (the error cleared: the Python
- * code writes it) */
+/* an int in decimal: 1; 0: an error set; -1: not a plain int (a bool, a numpy integer) or beyond
+ * a long long: the Python code writes it */
 static int
 put_int(Out *o, PyObject *v)
 {
-    if (!PyLong_CheckExact(v)) {
-        PyErr_SetString(PyExc_TypeError, "header_entries: shapes and offsets must be ints");
-        return 0;
-    }
+    if (!PyLong_CheckExact(v))
+        return -1;
     int over = 0;
     long long x = PyLong_AsLongLongAndOverflow(v, &over);
     if (over)
@@ -480,7 +478,7 @@ header_entries(PyObject *self, PyObject *args)
             ok = PUT(&o, ",") ? put_int(&o, PyList_GET_ITEM(ends, i)) : 0;
         if (ok == 1)
             ok = PUT(&o, "]}");
-        if (ok < 0) { /* a number beyond a long long: the Python code writes it */
+        if (ok < 0) { /* not a plain int, or beyond a long long: the Python code writes it */
             PyMem_Free(o.s);
             Py_RETURN_NONE;
         }

@@ -466,7 +466,7 @@ class AiotensorReader(_MetadataOnce, StorageReader):
                     else:  # "": a TensorStore step, its manifest's shards
                         src = await sched.call(sources.step, sched.engine, self.path)
                         chosen = [e for e in src.entries if keys.intersection(e.names)]
-                        tensors = await read(sched, chosen, torch.device("cpu"))
+                        tensors = await read(sched, chosen, torch.device("cpu"), checks=src.checks)
                         got = {n: t for e, t in zip(chosen, tensors, strict=True) for n in e.names}
                     for req in reqs:
                         _fill(planner, req, got[self.storage_data[req.storage_index]["key"]])
@@ -629,7 +629,7 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
 
     async def load(sched: Scheduler) -> Any:
         src = await sched.call(_checkpoint, sched.engine, folder)
-        tensors = await read(sched, src.entries, torch.device("cpu"), verify)
+        tensors = await read(sched, src.entries, torch.device("cpu"), verify, checks=src.checks)
         by_name = {n: t for e, t in zip(src.entries, tensors, strict=True) for n in e.names}
         assert src.state is not None
         return src.state(by_name.__getitem__)

@@ -126,6 +126,10 @@ def test_every_reader_of_a_step_refuses_a_shard_its_load_refuses(files: dict[str
         m.register_buffer(leaf, torch.empty_like(v))
     with pytest.raises(bad):
         anyio.run(load_into, holder, step)
+    from aiotensor import dcp as aiotensor_dcp
+
+    with pytest.raises(bad):  # (helper-62: DCP's readers of a step skipped the check)
+        aiotensor_dcp.load_full(step)
     assert main(["ls", str(root)]) == (1 if damage == "shard gone" else 0)
     out = capsys.readouterr().out
     assert "step            1" in out and ("step-000000000002  [damaged:" in out) == (damage == "shard gone"), out

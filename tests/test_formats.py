@@ -1214,3 +1214,22 @@ def test_a_state_changed_by_another_thread_while_it_is_walked_is_a_state_changed
 
     with pytest.raises(KeyError, match="not downloaded"):
         flatten({"m": Lazy(a=torch.ones(1))})
+
+
+def test_a_header_that_lists_an_empty_tensor_after_another_at_its_offset_parses() -> None:
+    """helper-62: specs already in file order are not sorted, but two at one offset (an empty
+    tensor beside another) were left in header order, and a header listing the empty one second
+    was refused as an overlap; safetensors loads it. Both parsers take it."""
+    from unittest import mock
+
+    header = json.dumps(
+        {
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
+        },
+        separators=(",", ":"),
+    ).encode()
+    for native in (st.native, None):
+        with mock.patch.object(st, "native", native):
+            layout = st.parse(header, 8 + len(header) + 8, "f")
+        assert [s.key for s in layout.tensors] == ["a", "b"]

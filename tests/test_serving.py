@@ -1146,7 +1146,9 @@ async def test_a_hugging_face_caches_index_named_reads_its_snapshot(tmp_path: An
 
 async def test_load_into_an_expanded_buffer_is_a_mismatch_before_anything_is_read(tmp_path: Any) -> None:
     """helper-59: a module's buffer that is an expand()ed view (its elements share memory) made
-    load_into fail with torch's bare RuntimeError; now a MismatchError naming it, nothing read."""
+    load_into fail with torch's bare RuntimeError; now a MismatchError naming it, planned before
+    its file's reads (of a file of several, as here, none is read; a model's earlier files may have
+    loaded, as before any load_into that fails part way: helper-62)."""
     st_save({"b": torch.ones(3, 4), "w": torch.full((2,), 7.0)}, str(tmp_path / "m.safetensors"))
     m = torch.nn.Module()
     m.register_buffer("b", torch.zeros(4).expand(3, 4))

@@ -488,7 +488,7 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
                 for a, b in spans(spec.nbytes, piece)
             ]
             continue
-        if torch._debug_has_internal_overlap(dst) == 1:  # (planned before any read: nothing written)
+        if torch._debug_has_internal_overlap(dst) == 1:  # (planned before this file's reads: none of them written)
             raise MismatchError(
                 f"tensor {spec.key!r}: the tensor to read it into has elements that share memory (an expand()ed "
                 "view, stride 0), which nothing can be written into; make it a tensor of its own (.clone()) first "
