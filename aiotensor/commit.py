@@ -134,6 +134,18 @@ def has_records(engine: Engine, folder: str) -> bool:
     return any(engine.exists(os.path.join(folder, name)) for name in RECORDS)
 
 
+def damaged(engine: Engine, folder: str, step: int, missing: FileNotFoundError) -> FileNotFoundError | None:
+    """What a file of step ``step`` (the folder ``folder``) found ``missing`` means: the step
+    damaged, where it is still committed (a ``FileNotFoundError`` saying so, not a
+    ``CheckpointNotFoundError``); None where it was retired meanwhile (blocking)."""
+    if not has_records(engine, folder):
+        return None
+    why = missing.strerror or missing
+    return FileNotFoundError(
+        missing.errno, f"step {step} in {folder} is damaged, a file it lists is not there ({why})", missing.filename
+    )
+
+
 def _unfinished(engine: Engine, folder: str) -> bool:
     """An object store's folder the library marked that holds no commit record (a leftover)?"""
     return engine.exists(os.path.join(folder, FOLDER_MARKER)) and not has_records(engine, folder)

@@ -327,7 +327,7 @@ def _file(engine: Engine, path: str) -> Source:
         head = bytearray(4)
         if engine.pread(fd, memoryview(head), 0) == 4 and ts.is_torch_zip(bytes(head)):
             return replace(_torch_file(engine, path, fd), checks=checks)
-        if _legacy_torch(bytes(head)):
+        if ts.is_legacy_torch(bytes(head)):
             raise UnsafeFileError(f"not a torch.save zip: the file {st.A_PICKLE}", path)
         layout = layout_of(engine, fd, path)
     finally:
@@ -360,15 +360,6 @@ def _safetensors_entries(path: str, layout: st.Layout, crcs: dict[str, int] | No
 
 
 _KEY, _DTYPE, _SHAPE = attrgetter("key"), attrgetter("dtype"), attrgetter("shape")
-
-
-def _legacy_torch(head: bytes) -> bool:
-    """Do a file's first 4 bytes begin a torch.save of the format before 1.6 (a pickle: protocol 2
-    or 3 and the long of torch's old magic number, or protocol 4 or 5 and the frame holding it)?
-    As a safetensors header's length, each is over 100 MB, its cap: no safetensors file begins so."""
-    return (head[:2] in (b"\x80\x02", b"\x80\x03") and head[2:] == b"\x8a\x0a") or (
-        head[:2] in (b"\x80\x04", b"\x80\x05") and head[2:3] == b"\x95" and head[3:4] >= b"\x07"
-    )
 
 
 def _torch_file(engine: Engine, path: str, fd: int) -> Source:

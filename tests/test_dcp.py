@@ -842,7 +842,7 @@ def test_a_dcp_step_retired_or_damaged_while_a_reader_loads_it_says_which(tmp_pa
     async def load() -> None:
         async with TensorStore(root, readonly=True) as store:
             (root / "step-000000000001" / "__0_data.safetensors").unlink()
-            with pytest.raises(FileNotFoundError, match="step 1 of .* is damaged") as e:
+            with pytest.raises(FileNotFoundError, match="step 1 in .*step-000000000001 is damaged") as e:
                 await store.load(1)
             assert not isinstance(e.value, CheckpointNotFoundError)
             monkeypatch.setattr(dcp_metadata, "check", retired_meanwhile)

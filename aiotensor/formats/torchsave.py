@@ -337,6 +337,15 @@ def is_torch_zip(prefix: bytes) -> bool:
     return prefix.startswith(ZIP_MAGIC)
 
 
+def is_legacy_torch(head: bytes) -> bool:
+    """Do a file's first 4 bytes begin a torch.save of the format before 1.6 (a pickle: protocol 2
+    or 3 and the long of torch's old magic number, or protocol 4 or 5 and the frame holding it)?
+    As a safetensors header's length, each is over 100 MB, its cap: no safetensors file begins so."""
+    return (head[:2] in (b"\x80\x02", b"\x80\x03") and head[2:] == b"\x8a\x0a") or (
+        head[:2] in (b"\x80\x04", b"\x80\x05") and head[2:3] == b"\x95" and head[3:4] >= b"\x07"
+    )
+
+
 Prefetch = Callable[[list[tuple[int, int]]], None]  # read these (offset, bytes) ranges ahead, together
 _PREFETCH_BATCH = 4096  # local headers fetched together (memory: ~160 bytes each)
 _HEADER_GUESS = 30 + 128  # a local header and its extra field (torch pads to 64-byte alignment), beyond the name

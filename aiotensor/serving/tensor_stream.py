@@ -297,12 +297,12 @@ class _Stream:
         if not (isinstance(e, FileNotFoundError) and self._step is not None):
             return e
         folder = os.path.dirname(e.filename) if isinstance(e.filename, str) else ""
-        committed = False
         if folder:
-            committed = await self.scheduler.call(commit.has_records, self.scheduler.engine, folder, priority=Priority.LOAD)
-        if committed:
-            why = f"step {self._step} in {folder} is damaged, a file it lists is not there"
-            return FileNotFoundError(e.errno, why, e.filename)
+            broken = await self.scheduler.call(
+                commit.damaged, self.scheduler.engine, folder, self._step, e, priority=Priority.LOAD
+            )
+            if broken is not None:
+                return broken
         return CheckpointNotFoundError(
             f"step {self._step} was retired (by its writer's retention, or deleted) before it could be read: "
             f"{e.filename} is gone; stream the store's newest step again"

@@ -969,12 +969,12 @@ class TensorStore:
                     strict=strict,
                 )
         except FileNotFoundError as e:
-            if await call(self.scheduler, commit.has_records, self.engine, self.path(step), what=f"checking {self.path(step)}"):
-                # still committed, a file of it gone (a CheckpointNotFoundError, also a FileNotFoundError, is a retired step)
-                why = e.strerror or e
-                raise FileNotFoundError(
-                    e.errno, f"step {step} of {self.root} is damaged, a file it lists is not there ({why})", e.filename
-                ) from None
+            # still committed, a file of it gone (a CheckpointNotFoundError, also a FileNotFoundError, is a retired step)
+            broken = await call(
+                self.scheduler, commit.damaged, self.engine, self.path(step), step, e, what=f"checking {self.path(step)}"
+            )
+            if broken is not None:
+                raise broken from None
             self._steps.committed.discard(step)
             if self._steps.writer:
                 raise CheckpointNotFoundError(
