@@ -275,7 +275,9 @@ async def test_a_committed_step_missing_a_file_or_a_meta_into_say_so(tmp_path: A
             await store.load(1, into={"w": torch.ones(4), "v": torch.ones(1), "step": 0})
         assert "unexpected" not in str(e.value)  # no empty list of keys
         os.remove(tmp_path / "step-000000000001" / "shard-00000.safetensors")
-        with pytest.raises(FileNotFoundError, match="step 1 in .*step-000000000001 is damaged, a file it lists is not there") as got:
+        with pytest.raises(
+            FileNotFoundError, match="step 1 in .*step-000000000001 is damaged, a file it lists is not there"
+        ) as got:
             await store.load(1)
         assert not isinstance(got.value, CheckpointNotFoundError)
 
