@@ -25,7 +25,8 @@ from aiotensor.engines.objects import ObjectEngine
 from aiotensor.errors import ChecksumError, UnsupportedLocationError
 from aiotensor.testing import free_ports
 
-pytestmark = [pytest.mark.anyio, pytest.mark.s3]
+RERUN_ON_500 = pytest.mark.flaky(reruns=1, only_rerun=["500 Internal Server Error"])  # see s3_server
+pytestmark = [pytest.mark.anyio, pytest.mark.s3, RERUN_ON_500]
 
 SECRET = "not-a-real-secret-5b0e1c"
 
@@ -87,18 +88,54 @@ class Weed:
             self.proc.wait()
         self.proc = None
 
+    def problem(self) -> str | None:
+        """What went wrong with a conditional PUT and a DELETE of a new key, or None."""
+        key, client = f"health/{uuid.uuid4().hex}", self.client()
+        try:
+            client.put_object(Bucket="bucket", Key=key, Body=b"ok", IfNoneMatch="*")
+            client.delete_object(Bucket="bucket", Key=key)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join((self.data / "weed.log").read_text(errors="replace").splitlines()[-lines:])
+
     def multipart_uploads(self, bucket: str = "bucket") -> list[str]:
         """The keys of the bucket's unfinished multipart uploads (ListMultipartUploads)."""
         return [u["Key"] for u in self.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed]:
+def weed_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed]:
     weed = Weed(tmp_path_factory.mktemp("seaweedfs")).start()
     try:
         yield weed
     finally:
         weed.stop()
+
+
+@pytest.fixture
+def s3_server(weed_session: Weed) -> Weed:
+    """The session's server, once it answers a conditional PUT (what every write of aiotensor is).
+
+    On a CI machine SeaweedFS 4.48 once answered every conditional PUT with 500 Internal Server
+    Error from some moment on, for the rest of the run (9 tests failed; the cause was not in what
+    CI printed, and no run here reproduced it). A server found so is restarted on its folder, with a
+    warning that carries its log, and a test that it failed with a 500 runs once more
+    (``RERUN_ON_500``); any other failure stays one."""
+    problem = weed_session.problem()
+    if problem is not None:
+        warnings.warn(
+            f"SeaweedFS stopped answering ({problem}); restarted it. The end of its log:\n{weed_session.log_tail()}",
+            pytest.PytestWarning,
+            stacklevel=1,
+        )
+        weed_session.stop()
+        weed_session.start()
+        problem = weed_session.problem()
+        assert problem is None, f"SeaweedFS does not answer after a restart: {problem}\n{weed_session.log_tail()}"
+    return weed_session
 
 
 def aws_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
