@@ -20,6 +20,15 @@
  *     document ended, well formed); the "__metadata__" member met in this slice, if one was, is
  *     doc[meta_start:meta_end] (its text, left to the JSON decoder; else -1, -1). None: the text is
  *     not that (the Python parser then takes it and names what is wrong).
+ *
+ * table_rows(out, keys, texts, pos, row, most, files, sizes, itemsizes, max_dims, spec, entry) ->
+ *     None or the positions to go on from: rows [row, row + most) of a manifest's tensor table
+ *     (aiotensor/formats/manifest.py, version 3), made `entry(files[shard], spec(key, dtype,
+ *     shape, offset, nbytes), crc32c)` and put in the dict `out` under their keys. `texts`: the
+ *     columns shard, dtype, ndim, dims, offset and crc32c as the writer writes them (ASCII, one
+ *     space between values; numbers in plain decimal below 2**63), `pos` where each stands. None:
+ *     anything else (a value out of range, a packed or unknown dtype, a key twice, bytes past
+ *     their shard's end): the Python code then reads the table and names what is wrong.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -495,10 +504,192 @@ fail:
     return NULL;
 }
 
+/* ---- a manifest's tensor table ---------------------------------------------------------------- */
+
+typedef struct {
+    const char *s;
+    Py_ssize_t n, i;
+} Col;
+
+/* the next value of a column: after a space unless at its start; '0' or 1-19 digits without a
+ * leading zero, below 2**63 */
+static int
+next_number(Col *c, int64_t *out)
+{
+    if (c->i > 0) {
+        if (c->i >= c->n || c->s[c->i] != ' ')
+            return 0;
+        c->i++;
+    }
+    Py_ssize_t a = c->i;
+    uint64_t v = 0;
+    while (c->i < c->n && c->s[c->i] >= '0' && c->s[c->i] <= '9') {
+        if (c->i - a >= 19)
+            return 0;
+        v = v * 10 + (uint64_t)(c->s[c->i] - '0');
+        c->i++;
+    }
+    if (c->i == a || (c->s[a] == '0' && c->i - a > 1) || v >= ((uint64_t)1 << 63))
+        return 0;
+    *out = (int64_t)v;
+    return 1;
+}
+
+/* the next dtype name of the dtype column: [A-Za-z0-9_]{1,32}, after a space unless at its start */
+static int
+next_name(Col *c, Py_ssize_t *a)
+{
+    if (c->i > 0) {
+        if (c->i >= c->n || c->s[c->i] != ' ')
+            return 0;
+        c->i++;
+    }
+    *a = c->i;
+    while (c->i < c->n && c->s[c->i] != ' ') {
+        char x = c->s[c->i];
+        if (!((x >= 'A' && x <= 'Z') || (x >= 'a' && x <= 'z') || (x >= '0' && x <= '9') || x == '_') || c->i - *a >= 32)
+            return 0;
+        c->i++;
+    }
+    return c->i > *a;
+}
+
+static PyObject *
+table_rows(PyObject *self, PyObject *args)
+{
+    PyObject *out, *keys, *texts, *pos, *files, *sizes, *itemsizes, *spec, *entry;
+    Py_ssize_t row, most, max_dims;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!nnO!O!O!nOO", &PyDict_Type, &out, &PyList_Type, &keys, &PyTuple_Type, &texts,
+                          &PyTuple_Type, &pos, &row, &most, &PyList_Type, &files, &PyList_Type, &sizes, &PyDict_Type,
+                          &itemsizes, &max_dims, &spec, &entry))
+        return NULL;
+    if (!plain_tuple_type(spec, 5) || !plain_tuple_type(entry, 3))
+        return NULL;
+    Py_ssize_t nfiles = PyList_GET_SIZE(files);
+    if (PyTuple_GET_SIZE(texts) != 6 || PyTuple_GET_SIZE(pos) != 6 || PyList_GET_SIZE(sizes) != nfiles || row < 0 ||
+        most < 0 || max_dims < 0 || max_dims > 64) {
+        PyErr_SetString(PyExc_ValueError, "table_rows: 6 texts and positions, a size per file, max_dims 0 to 64");
+        return NULL;
+    }
+    Col col[6];
+    for (int j = 0; j < 6; j++) {
+        PyObject *t = PyTuple_GET_ITEM(texts, j);
+        if (!PyUnicode_Check(t)) {
+            PyErr_SetString(PyExc_TypeError, "table_rows: the columns must be str");
+            return NULL;
+        }
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(pos, j));
+        if (at == -1 && PyErr_Occurred())
+            return NULL;
+        if (!PyUnicode_IS_COMPACT_ASCII(t))
+            Py_RETURN_NONE; /* not ASCII: not as the writer writes it */
+        col[j].s = (const char *)PyUnicode_DATA(t), col[j].n = PyUnicode_GET_LENGTH(t), col[j].i = at;
+        if (at < 0 || at > col[j].n) {
+            PyErr_SetString(PyExc_ValueError, "table_rows: a position outside its column");
+            return NULL;
+        }
+    }
+    Py_ssize_t end = PyList_GET_SIZE(keys) < row + most ? PyList_GET_SIZE(keys) : row + most;
+    PyObject *dtype = NULL;
+    const char *dtype_at = NULL;
+    Py_ssize_t dtype_len = 0;
+    int64_t itemsize = 0, dims[64];
+    for (Py_ssize_t r = row; r < end; r++) {
+        PyObject *key = PyList_GET_ITEM(keys, r);
+        int64_t shard, ndim, offset, crc, nbytes, elements = 1;
+        Py_ssize_t ta;
+        if (!PyUnicode_CheckExact(key) || !next_number(&col[0], &shard) || shard >= nfiles || !next_name(&col[1], &ta) ||
+            !next_number(&col[2], &ndim) || ndim > max_dims)
+            goto refuse;
+        Py_ssize_t tn = col[1].i - ta;
+        if (dtype == NULL || tn != dtype_len || memcmp(col[1].s + ta, dtype_at, tn) != 0) { /* a dtype unlike the last */
+            Py_XDECREF(dtype);
+            dtype = PyUnicode_FromStringAndSize(col[1].s + ta, tn);
+            if (dtype == NULL)
+                goto fail;
+            PyObject *size = PyDict_GetItemWithError(itemsizes, dtype); /* borrowed */
+            if (size == NULL) {
+                if (PyErr_Occurred())
+                    goto fail;
+                goto refuse; /* a packed or unknown dtype */
+            }
+            itemsize = PyLong_AsLongLong(size);
+            if (itemsize <= 0) {
+                PyErr_Clear();
+                goto refuse;
+            }
+            dtype_at = col[1].s + ta, dtype_len = tn;
+        }
+        nbytes = itemsize;
+        for (int64_t k = 0; k < ndim; k++) /* torch counts elements in int64, zero-size or not */
+            if (!next_number(&col[3], &dims[k]) || __builtin_mul_overflow(nbytes, dims[k], &nbytes) ||
+                (dims[k] && __builtin_mul_overflow(elements, dims[k], &elements)))
+                goto refuse;
+        if (!next_number(&col[4], &offset) || !next_number(&col[5], &crc) || crc >= ((int64_t)1 << 32))
+            goto refuse;
+        int over = 0;
+        long long limit = PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(sizes, shard), &over);
+        if (limit == -1 && PyErr_Occurred())
+            goto fail;
+        if (!over && (offset > limit || nbytes > limit - offset)) /* (a size past a long long bounds nothing) */
+            goto refuse;
+        PyObject *shape = PyTuple_New(ndim), *at = PyLong_FromLongLong(offset), *n = PyLong_FromLongLong(nbytes);
+        PyObject *c = PyLong_FromLongLong(crc);
+        PyObject *s = ((PyTypeObject *)spec)->tp_alloc((PyTypeObject *)spec, 5);
+        PyObject *e = ((PyTypeObject *)entry)->tp_alloc((PyTypeObject *)entry, 3);
+        int bad = shape == NULL || at == NULL || n == NULL || c == NULL || s == NULL || e == NULL;
+        for (int64_t k = 0; !bad && k < ndim; k++) {
+            PyObject *v = PyLong_FromLongLong(dims[k]);
+            if (v == NULL)
+                bad = 1;
+            else
+                PyTuple_SET_ITEM(shape, k, v);
+        }
+        if (bad) {
+            Py_XDECREF(shape);
+            Py_XDECREF(at);
+            Py_XDECREF(n);
+            Py_XDECREF(c);
+            Py_XDECREF(s);
+            Py_XDECREF(e);
+            goto fail;
+        }
+        Py_INCREF(key);
+        Py_INCREF(dtype);
+        PyTuple_SET_ITEM(s, 0, key);
+        PyTuple_SET_ITEM(s, 1, dtype);
+        PyTuple_SET_ITEM(s, 2, shape);
+        PyTuple_SET_ITEM(s, 3, at);
+        PyTuple_SET_ITEM(s, 4, n);
+        PyObject *file = PyList_GET_ITEM(files, shard);
+        Py_INCREF(file);
+        PyTuple_SET_ITEM(e, 0, file);
+        PyTuple_SET_ITEM(e, 1, s);
+        PyTuple_SET_ITEM(e, 2, c);
+        Py_ssize_t had = PyDict_GET_SIZE(out);
+        bad = PyDict_SetItem(out, key, e);
+        Py_DECREF(e);
+        if (bad)
+            goto fail;
+        if (PyDict_GET_SIZE(out) == had) /* a key twice */
+            goto refuse;
+    }
+    Py_XDECREF(dtype);
+    return Py_BuildValue("(nnnnnn)", col[0].i, col[1].i, col[2].i, col[3].i, col[4].i, col[5].i);
+refuse:
+    Py_XDECREF(dtype);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(dtype);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"rows", rows, METH_VARARGS, "rows(cls, iterators, most): up to most named tuples, one per row of the iterators."},
     {"header_entries", header_entries, METH_VARARGS, "header_entries(keys, dtypes, shapes, begins, ends, lo, hi)."},
     {"scan_header", scan_header, METH_VARARGS, "scan_header(doc, pos, most, data_start, file_size, itemsizes, max_dims, spec)."},
+    {"table_rows", table_rows, METH_VARARGS,
+     "table_rows(out, keys, texts, pos, row, most, files, sizes, itemsizes, max_dims, spec, entry)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -303,3 +303,167 @@ def test_header_entries_refuses_odd_arguments() -> None:
         native.header_entries(["a"], ["F32"], [[2]], [0], [8], 0, 1)
     assert native.header_entries(["a\udc80"], ["F32"], [(2,)], [0], [8], 0, 1) is None  # (the Python code names it)
     assert native.header_entries(["a"], ["F32"], [(2**70,)], [0], [8], 0, 1) is None  # (beyond C's: the Python code writes it)
+
+
+# ---- a manifest's tensor table (table_rows) ---------------------------------------------------------
+
+
+def _real_manifest(tmp_path: Any) -> bytes:
+    """A store's manifest of two shards: plain dtypes, a scalar, an empty tensor, a packed-free
+    bool, a tied weight (an alias), keys not ASCII."""
+    import aiotensor
+
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64, torch.int8]
+    state: dict[str, Any] = {f"m.{i}.w": torch.ones(i % 3 + 1, 2, dtype=dtypes[i % len(dtypes)]) for i in range(40)}
+    state |= {"scalar": torch.tensor(1.5), "empty": torch.zeros(0, 3), "é.ünï": torch.ones(2), "step": 7}
+    state["tied"] = state["m.0.w"]
+
+    async def save() -> None:
+        async with aiotensor.TensorStore(tmp_path / "s", shard_bytes=256) as store:
+            await store.save(1, state)
+
+    asyncio.run(save())
+    (path,) = (tmp_path / "s").glob("step-*/manifest.json")
+    return path.read_bytes()
+
+
+def _loads_both(data: bytes) -> tuple[object, object]:
+    """manifest.loads' outcome with the helper, and without it."""
+    from aiotensor.errors import ManifestError
+    from aiotensor.formats import manifest
+
+    def outcome() -> object:
+        try:
+            return manifest.loads(data, "m")
+        except ManifestError as e:
+            return ("error", str(e))
+
+    fast = outcome()
+    with mock.patch.object(manifest, "native", None):
+        return fast, outcome()
+
+
+@needs_native
+@pytest.mark.parametrize("per", [1, 2, 4096])
+def test_a_stores_table_is_read_by_the_helper_as_by_python(tmp_path: Any, per: int) -> None:
+    """A real store's manifest: its table taken by the helper (the Python reader never runs), in
+    slices of ``per`` rows, with the entries the Python reader gives."""
+    from aiotensor.formats import manifest
+
+    data = _real_manifest(tmp_path)
+    with mock.patch.object(manifest, "_TABLE_ROWS", per):
+        with mock.patch.object(manifest, "_column", side_effect=AssertionError("the Python reader ran")):
+            fast = manifest.loads(data, "m")
+    with mock.patch.object(manifest, "native", None):
+        slow = manifest.loads(data, "m")
+    assert fast == slow and len(fast.entries) == 43 and len(fast.shards) > 1 and fast.aliases == {"tied": "m.0.w"}
+    assert list(fast.entries) == list(slow.entries) and all(type(e.spec.shape) is tuple for e in fast.entries.values())
+
+
+def _table_edit(data: bytes, column: str, edit: Any) -> bytes:
+    from aiotensor.formats import manifest
+
+    doc = json.loads(data)
+    table = doc["table"]
+    table[column] = edit(table[column])
+    return manifest.seal(doc)
+
+
+_TABLE_CASES: dict[str, tuple[str, Any]] = {
+    "leading zero": ("offset", lambda t: "0" + t),
+    "two spaces": ("crc32c", lambda t: t.replace(" ", "  ", 1)),
+    "trailing space": ("dims", lambda t: t + " "),
+    "leading space": ("ndim", lambda t: " " + t),
+    "a value more": ("crc32c", lambda t: t + " 5"),
+    "a value less": ("offset", lambda t: t.rsplit(" ", 1)[0]),
+    "a dim more": ("dims", lambda t: t + " 2"),
+    "20 digits": ("offset", lambda t: "1" * 20 + t[t.index(" ") :]),
+    "2**63": ("dims", lambda t: str(2**63) + t[t.index(" ") :]),
+    "crc 2**32": ("crc32c", lambda t: str(2**32) + t[t.index(" ") :]),
+    "shard index past the list": ("shard", lambda t: "9" + t[1:]),
+    "65 dims": ("ndim", lambda t: "65" + t[1:]),
+    "not ASCII": ("dtype", lambda t: t.replace("F32", "F３2", 1)),
+    "packed dtype": ("dtype", lambda t: "F4" + t[t.index(" ") :]),
+    "unknown dtype": ("dtype", lambda t: "Q8" + t[t.index(" ") :]),
+    "a dtype of 33 letters": ("dtype", lambda t: "F" * 33 + t[t.index(" ") :]),
+    "an empty dtype": ("dtype", lambda t: " " + t[t.index(" ") :]),
+    "past its shard's end": ("offset", lambda t: str(10**12) + t[t.index(" ") :]),
+    "a minus": ("offset", lambda t: "-1" + t[t.index(" ") :]),
+    "a key twice": ("keys", lambda k: [k[1], *k[1:]]),
+    "a key not a string": ("keys", lambda k: [7, *k[1:]]),
+    "a column not a string": ("shard", lambda t: [int(x) for x in t.split(" ")]),
+    "bytes past 2**63": ("dims", lambda t: f"{2**32} {2**32}" + t[t.index(" ", t.index(" ") + 1) :]),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(_TABLE_CASES))
+def test_table_near_misses_read_as_the_python_reader_says(tmp_path: Any, case: str) -> None:
+    """Each is refused by the helper (or agreed with): loads' outcome, entries or the error that
+    names what is wrong, is the Python reader's, in slices of 1, 2 and 4,096 rows."""
+    from aiotensor.formats import manifest
+
+    column, edit = _TABLE_CASES[case]
+    data = _table_edit(_real_manifest(tmp_path), column, edit)
+    for per in (1, 2, 4096):
+        with mock.patch.object(manifest, "_TABLE_ROWS", per):
+            fast, slow = _loads_both(data)
+        assert fast == slow
+
+
+@needs_native
+@settings(max_examples=int(os.environ.get("AIOTENSOR_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(
+    hs.sampled_from(["shard", "dtype", "ndim", "dims", "offset", "crc32c"]),
+    hs.lists(hs.tuples(hs.integers(0, 10_000), hs.text(alphabet=" 0123456789-FBUI_é", min_size=0, max_size=3)), max_size=3),
+    hs.integers(1, 5),
+)
+def test_a_table_with_values_changed_reads_as_the_python_reader_says(column: str, edits: Any, per: int) -> None:
+    """A real table with a few characters of a column replaced (or removed): the same entries or
+    the same error with the helper (in slices of ``per`` rows) as without."""
+    from aiotensor.formats import manifest
+
+    def edit(text: str) -> str:
+        for at, new in edits:
+            at %= len(text) + 1
+            text = text[:at] + new + text[at + len(new) :]
+        return text
+
+    data = _table_edit(_MANIFEST_BYTES, column, edit)
+    with mock.patch.object(manifest, "_TABLE_ROWS", per):
+        fast, slow = _loads_both(data)
+    assert fast == slow
+
+
+def _manifest_bytes() -> bytes:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return _real_manifest(__import__("pathlib").Path(d))
+
+
+_MANIFEST_BYTES = _manifest_bytes() if native is not None else b""
+
+
+@needs_native
+def test_table_rows_refuses_odd_arguments() -> None:
+    from aiotensor.formats.manifest import Entry
+
+    texts = ("0", "F32", "1", "2", "0", "5")
+    args = (["a"], texts, (0,) * 6, 0, 4, ["f"], [8], {"F32": 4}, 64, st.TensorSpec, Entry)
+    out: dict[str, Any] = {}
+    assert native.table_rows(out, *args) == (1, 3, 1, 1, 1, 1)
+    assert out == {"a": Entry("f", st.TensorSpec("a", "F32", (2,), 0, 8), 5)}
+    with pytest.raises(TypeError, match="named tuple class of 3 fields"):
+        native.table_rows({}, *args[:-1], st.TensorSpec)
+    with pytest.raises(TypeError, match="named tuple class of 5 fields"):
+        native.table_rows({}, *args[:-2], Entry, Entry)
+    with pytest.raises(ValueError, match="a position outside its column"):
+        native.table_rows({}, args[0], texts, (0, 0, 0, 9, 0, 0), *args[3:])
+    with pytest.raises(ValueError, match="6 texts"):
+        native.table_rows({}, args[0], texts[:5], *args[2:])
+    with pytest.raises(ValueError, match="a size per file"):
+        native.table_rows({}, *args[:6], [], *args[7:])
+    with pytest.raises(TypeError, match="must be str"):
+        native.table_rows({}, args[0], (0, *texts[1:]), *args[2:])
+    assert native.table_rows({}, *args[:3], 5, *args[4:]) == (0,) * 6  # rows past the keys: none read
