@@ -1222,3 +1222,35 @@ async def test_a_writer_on_a_read_only_file_system_is_told_to_open_it_read_only(
             pass
     async with TensorStore(tmp_path, readonly=True) as reader:
         assert reader.steps() == [1]
+
+
+@pytest.mark.parametrize("verify", [False, True])
+async def test_a_shard_replaced_between_its_check_and_its_read_fails_the_load(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """A step's shard is checked against the manifest, closed, and opened again for its data (a
+    load without ``into``): a step saved again under its number meanwhile (its shard renamed over
+    by one of the same layout) gave the new shard's bytes to the old manifest's entries, garbage
+    with ``verify=False``. The reopened file must be the one checked: a SourceChangedError."""
+    from aiotensor.errors import SourceChangedError
+    from aiotensor.store import load as store_load
+
+    ones, twos = ({f"t{i}": torch.full((256,), float(i + k)) for i in range(4)} for k in (1, 2))
+    for folder, state in (("a", ones), ("b", twos)):
+        async with TensorStore(tmp_path / folder) as store:
+            await store.save(1, state)
+    (shard,) = (tmp_path / "a" / "step-000000000001").glob("*.safetensors")
+    real = store_load._targets
+
+    def targets_then_replace(*args: Any) -> Any:
+        out = real(*args)
+        os.replace(tmp_path / "b" / "step-000000000001" / shard.name, shard)  # after its check, before its read
+        return out
+
+    monkeypatch.setattr(store_load, "_targets", targets_then_replace)
+    async with TensorStore(tmp_path / "a", readonly=True) as reader:
+        with pytest.raises(SourceChangedError, match="changed while it was being loaded"):
+            await reader.load(1, verify=verify)
+        monkeypatch.setattr(store_load, "_targets", real)
+        with pytest.raises(aiotensor.errors.ChecksumError):  # the new file, read from the start: its bytes are not step 1's
+            await reader.load(1)

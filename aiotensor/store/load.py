@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from functools import partial
 from itertools import chain, islice, repeat
 from operator import attrgetter
 from typing import Any
@@ -15,10 +16,12 @@ from .. import knobs, sources
 from .. import root as _root
 from .._io.assemble import read
 from .._io.read import (
+    Check,
     check_shard,
     close,
     open_read,
     read_tensors,
+    same_file,
     verify_mapped,
     verify_tensors,
     written,
@@ -89,8 +92,11 @@ async def _load(
     strict: bool = True,
 ) -> Any:
     held: dict[str, int] = {}  # the shards kept open (a load into tensors): closed here, whatever happens
+    seen: dict[str, Check] = {}  # each shard checked, by name: what its reopening for the read must find
     try:
-        opened = await sched.call(_open_step, sched, folder, step, mmap, verify, into is not None, held, priority=Priority.LOAD)
+        opened = await sched.call(
+            _open_step, sched, folder, step, mmap, verify, into is not None, held, seen, priority=Priority.LOAD
+        )
         if opened is None:
             if mmap:
                 raise ValueError(f"{folder} was written through DCP (a shard per rank, chunks to assemble): mmap=True cannot map")
@@ -98,7 +104,9 @@ async def _load(
         m: mf.Manifest
         m, by_shard, views = opened
         del opened
-        return await _load_opened(sched, folder, m, by_shard, views, held, into, verify, dev, atomic, progress, mmap, strict)
+        return await _load_opened(
+            sched, folder, m, by_shard, views, held, seen, into, verify, dev, atomic, progress, mmap, strict
+        )
     finally:
         await close(sched, *held.values())
 
@@ -110,6 +118,7 @@ async def _load_opened(
     by_shard: dict[str, list[mf.Entry]],
     views: dict[str, list[Target]],
     held: dict[str, int],
+    seen: dict[str, Check],
     into: Any,
     verify: bool,
     dev: torch.device,
@@ -122,7 +131,9 @@ async def _load_opened(
     kept open for a load into ``into``, by name: the first, where the others are to be kept too)."""
     mpath = os.path.join(folder, _root.MANIFEST)
     for shard in islice(m.shards, 1, None):  # a call each: a cancelled load stops after the shard in hand
-        got = await sched.call(_open_shard, sched, folder, m, by_shard, shard, mmap, verify, held or None, priority=Priority.LOAD)
+        got = await sched.call(
+            _open_shard, sched, folder, m, by_shard, shard, mmap, verify, held or None, seen, priority=Priority.LOAD
+        )
         if got is not None:
             views[shard] = got
     if mmap:
@@ -148,7 +159,7 @@ async def _load_opened(
     )
     passes = ("verify", "read") if atomic and verify and into is not None else ("read",)
     with reporting(nbytes, progress):
-        await _read_passes(sched, folder, targets, passes, held, dest if into is not None else None)
+        await _read_passes(sched, folder, targets, passes, held, seen, dest if into is not None else None)
     state = await sched.call(cuda.under, streams, _finish, m, dest, mpath, into, None, wanted, priority=Priority.LOAD)
     manifest = [m]
     del m
@@ -180,10 +191,15 @@ async def _read_passes(
     targets: dict[str, list[Target]],
     passes: tuple[str, ...],
     held: dict[str, int],
+    seen: Mapping[str, Check],
     into: dict[str, torch.Tensor] | None,
 ) -> None:
-    """Verify, then read, ``targets``; where the read pass fails or is cancelled, ``into``'s
-    tensors (a load in place) are marked written (:func:`~aiotensor._io.read.written`)."""
+    """Verify, then read, ``targets``; a shard not ``held`` open since its check is opened again,
+    and must be the file checked (``seen``: else a :class:`~aiotensor.errors.SourceChangedError`;
+    a step saved again under its number meanwhile, its shards replaced, gave the new shard's bytes
+    to the old manifest's entries: with ``verify=False``, garbage). Where the read pass fails or is
+    cancelled, ``into``'s tensors (a load in place) are marked written
+    (:func:`~aiotensor._io.read.written`)."""
     for what in passes:
         try:
             for shard, shard_targets in targets.items():
@@ -191,7 +207,7 @@ async def _read_passes(
                 fd = held.get(shard)
                 own = fd is None
                 if fd is None:
-                    fd = await open_read(sched, path)
+                    fd = await open_read(sched, path, seen.get(shard))
                 try:
                     if what == "verify":
                         await verify_tensors(sched, fd, path, shard_targets, Priority.LOAD)
@@ -296,7 +312,14 @@ def _state_of(
 
 
 def _open_step(
-    sched: Scheduler, folder: str, step: int | None, mmap: bool, verify: bool, into: bool, held: dict[str, int]
+    sched: Scheduler,
+    folder: str,
+    step: int | None,
+    mmap: bool,
+    verify: bool,
+    into: bool,
+    held: dict[str, int],
+    seen: dict[str, Check],
 ) -> tuple[mf.Manifest, dict[str, list[mf.Entry]], dict[str, list[Target]]] | None:
     """A step's manifest, its entries by shard, and its first shard opened (:func:`_open_shard`;
     with ``mmap``, its views), in one worker call (each hop to a thread and back costs ~0.1 ms: a
@@ -315,7 +338,7 @@ def _open_step(
     views: dict[str, list[Target]] = {}
     keep = into and not mmap and sched.engine.holds_files and len(m.shards) <= knobs.HELD_SHARDS
     for shard in islice(m.shards, 1):
-        got = _open_shard(sched, folder, m, by_shard, shard, mmap, verify, held if keep else None)
+        got = _open_shard(sched, folder, m, by_shard, shard, mmap, verify, held if keep else None, seen)
         if got is not None:
             views[shard] = got
     return m, by_shard, views
@@ -330,11 +353,13 @@ def _open_shard(
     mmap: bool,
     verify: bool,
     held: dict[str, int] | None = None,
+    seen: dict[str, Check] | None = None,
 ) -> list[Target] | None:
     """Check that ``shard`` holds what the manifest lists for it (:func:`~aiotensor._io.read.check_shard`), before
     anything is allocated: a hostile manifest cannot make us allocate what the files do not hold;
     with ``mmap``, map it too: its views (:func:`_map_shard`). The file is closed again, or kept
-    open in ``held`` (by shard) once checked, where ``held`` is given (:func:`_open_step`)."""
+    open in ``held`` (by shard) once checked, where ``held`` is given (:func:`_open_step`); what
+    tells the file checked from another is kept in ``seen`` (by shard: :func:`_read_passes`)."""
     eng = sched.engine
     path = os.path.join(folder, shard)
     try:
@@ -346,6 +371,8 @@ def _open_shard(
         if mmap:
             return _map_shard(*args, verify)
         check_shard(eng, *args[1:])
+        if seen is not None:
+            seen[shard] = partial(same_file, path, eng.identity(fd))
         if held is not None:
             held[shard], fd = fd, -1
         return None
