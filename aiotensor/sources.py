@@ -179,10 +179,11 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
     where = os.path.join(folder, dm.JSON_NAME if aiotensor else dm.PICKLE_NAME)
     data = _root.read_small(engine, where, dm.MAX_BYTES, ManifestError, "the DCP metadata")
     d = dm.loads_json(data, where) if aiotensor else dm.loads_pickle(data, where)[1]
-    dm.check(d, lambda name: file_size(engine, os.path.join(folder, name)), where)
+    checks: dict[str, Check] = {}  # each file as first opened here: what a reader's open must find again
+    dm.check(d, lambda name: file_size(engine, os.path.join(folder, name), checks), where)
     files = {name: os.path.join(folder, name) for name in sorted(d.files())}
     if aiotensor:  # items are tensors of each rank's safetensors file
-        layouts = {name: _safetensors_layout(engine, path) for name, path in files.items()}
+        layouts = {name: _safetensors_layout(engine, path, checks) for name, path in files.items()}
         spans = {
             (name, s.key): Span(files[name], s, None if crcs is None else crcs[s.key])
             for name, (lay, crcs) in layouts.items()
@@ -198,7 +199,7 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
 
         def span_of(fqn: str, s: dm.Stored) -> tuple[Span, ts.TensorRef | None]:
             assert s.offset is not None and s.length is not None
-            ref = _blob(engine, files[s.file], s.offset, s.length, f"item {fqn!r}")
+            ref = _blob(engine, files[s.file], s.offset, s.length, f"item {fqn!r}", checks)
             storage = st.TensorSpec(fqn, "U8", (ref.storage.nbytes,), s.offset + ref.storage.offset, ref.storage.nbytes)
             return Span(files[s.file], storage, ref.storage.crc32, "crc32"), ref
 
@@ -221,7 +222,9 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
         _check_cover(fqn, t, where)
         entries.append(Entry((fqn,), t.dtype, t.size, tuple(parts), t.requires_grad))
     entries.sort(key=lambda e: (e.parts[0].span.path, e.parts[0].span.spec.offset) if e.parts else ("", 0))
-    values = {fqn: _value(engine, fqn, s, files[s.file], spans if aiotensor else None, where) for fqn, s in d.values.items()}
+    values = {
+        fqn: _value(engine, fqn, s, files[s.file], spans if aiotensor else None, where, checks) for fqn, s in d.values.items()
+    }
 
     def state(get: Callable[[str], Any]) -> Any:  # as DCP's own loader nests it: an item without a place at the top
         out: dict[str, Any] = {}
@@ -233,7 +236,7 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
     # DCP's own files: each tensor blob a zip, its CRC-32s checked (none where torch saved it without); a
     # value's pickled bytes carry none
     checksummed = (aiotensor or not d.values) and all(p.span.crc is not None for e in entries for p in e.parts)
-    return Source("dcp", folder, tuple(entries), tuple(files.values()), checksummed, None, state)
+    return Source("dcp", folder, tuple(entries), tuple(files.values()), checksummed, None, state, checks=checks)
 
 
 def _indexed_states(tree: Any) -> None:
@@ -263,7 +266,9 @@ def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:
         raise ManifestError(f"item {fqn!r}: its chunks do not cover {list(t.size)} exactly", where)
 
 
-def _value(engine: Engine, fqn: str, s: dm.Stored, path: str, spans: dict[Any, Span] | None, where: str) -> Any:
+def _value(
+    engine: Engine, fqn: str, s: dm.Stored, path: str, spans: dict[Any, Span] | None, where: str, checks: dict[str, Check]
+) -> Any:
     """A non-tensor value of a DCP checkpoint: its pickled bytes, loaded only as
     ``torch.load(weights_only=True)`` admits (DCP's own planner would run any pickle)."""
     if spans is not None:
@@ -276,6 +281,7 @@ def _value(engine: Engine, fqn: str, s: dm.Stored, path: str, spans: dict[Any, S
         offset, length, crc = s.offset, s.length, None
     fd = engine.open_read(path)
     try:
+        _seen(engine, path, fd, checks)
         data = _root.read_range(engine, fd, offset, length, path, FormatError, f"item {fqn!r}")
     finally:
         engine.close(fd)
@@ -337,9 +343,22 @@ def _file(engine: Engine, path: str) -> Source:
                   metadata={path: dict(layout.metadata or {})}, checks=checks)  # fmt: skip
 
 
-def _safetensors_layout(engine: Engine, path: str) -> tuple[st.Layout, dict[str, int] | None]:
+def _seen(engine: Engine, path: str, fd: int, checks: dict[str, Check]) -> None:
+    """The open file ``fd`` is the one first opened at ``path`` while a source was resolved: its
+    identity is kept in ``checks`` the first time (a reader's open for the data compares it,
+    :func:`~aiotensor._io.read.same_file`), compared each time after (a DCP file is opened once per
+    item: a file replaced between two of them mixed two checkpoints)."""
+    check = checks.get(path)
+    if check is None:
+        checks[path] = partial(same_file, path, engine.identity(fd))
+    else:
+        check(engine, fd)
+
+
+def _safetensors_layout(engine: Engine, path: str, checks: dict[str, Check]) -> tuple[st.Layout, dict[str, int] | None]:
     fd = engine.open_read(path)
     try:
+        _seen(engine, path, fd, checks)
         layout = layout_of(engine, fd, path)
     finally:
         engine.close(fd)
@@ -455,19 +474,23 @@ def _encodable(name: str) -> bool:
 # --- helpers --------------------------------------------------------------------------------------
 
 
-def file_size(engine: Engine, path: str) -> int:
-    """The size of a regular file, opened as every file is (a link, FIFO, device or folder refused)."""
+def file_size(engine: Engine, path: str, checks: dict[str, Check] | None = None) -> int:
+    """The size of a regular file, opened as every file is (a link, FIFO, device or folder
+    refused); with ``checks``, the file's identity kept or compared (:func:`_seen`)."""
     fd = engine.open_read(path)
     try:
+        if checks is not None:
+            _seen(engine, path, fd, checks)
         return engine.size(fd)
     finally:
         engine.close(fd)
 
 
-def _blob(engine: Engine, path: str, offset: int, length: int, what: str) -> ts.TensorRef:
+def _blob(engine: Engine, path: str, offset: int, length: int, what: str, checks: dict[str, Check]) -> ts.TensorRef:
     """The tensor a ``torch.save`` blob at ``[offset, offset + length)`` of ``path`` describes."""
     fd = engine.open_read(path)
     try:
+        _seen(engine, path, fd, checks)
         ref = ts.parse_at(engine, fd, offset, length, path, what)
     finally:
         engine.close(fd)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import aiotensor
 from aiotensor import TensorStore
 from aiotensor.dcp import AiotensorReader, AiotensorWriter, SafeFileSystemReader
 from aiotensor.errors import CheckpointNotFoundError, MismatchError, UnsafeFileError
@@ -877,3 +878,53 @@ def test_dcp_save_through_aiotensor_into_a_store_root_takes_its_writer_lock(tmp_
     anyio.run(run)
     other()  # no writer now
     assert (root / "latest").read_text().strip() == "step-000000000005"
+
+
+@pytest.mark.parametrize("writer", ["aiotensor", "dcp"])
+@pytest.mark.parametrize("api", ["stream", "store"])
+@pytest.mark.parametrize("when", ["resolving", "reading"])
+def test_a_dcp_data_file_replaced_while_it_loads_fails_the_load(tmp_path: Any, writer: str, api: str, when: str) -> None:
+    """A DCP checkpoint's data file renamed over by another checkpoint's (same names, same
+    layout) while the resolver opens it (once for its size, once per item) or after, before the
+    data is read: its bytes went to the first checkpoint's items, silently where no checksum covers
+    them. Every open must find the file first opened (a SourceChangedError)."""
+    from aiotensor import stream
+    from aiotensor.errors import SourceChangedError
+    from aiotensor.testing import FaultyEngine
+
+    if api == "store" and writer == "dcp":
+        pytest.skip("a store's DCP steps are written through aiotensor")
+    root = tmp_path / "root"
+    a, b = root / "step-000000000001", tmp_path / "other"
+    for path, k in ((a, 1.0), (b, 2.0)):
+        state = {"w": torch.full((256,), k), "b": torch.full((8,), k), "lr": k}
+        dcp.save(state, storage_writer=AiotensorWriter(path)) if writer == "aiotensor" else dcp.save(state, checkpoint_id=path)
+    (data,) = [n for n in os.listdir(a) if not n.startswith(".")]
+    opens, at = 0, 0
+
+    def replace_at_an_open(op: tuple[Any, ...]) -> None:
+        nonlocal opens
+        if op[0] == "open_read" and op[1] == str(a / data):
+            opens += 1
+            if opens == at:
+                os.replace(b / data, a / data)
+
+    async def load() -> None:
+        engine = FaultyEngine(hook=replace_at_an_open)
+        if api == "store":
+            async with TensorStore(root, readonly=True, engine=engine) as store:
+                await store.load(1)
+        else:
+            sched = aiotensor.Scheduler(engine)
+            try:
+                async with stream(a, scheduler=sched) as s:
+                    async for _ in s:
+                        pass
+            finally:
+                sched.close()
+
+    anyio.run(load)  # (nothing replaced: counts the opens, the last one the data's)
+    opens, at = 0, 2 if when == "resolving" else opens
+    assert at >= 2
+    with pytest.raises(SourceChangedError, match="changed while it was being loaded"):
+        anyio.run(load)

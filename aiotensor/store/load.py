@@ -229,7 +229,7 @@ async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device,
     entries, dests = list(src.entries), None
     if into is not None:
         entries, dests = await sched.call(_dests, src, into, sched.devices, strict, folder, priority=Priority.LOAD)
-    tensors = await read(sched, entries, dev, verify, into=dests)
+    tensors = await read(sched, entries, dev, verify, into=dests, checks=src.checks)
     return await sched.call(_state_of, src, entries, tensors, into, strict, priority=Priority.LOAD)
 
 
