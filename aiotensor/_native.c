@@ -193,6 +193,86 @@ skip_metadata(Doc *d)
     }
 }
 
+/* ---- shared by the header and table readers --------------------------------------------------- */
+
+/* the last dtype met, its str and item size kept while the next rows name it too */
+typedef struct {
+    PyObject *name;
+    const char *at;
+    Py_ssize_t len;
+    int64_t itemsize;
+} Dtype;
+
+/* `t` made the dtype named s[0:n] (the same object as the last where it is the same name): 1; 0:
+ * a packed or unknown dtype (not in `itemsizes`, or no positive size there); -1: an error set */
+static int
+dtype_named(Dtype *t, PyObject *itemsizes, const char *s, Py_ssize_t n)
+{
+    if (t->name != NULL && n == t->len && memcmp(s, t->at, n) == 0)
+        return 1;
+    Py_CLEAR(t->name);
+    t->name = PyUnicode_FromStringAndSize(s, n);
+    if (t->name == NULL)
+        return -1;
+    PyObject *size = PyDict_GetItemWithError(itemsizes, t->name); /* borrowed */
+    if (size == NULL) {
+        int error = PyErr_Occurred() != NULL;
+        Py_CLEAR(t->name); /* (never compared with the last name's text) */
+        return error ? -1 : 0;
+    }
+    t->itemsize = PyLong_AsLongLong(size);
+    if (t->itemsize <= 0) {
+        PyErr_Clear();
+        Py_CLEAR(t->name); /* (not kept: its size is no size) */
+        return 0;
+    }
+    t->at = s, t->len = n;
+    return 1;
+}
+
+/* the bytes of `ndim` dims of item size `itemsize` in *nbytes: 0 where they, or the elements of
+ * its dims that are not 0 (torch counts elements in int64, zero-size or not), overflow an int64 */
+static int
+bytes_of(int64_t itemsize, const int64_t *dims, Py_ssize_t ndim, int64_t *nbytes)
+{
+    int64_t elements = 1;
+    *nbytes = itemsize;
+    for (Py_ssize_t k = 0; k < ndim; k++)
+        if (__builtin_mul_overflow(*nbytes, dims[k], nbytes) || (dims[k] && __builtin_mul_overflow(elements, dims[k], &elements)))
+            return 0;
+    return 1;
+}
+
+/* spec(key, dtype, shape, offset, nbytes), `key` stolen (released on failure too); NULL: an error set */
+static PyObject *
+spec_row(PyObject *spec, PyObject *key, PyObject *dtype, const int64_t *dims, Py_ssize_t ndim, int64_t offset, int64_t nbytes)
+{
+    PyObject *shape = PyTuple_New(ndim), *at = PyLong_FromLongLong(offset), *size = PyLong_FromLongLong(nbytes);
+    PyObject *row = ((PyTypeObject *)spec)->tp_alloc((PyTypeObject *)spec, 5);
+    int bad = shape == NULL || at == NULL || size == NULL || row == NULL;
+    for (Py_ssize_t k = 0; !bad && k < ndim; k++) {
+        PyObject *v = PyLong_FromLongLong(dims[k]);
+        if (v == NULL)
+            bad = 1;
+        else
+            PyTuple_SET_ITEM(shape, k, v);
+    }
+    if (bad) {
+        Py_DECREF(key);
+        Py_XDECREF(shape);
+        Py_XDECREF(at);
+        Py_XDECREF(size);
+        Py_XDECREF(row);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(row, 0, key);
+    PyTuple_SET_ITEM(row, 1, Py_NewRef(dtype));
+    PyTuple_SET_ITEM(row, 2, shape);
+    PyTuple_SET_ITEM(row, 3, at);
+    PyTuple_SET_ITEM(row, 4, size);
+    return row;
+}
+
 static PyObject *
 scan_header(PyObject *self, PyObject *args)
 {
@@ -213,10 +293,10 @@ scan_header(PyObject *self, PyObject *args)
         return NULL;
     }
     Doc d = {(const char *)buf.buf, buf.len, pos};
-    PyObject *specs = PyList_New(0), *dtype = NULL, *result = NULL;
-    const char *dtype_at = NULL;
-    Py_ssize_t dtype_len = 0, meta_a = -1, meta_b = -1;
-    int64_t itemsize = 0, dims[64];
+    PyObject *specs = PyList_New(0), *result = NULL;
+    Dtype dtype = {NULL, NULL, 0, 0};
+    Py_ssize_t meta_a = -1, meta_b = -1;
+    int64_t dims[64];
     if (specs == NULL)
         goto done;
     if (max_dims < 0 || max_dims > 64) {
@@ -254,24 +334,11 @@ scan_header(PyObject *self, PyObject *args)
             Py_ssize_t tn = d.i - ta;
             if (tn == 0 || tn > 32 || !lit(&d, "\",\"shape\":["))
                 goto refuse;
-            if (dtype == NULL || tn != dtype_len || memcmp(d.s + ta, dtype_at, tn) != 0) { /* a dtype unlike the last */
-                Py_XDECREF(dtype);
-                dtype = PyUnicode_FromStringAndSize(d.s + ta, tn);
-                if (dtype == NULL)
-                    goto done;
-                PyObject *size = PyDict_GetItemWithError(itemsizes, dtype); /* borrowed */
-                if (size == NULL) {
-                    if (PyErr_Occurred())
-                        goto done;
-                    goto refuse; /* a packed or unknown dtype */
-                }
-                itemsize = PyLong_AsLongLong(size);
-                if (itemsize <= 0) {
-                    PyErr_Clear();
-                    goto refuse;
-                }
-                dtype_at = d.s + ta, dtype_len = tn;
-            }
+            int known = dtype_named(&dtype, itemsizes, d.s + ta, tn);
+            if (known < 0)
+                goto done;
+            if (!known)
+                goto refuse; /* a packed or unknown dtype */
             Py_ssize_t ndim = 0;
             if (!lit(&d, "]")) {
                 for (;;) {
@@ -284,46 +351,20 @@ scan_header(PyObject *self, PyObject *args)
                         goto refuse;
                 }
             }
-            int64_t b, e, nbytes = itemsize, elements = 1;
+            int64_t b, e, nbytes;
             if (!lit(&d, ",\"data_offsets\":[") || !count(&d, &b) || !lit(&d, ",") || !count(&d, &e) || !lit(&d, "]}"))
                 goto refuse;
-            for (Py_ssize_t k = 0; k < ndim; k++) /* torch counts elements in int64, zero-size or not */
-                if (__builtin_mul_overflow(nbytes, dims[k], &nbytes) ||
-                    (dims[k] && __builtin_mul_overflow(elements, dims[k], &elements)))
-                    goto refuse;
-            if (b > e || e - b != nbytes || e > file_size - data_start)
+            if (!bytes_of(dtype.itemsize, dims, ndim, &nbytes) || b > e || e - b != nbytes || e > file_size - data_start)
                 goto refuse;
             PyObject *key = PyUnicode_DecodeUTF8(d.s + ka, kb - ka, "strict");
             if (key == NULL) {
                 PyErr_Clear();
                 goto refuse;
             }
-            PyObject *shape = PyTuple_New(ndim);
-            PyObject *offset = PyLong_FromLongLong(data_start + b), *size = PyLong_FromLongLong(nbytes);
-            PyObject *row = ((PyTypeObject *)spec)->tp_alloc((PyTypeObject *)spec, 5);
-            int bad = shape == NULL || offset == NULL || size == NULL || row == NULL;
-            for (Py_ssize_t k = 0; !bad && k < ndim; k++) {
-                PyObject *v = PyLong_FromLongLong(dims[k]);
-                if (v == NULL)
-                    bad = 1;
-                else
-                    PyTuple_SET_ITEM(shape, k, v);
-            }
-            if (bad) {
-                Py_DECREF(key);
-                Py_XDECREF(shape);
-                Py_XDECREF(offset);
-                Py_XDECREF(size);
-                Py_XDECREF(row);
+            PyObject *row = spec_row(spec, key, dtype.name, dims, ndim, data_start + b, nbytes);
+            if (row == NULL)
                 goto done;
-            }
-            Py_INCREF(dtype);
-            PyTuple_SET_ITEM(row, 0, key);
-            PyTuple_SET_ITEM(row, 1, dtype);
-            PyTuple_SET_ITEM(row, 2, shape);
-            PyTuple_SET_ITEM(row, 3, offset);
-            PyTuple_SET_ITEM(row, 4, size);
-            bad = PyList_Append(specs, row);
+            int bad = PyList_Append(specs, row);
             Py_DECREF(row);
             if (bad)
                 goto done;
@@ -347,7 +388,7 @@ end:
 refuse:
     result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(dtype);
+    Py_XDECREF(dtype.name);
     Py_XDECREF(specs);
     PyBuffer_Release(&buf);
     return result;
@@ -590,42 +631,24 @@ table_rows(PyObject *self, PyObject *args)
         }
     }
     Py_ssize_t end = PyList_GET_SIZE(keys) < row + most ? PyList_GET_SIZE(keys) : row + most;
-    PyObject *dtype = NULL;
-    const char *dtype_at = NULL;
-    Py_ssize_t dtype_len = 0;
-    int64_t itemsize = 0, dims[64];
+    Dtype dtype = {NULL, NULL, 0, 0};
+    int64_t dims[64];
     for (Py_ssize_t r = row; r < end; r++) {
         PyObject *key = PyList_GET_ITEM(keys, r);
-        int64_t shard, ndim, offset, crc, nbytes, elements = 1;
+        int64_t shard, ndim, offset, crc, nbytes;
         Py_ssize_t ta;
         if (!PyUnicode_CheckExact(key) || !next_number(&col[0], &shard) || shard >= nfiles || !next_name(&col[1], &ta) ||
             !next_number(&col[2], &ndim) || ndim > max_dims)
             goto refuse;
-        Py_ssize_t tn = col[1].i - ta;
-        if (dtype == NULL || tn != dtype_len || memcmp(col[1].s + ta, dtype_at, tn) != 0) { /* a dtype unlike the last */
-            Py_XDECREF(dtype);
-            dtype = PyUnicode_FromStringAndSize(col[1].s + ta, tn);
-            if (dtype == NULL)
-                goto fail;
-            PyObject *size = PyDict_GetItemWithError(itemsizes, dtype); /* borrowed */
-            if (size == NULL) {
-                if (PyErr_Occurred())
-                    goto fail;
-                goto refuse; /* a packed or unknown dtype */
-            }
-            itemsize = PyLong_AsLongLong(size);
-            if (itemsize <= 0) {
-                PyErr_Clear();
+        int known = dtype_named(&dtype, itemsizes, col[1].s + ta, col[1].i - ta);
+        if (known < 0)
+            goto fail;
+        if (!known)
+            goto refuse; /* a packed or unknown dtype */
+        for (int64_t k = 0; k < ndim; k++)
+            if (!next_number(&col[3], &dims[k]))
                 goto refuse;
-            }
-            dtype_at = col[1].s + ta, dtype_len = tn;
-        }
-        nbytes = itemsize;
-        for (int64_t k = 0; k < ndim; k++) /* torch counts elements in int64, zero-size or not */
-            if (!next_number(&col[3], &dims[k]) || __builtin_mul_overflow(nbytes, dims[k], &nbytes) ||
-                (dims[k] && __builtin_mul_overflow(elements, dims[k], &elements)))
-                goto refuse;
-        if (!next_number(&col[4], &offset) || !next_number(&col[5], &crc) || crc >= ((int64_t)1 << 32))
+        if (!bytes_of(dtype.itemsize, dims, ndim, &nbytes) || !next_number(&col[4], &offset) || !next_number(&col[5], &crc) || crc >= ((int64_t)1 << 32))
             goto refuse;
         int over = 0;
         long long limit = PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(sizes, shard), &over);
@@ -633,54 +656,33 @@ table_rows(PyObject *self, PyObject *args)
             goto fail;
         if (!over && (offset > limit || nbytes > limit - offset)) /* (a size past a long long bounds nothing) */
             goto refuse;
-        PyObject *shape = PyTuple_New(ndim), *at = PyLong_FromLongLong(offset), *n = PyLong_FromLongLong(nbytes);
+        PyObject *s = spec_row(spec, Py_NewRef(key), dtype.name, dims, ndim, offset, nbytes);
         PyObject *c = PyLong_FromLongLong(crc);
-        PyObject *s = ((PyTypeObject *)spec)->tp_alloc((PyTypeObject *)spec, 5);
         PyObject *e = ((PyTypeObject *)entry)->tp_alloc((PyTypeObject *)entry, 3);
-        int bad = shape == NULL || at == NULL || n == NULL || c == NULL || s == NULL || e == NULL;
-        for (int64_t k = 0; !bad && k < ndim; k++) {
-            PyObject *v = PyLong_FromLongLong(dims[k]);
-            if (v == NULL)
-                bad = 1;
-            else
-                PyTuple_SET_ITEM(shape, k, v);
-        }
-        if (bad) {
-            Py_XDECREF(shape);
-            Py_XDECREF(at);
-            Py_XDECREF(n);
-            Py_XDECREF(c);
+        if (s == NULL || c == NULL || e == NULL) {
             Py_XDECREF(s);
+            Py_XDECREF(c);
             Py_XDECREF(e);
             goto fail;
         }
-        Py_INCREF(key);
-        Py_INCREF(dtype);
-        PyTuple_SET_ITEM(s, 0, key);
-        PyTuple_SET_ITEM(s, 1, dtype);
-        PyTuple_SET_ITEM(s, 2, shape);
-        PyTuple_SET_ITEM(s, 3, at);
-        PyTuple_SET_ITEM(s, 4, n);
-        PyObject *file = PyList_GET_ITEM(files, shard);
-        Py_INCREF(file);
-        PyTuple_SET_ITEM(e, 0, file);
+        PyTuple_SET_ITEM(e, 0, Py_NewRef(PyList_GET_ITEM(files, shard)));
         PyTuple_SET_ITEM(e, 1, s);
         PyTuple_SET_ITEM(e, 2, c);
         Py_ssize_t had = PyDict_GET_SIZE(out);
-        bad = PyDict_SetItem(out, key, e);
+        int bad = PyDict_SetItem(out, key, e);
         Py_DECREF(e);
         if (bad)
             goto fail;
         if (PyDict_GET_SIZE(out) == had) /* a key twice */
             goto refuse;
     }
-    Py_XDECREF(dtype);
+    Py_XDECREF(dtype.name);
     return Py_BuildValue("(nnnnnn)", col[0].i, col[1].i, col[2].i, col[3].i, col[4].i, col[5].i);
 refuse:
-    Py_XDECREF(dtype);
+    Py_XDECREF(dtype.name);
     Py_RETURN_NONE;
 fail:
-    Py_XDECREF(dtype);
+    Py_XDECREF(dtype.name);
     return NULL;
 }
 
