@@ -630,14 +630,22 @@ table_rows(PyObject *self, PyObject *args)
             return NULL;
         }
     }
-    Py_ssize_t end = PyList_GET_SIZE(keys) < row + most ? PyList_GET_SIZE(keys) : row + most;
+    Py_ssize_t end = PyList_GET_SIZE(keys) - row < most ? PyList_GET_SIZE(keys) : row + most; /* (no row + most past a ssize_t) */
     Dtype dtype = {NULL, NULL, 0, 0};
     int64_t dims[64];
+    PyObject *key = NULL, *file = NULL, *size = NULL; /* row r's, held: Python code a call below runs (an
+                                                        * __eq__ in a dict, a __del__ the collector calls)
+                                                        * may change the lists */
     for (Py_ssize_t r = row; r < end; r++) {
-        PyObject *key = PyList_GET_ITEM(keys, r);
         int64_t shard, ndim, offset, crc, nbytes;
         Py_ssize_t ta;
-        if (!PyUnicode_CheckExact(key) || !next_number(&col[0], &shard) || shard >= nfiles || !next_name(&col[1], &ta) ||
+        if (r >= PyList_GET_SIZE(keys) || PyList_GET_SIZE(files) != nfiles || PyList_GET_SIZE(sizes) != nfiles ||
+            !next_number(&col[0], &shard) || shard >= nfiles)
+            goto refuse;
+        key = Py_NewRef(PyList_GET_ITEM(keys, r));
+        file = Py_NewRef(PyList_GET_ITEM(files, shard));
+        size = Py_NewRef(PyList_GET_ITEM(sizes, shard));
+        if (!PyUnicode_CheckExact(key) || !PyLong_CheckExact(size) || !next_name(&col[1], &ta) ||
             !next_number(&col[2], &ndim) || ndim > max_dims)
             goto refuse;
         int known = dtype_named(&dtype, itemsizes, col[1].s + ta, col[1].i - ta);
@@ -648,13 +656,12 @@ table_rows(PyObject *self, PyObject *args)
         for (int64_t k = 0; k < ndim; k++)
             if (!next_number(&col[3], &dims[k]))
                 goto refuse;
-        if (!bytes_of(dtype.itemsize, dims, ndim, &nbytes) || !next_number(&col[4], &offset) || !next_number(&col[5], &crc) || crc >= ((int64_t)1 << 32))
+        if (!bytes_of(dtype.itemsize, dims, ndim, &nbytes) || !next_number(&col[4], &offset) || !next_number(&col[5], &crc) ||
+            crc >= ((int64_t)1 << 32))
             goto refuse;
         int over = 0;
-        long long limit = PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(sizes, shard), &over);
-        if (limit == -1 && PyErr_Occurred())
-            goto fail;
-        if (!over && (offset > limit || nbytes > limit - offset)) /* (a size past a long long bounds nothing) */
+        long long limit = PyLong_AsLongLongAndOverflow(size, &over); /* (an int: no Python code runs) */
+        if (over || offset > limit || nbytes > limit - offset) /* (a size past a long long: the Python code checks it) */
             goto refuse;
         PyObject *s = spec_row(spec, Py_NewRef(key), dtype.name, dims, ndim, offset, nbytes);
         PyObject *c = PyLong_FromLongLong(crc);
@@ -665,7 +672,7 @@ table_rows(PyObject *self, PyObject *args)
             Py_XDECREF(e);
             goto fail;
         }
-        PyTuple_SET_ITEM(e, 0, Py_NewRef(PyList_GET_ITEM(files, shard)));
+        PyTuple_SET_ITEM(e, 0, Py_NewRef(file));
         PyTuple_SET_ITEM(e, 1, s);
         PyTuple_SET_ITEM(e, 2, c);
         Py_ssize_t had = PyDict_GET_SIZE(out);
@@ -675,13 +682,22 @@ table_rows(PyObject *self, PyObject *args)
             goto fail;
         if (PyDict_GET_SIZE(out) == had) /* a key twice */
             goto refuse;
+        Py_CLEAR(key);
+        Py_CLEAR(file);
+        Py_CLEAR(size);
     }
     Py_XDECREF(dtype.name);
     return Py_BuildValue("(nnnnnn)", col[0].i, col[1].i, col[2].i, col[3].i, col[4].i, col[5].i);
 refuse:
+    Py_XDECREF(key);
+    Py_XDECREF(file);
+    Py_XDECREF(size);
     Py_XDECREF(dtype.name);
     Py_RETURN_NONE;
 fail:
+    Py_XDECREF(key);
+    Py_XDECREF(file);
+    Py_XDECREF(size);
     Py_XDECREF(dtype.name);
     return NULL;
 }

@@ -467,3 +467,66 @@ def test_table_rows_refuses_odd_arguments() -> None:
     with pytest.raises(TypeError, match="must be str"):
         native.table_rows({}, args[0], (0, *texts[1:]), *args[2:])
     assert native.table_rows({}, *args[:3], 5, *args[4:]) == (0,) * 6  # rows past the keys: none read
+
+
+@needs_native
+def test_a_shard_size_past_a_long_long_is_left_to_the_python_reader(tmp_path: Any) -> None:
+    """A size of 2**63 or more bounds a tensor too (an offset of 2**63 - 1 and 8 bytes pass it):
+    the helper took such rows unchecked where the Python reader refuses them (helper-63)."""
+    from aiotensor.formats import manifest
+
+    doc = json.loads(_real_manifest(tmp_path))
+    doc["shards"][0]["size"] = 2**63
+    offsets = doc["table"]["offset"].split(" ")
+    first = doc["table"]["shard"].split(" ").index("0")
+    offsets[first] = str(2**63 - 1)
+    doc["table"]["offset"] = " ".join(offsets)
+    fast, slow = _loads_both(manifest.seal(doc))
+    assert fast == slow and isinstance(fast, tuple) and "lie past the end" in str(fast[1])
+
+
+def test_a_column_whose_last_space_ends_a_slice_is_refused() -> None:
+    """A column longer than a slice of ``_numbers`` ending in one space, the first after a slice's
+    end: read one value short while its count of spaces passed, so a tensor lost a dimension and
+    loaded with another shape (helper-63), with the helper and without."""
+    from aiotensor.errors import ManifestError
+    from aiotensor.formats import manifest
+
+    n = manifest._NUMBERS_CHARS // 2 + 1  # "1 " * n: its last space is the first at or after a slice's end
+    raw = {
+        "keys": [f"k{i}" for i in range(n)],
+        "shard": " ".join(["0"] * n),
+        "dtype": " ".join(["F32"] * n),
+        "ndim": " ".join(["1"] * (n - 1) + ["2"]),  # n + 1 dims wanted: n given, and a space
+        "dims": "1 " * n,
+        "offset": " ".join(["0"] * n),
+        "crc32c": " ".join(["0"] * n),
+    }
+    for helper in (manifest.native, None):
+        with mock.patch.object(manifest, "native", helper):
+            with pytest.raises(ManifestError, match="table: dims must be non-negative integers"):
+                manifest._table(raw, {"f": 10**6}, lambda msg: ManifestError(msg, "m"))
+
+
+@needs_native
+def test_table_rows_holds_what_python_code_it_runs_may_change() -> None:
+    """A key already in ``out`` whose ``__eq__`` empties the keys (a hash collision runs it): the
+    helper read past the list (a crash, helper-63); now it refuses."""
+    from aiotensor.formats.manifest import Entry
+
+    keys = [f"k{i}" for i in range(64)]
+
+    class Emptier:
+        def __hash__(self) -> int:
+            return hash("k0")
+
+        def __eq__(self, other: object) -> bool:
+            keys.clear()
+            return False
+
+    texts = tuple(" ".join([v] * 64) for v in ("0", "F32", "1", "1", "0", "0"))
+    out: dict[Any, Any] = {Emptier(): 1}
+    assert native.table_rows(out, keys, texts, (0,) * 6, 0, 64, ["f"], [100], {"F32": 4}, 64, st.TensorSpec, Entry) is None
+    assert native.table_rows({}, ["a"], texts, (0,) * 6, 5, 2**62, ["f"], [100], {"F32": 4}, 64, st.TensorSpec, Entry) == (0,) * 6
+    sizes: list[Any] = [100.0]  # not an int: left to the Python code (no __index__ runs in the helper)
+    assert native.table_rows({}, ["a"], texts, (0,) * 6, 0, 1, ["f"], sizes, {"F32": 4}, 64, st.TensorSpec, Entry) is None

@@ -1254,3 +1254,32 @@ async def test_a_shard_replaced_between_its_check_and_its_read_fails_the_load(
         monkeypatch.setattr(store_load, "_targets", real)
         with pytest.raises(aiotensor.errors.ChecksumError):  # the new file, read from the start: its bytes are not step 1's
             await reader.load(1)
+
+
+async def test_a_shard_written_in_place_while_it_is_checked_fails_the_load(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The identity a load's reopening compares is taken as the shard is opened, before its check:
+    taken after, a write in place that landed during the check was part of it, and the new bytes
+    were read unchecked (helper-63: with verify=False, silently)."""
+    import time
+
+    from aiotensor.errors import SourceChangedError
+    from aiotensor.store import load as store_load
+
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"t": torch.full((256,), 1.0)})
+    (shard,) = (tmp_path / "step-000000000001").glob("*.safetensors")
+    real = store_load.check_shard
+
+    def check_then_write(*args: Any) -> None:
+        real(*args)
+        time.sleep(0.05)  # (past the file system's clock tick: the write moves the modification time)
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) - 1024)
+            f.write(torch.full((256,), 7.0).numpy().tobytes())
+
+    monkeypatch.setattr(store_load, "check_shard", check_then_write)
+    async with TensorStore(tmp_path, readonly=True) as reader:
+        with pytest.raises(SourceChangedError, match="changed while it was being loaded"):
+            await reader.load(1, verify=False)

@@ -367,12 +367,13 @@ def _open_shard(
     except OSError as e:
         raise annotate_oserror(e, f"opening {path}") from e
     try:
+        identity = eng.identity(fd)  # before the check: a write meanwhile makes it another file (helper-63)
         args = (sched, fd, path, m.shards[shard], by_shard[shard], m.headers.get(shard), os.path.join(folder, _root.MANIFEST))
         if mmap:
             return _map_shard(*args, verify)
         check_shard(eng, *args[1:])
         if seen is not None:
-            seen[shard] = partial(same_file, path, eng.identity(fd))
+            seen[shard] = partial(same_file, path, identity)
         if held is not None:
             held[shard], fd = fd, -1
         return None
