@@ -589,6 +589,7 @@ def test_plan_dedupes_tied_weights_and_aligns_by_itemsize() -> None:
     for t in shard.layout.tensors:
         assert (t.offset - shard.layout.data_start) % st.ITEMSIZE[t.dtype] == 0
     assert [t.dtype for t in shard.layout.tensors] == ["F64", "F32", "F32", "U8"]
+    assert [t.key for t in shard.layout.tensors] == ["d", "w", "view", "a"]  # state order within an item size
 
 
 def test_flatten_names_a_tensor_under_a_str_subclass_key_by_its_str() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter, mul
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from .. import knobs
 from .._runtime import gil
 from .._runtime.buffers import round_up
 from ..formats import safetensors as st
-from ..formats.dtypes import file_shape
+from ..formats.dtypes import PACKED, file_shape
 from ..formats.tree import flatten
 from .tensors import check_tensor
 
@@ -124,7 +124,7 @@ def plan_save(
         *((g, True) for g in _fill(maybe, min(shard_bytes, knobs.CANDIDATE_SHARD_BYTES))),
         *((g, False) for g in _fill([it for it in left if id(it) not in chosen], shard_bytes)),
     ]:
-        group.sort(key=lambda x: -x[2].element_size())  # stable: state order within an itemsize
+        _by_itemsize(group)
         header, layout = _shard(group)
         planned.append((header, layout, candidate, None))
     shards = []
@@ -144,19 +144,46 @@ def shard_header(specs: Sequence[st.TensorSpec]) -> bytes:
 
 
 def _shard(group: list[tuple[str, str, torch.Tensor]]) -> tuple[bytes, st.Layout]:
-    """The header and layout of a shard holding ``group`` (key, safetensors dtype, tensor), in order."""
-    return st.build([(k, d, file_shape(d, t.shape)) for k, d, t in group], SHARD_METADATA)
+    """The header and layout of a shard holding ``group`` (key, safetensors dtype, tensor), in order
+    (column by column, in C loops where no dtype is packed: 20,000 tensors, a Python call each cost
+    ~6 ms)."""
+    keys, dtypes, tensors = (gil.listed(map(itemgetter(i), group)) for i in range(3))
+    shapes = gil.listed(map(_SHAPE, tensors))
+    sizes = map(tuple, shapes) if PACKED.keys().isdisjoint(dtypes) else map(file_shape, dtypes, shapes)
+    return st.build(gil.listed(zip(keys, dtypes, sizes, strict=True)), SHARD_METADATA)
+
+
+def _nbytes(items: list[tuple[str, str, torch.Tensor]]) -> list[int]:
+    """Each item's tensor's bytes (C loops)."""
+    tensors = gil.listed(map(_THIRD, items))
+    return gil.listed(map(mul, map(_NUMEL, tensors), map(_ELEMENT_SIZE, tensors)))
+
+
+def _by_itemsize(group: list[tuple[str, str, torch.Tensor]]) -> None:
+    """Order ``group`` by descending item size, stably (state order within an item size), so that
+    each tensor starts at a multiple of its own; as it is where it has one item size (nearly always:
+    no sort, which cost a Python call per tensor)."""
+    sizes = gil.listed(map(_ELEMENT_SIZE, map(_THIRD, group)))
+    if min(sizes, default=0) != max(sizes, default=0):
+        minus = [-n for n in sizes]
+        group[:] = [group[i] for i in sorted(range(len(group)), key=minus.__getitem__)]
 
 
 def _fill(items: list[tuple[str, str, torch.Tensor]], most: int) -> list[list[tuple[str, str, torch.Tensor]]]:
     """``items`` in groups of at most ``most`` bytes (a bigger tensor alone), in order."""
+    sizes = _nbytes(items)
+    if sum(sizes) <= most:  # one group (their bytes counted in C loops: 20,000 tensors, a loop each cost ~10 ms)
+        return [items] if items else []
     groups: list[list[tuple[str, str, torch.Tensor]]] = []
     size = 0
-    for item in items:
-        n = item[2].numel() * item[2].element_size()
+    for item, n in zip(items, sizes, strict=True):
         if not groups or (groups[-1] and size + n > most):
             groups.append([])
             size = 0
         groups[-1].append(item)
         size += n
     return groups
+
+
+_THIRD, _SHAPE = itemgetter(2), attrgetter("shape")
+_NUMEL, _ELEMENT_SIZE = torch.Tensor.numel, torch.Tensor.element_size
