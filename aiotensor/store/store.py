@@ -933,6 +933,9 @@ class TensorStore:
             MismatchError: ``into`` lacks a key, has an extra one (unless ``strict=False``), or a
                 shape/dtype differs (named).
             ChecksumError, ManifestError, HeaderError: corrupt or malformed files (named).
+            SourceChangedError: a file of the step was replaced after it was checked and before its
+                data was read (the step saved again under its number by another process, a file
+                renamed over): nothing of the new file is read; load again.
             OSError: an I/O error, naming the file.
 
         Cancellation: returns (raising it) only once no worker thread writes into ``into``'s
