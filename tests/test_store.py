@@ -754,8 +754,10 @@ async def test_a_string_that_is_not_unicode_is_a_state_error_and_leaves_nothing(
     name = os.fsdecode(b"shard-\xff.bin")  # a lone surrogate: what os.fsdecode makes of a name that is not UTF-8
     async with TensorStore(tmp_path) as store:
         await store.save(1, {"w": torch.ones(2)})
-        with pytest.raises(StateError, match="surrogate"):
-            await store.save(2, {"w": torch.ones(2), "files": [name]})
+        with pytest.raises(StateError, match=r"surrogate\): 'shard-\\udcff.bin' \(a value under the key 'files'\)"):
+            await store.save(2, {"w": torch.ones(2), "files": [name]})  # (was the manifest's JSON around it)
+        with pytest.raises(StateError, match=r"surrogate\): 'shard-\\udcff.bin' \(a key under the key 'opt'\)"):
+            await store.save(2, {"w": torch.ones(2), "opt": {name: 1}})
         with pytest.raises(StateError, match=r"surrogate\): the name 'shard-\\udcff.bin'"):  # a tensor's name, named
             await store.save(2, {name: torch.ones(2)})  # (its shard's header: was a raw error, then the JSON around it)
         assert store.steps() == [1]

@@ -139,7 +139,7 @@ def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
 def seal(doc: dict[str, Any]) -> bytes:
     """Serialize a manifest document and append its checksum."""
     doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
-    raw = utf8(gil.dumps(doc))
+    raw = utf8(gil.dumps(doc), doc=doc)
     digits = len(raw) - len(_ZEROS) - 2  # the digits sit right before the closing '"}'
     view = memoryview(raw)  # one copy of a manifest of megabytes, not three
     return b"".join((view[:digits], b"%08x" % checksum.crc32c(raw), view[digits + len(_ZEROS) :]))

@@ -145,17 +145,49 @@ _TUPLE = frozenset({tuple})
 _quoted: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]  # json.dumps' (ensure_ascii=False)
 
 
-def utf8(text: str, names: Sequence[str] = ()) -> bytes:
+def utf8(text: str, names: Sequence[str] = (), doc: Any = None) -> bytes:
     """A header's or a manifest's JSON as UTF-8, or a StateError showing where a string of the
     state is not Unicode: a lone surrogate, what ``os.fsdecode`` makes of a name that is not UTF-8
     (it was a raw UnicodeEncodeError): the first of ``names`` (a header's keys) that is, or the
-    text around it."""
+    first such string of ``doc`` (the document ``text`` was made of) and the key it is under, or
+    the text around it."""
     try:
         return text.encode()
     except UnicodeEncodeError as e:
         bad = next((n for n in names if not _encodes(n)), None)
-        where = f"the name {bad!r}" if bad is not None else f"near {text[max(0, e.start - 60) : e.end + 20]!r}"
+        found = _not_unicode(doc) if bad is None and doc is not None else None
+        if bad is not None:
+            where = f"the name {bad!r}"
+        elif found is not None:
+            under, bad_text, is_key = found
+            where = f"{bad_text!r} ({'a key' if is_key else 'a value'}{'' if under is None else f' under the key {under!r}'})"
+        else:
+            where = f"near {text[max(0, e.start - 60) : e.end + 20]!r}"
         raise StateError(f"a string of the state is not valid Unicode (a lone surrogate): {where}: encode it first") from None
+
+
+def _not_unicode(obj: Any, key: Any = None) -> tuple[Any, str, bool] | None:
+    """The first string of a JSON document that is not valid Unicode: the key it is under (None: at
+    the top), it, and whether it is a key; the keys of a saved state tree's one-member objects
+    (``{"dict": ...}``, ``{"list": ...}``: :mod:`aiotensor.formats.tree`) are not named."""
+    if isinstance(obj, str):
+        return None if _encodes(obj) else (key, obj, False)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(k, str) and not _encodes(k):
+                return key, k, True
+            got = _not_unicode(v, key if len(obj) == 1 and k in _TAGS else k)
+            if got is not None:
+                return got
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            got = _not_unicode(v, key)
+            if got is not None:
+                return got
+    return None
+
+
+_TAGS = frozenset({"dict", "list", "tuple", "items", "odict", "counter", "tensor", "dtype", "float"})  # (tree.py's)
 
 
 def _encodes(name: str) -> bool:
