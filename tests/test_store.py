@@ -1285,3 +1285,15 @@ async def test_a_shard_written_in_place_while_it_is_checked_fails_the_load(
     async with TensorStore(tmp_path, readonly=True) as reader:
         with pytest.raises(SourceChangedError, match="changed while it was being loaded"):
             await reader.load(1, verify=False)
+
+
+async def test_an_int_too_long_for_text_is_a_state_error_naming_its_key_and_leaves_nothing(tmp_path: Any) -> None:
+    """An int of more digits than Python writes as text (``sys.get_int_max_str_digits()``: 4,300)
+    was json's raw ValueError at the commit; now a StateError naming the key it is under, and the
+    step before is all there is."""
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(2), "ok": 10**4000})
+        with pytest.raises(StateError, match=r"more than \d+ digits \(a value under the key 'rng'\)"):
+            await store.save(2, {"w": torch.ones(2), "k": {"rng": [1, 7**9000]}})
+        assert store.steps() == [1] and (await store.load())["ok"] == 10**4000
+    assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000001"]

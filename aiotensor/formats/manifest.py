@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice, repeat
@@ -21,7 +22,7 @@ import numpy as np
 
 from .._runtime import gil
 from .._runtime.native import native
-from ..errors import ManifestError
+from ..errors import ManifestError, StateError
 from . import checksum
 from .dtypes import ITEMSIZE, PACKED, nbytes_of
 from .safetensors import (
@@ -30,6 +31,7 @@ from .safetensors import (
     TensorSpec,
     columns,
     counts,
+    first_leaf,
     is_count,
     parse_members,
     plain_nbytes,
@@ -139,7 +141,19 @@ def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
 def seal(doc: dict[str, Any]) -> bytes:
     """Serialize a manifest document and append its checksum."""
     doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
-    raw = utf8(gil.dumps(doc), doc=doc)
+    try:
+        text = gil.dumps(doc)
+    except ValueError as e:  # an int of more digits than Python converts (sys.get_int_max_str_digits())
+        if "integer string conversion" not in str(e):
+            raise
+        found = first_leaf(doc, _too_long)
+        where = "" if found is None else f" ({'a key' if found[2] else 'a value'} under the key {found[0]!r})"
+        raise StateError(
+            f"an int of the state has more than {sys.get_int_max_str_digits()} digits{where}, more than Python "
+            "writes as text: store it as a str or a tensor (or raise sys.set_int_max_str_digits in every process "
+            "that saves or loads it)"
+        ) from None
+    raw = utf8(text, doc=doc)
     digits = len(raw) - len(_ZEROS) - 2  # the digits sit right before the closing '"}'
     view = memoryview(raw)  # one copy of a manifest of megabytes, not three
     return b"".join((view[:digits], b"%08x" % checksum.crc32c(raw), view[digits + len(_ZEROS) :]))
@@ -158,6 +172,17 @@ def check_seal(data: bytes, path: object) -> None:
     got = checksum.crc32c(view[m.end(1) :], checksum.crc32c(_ZEROS, checksum.crc32c(view[: m.start(1)])))
     if got != recorded:
         raise ManifestError(f"the manifest is corrupt: its crc32c is {got:#010x}, it records {recorded:#010x}", path)
+
+
+def _too_long(x: Any) -> bool:
+    """An int Python will not write as text (more digits than ``sys.get_int_max_str_digits()``)."""
+    if type(x) is not int or x.bit_length() < 3 * sys.get_int_max_str_digits():  # (fewer digits, surely: no str made)
+        return False
+    try:
+        str(x)
+    except ValueError:
+        return True
+    return False
 
 
 _HEAD = re.compile(rb'\{"format":"aiotensor\.checkpoint","version":([0-9]{1,9}),"step":([0-9]{1,15}),')

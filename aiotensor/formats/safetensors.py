@@ -155,7 +155,7 @@ def utf8(text: str, names: Sequence[str] = (), doc: Any = None) -> bytes:
         return text.encode()
     except UnicodeEncodeError as e:
         bad = next((n for n in names if not _encodes(n)), None)
-        found = _not_unicode(doc) if bad is None and doc is not None else None
+        found = first_leaf(doc, _not_unicode) if bad is None and doc is not None else None
         if bad is not None:
             where = f"the name {bad!r}"
         elif found is not None:
@@ -166,25 +166,30 @@ def utf8(text: str, names: Sequence[str] = (), doc: Any = None) -> bytes:
         raise StateError(f"a string of the state is not valid Unicode (a lone surrogate): {where}: encode it first") from None
 
 
-def _not_unicode(obj: Any, key: Any = None) -> tuple[Any, str, bool] | None:
-    """The first string of a JSON document that is not valid Unicode: the key it is under (None: at
+def first_leaf(obj: Any, test: Callable[[Any], bool], key: Any = None) -> tuple[Any, Any, bool] | None:
+    """The first key or leaf of a JSON document that passes ``test``: the key it is under (None: at
     the top), it, and whether it is a key; the keys of a saved state tree's one-member objects
-    (``{"dict": ...}``, ``{"list": ...}``: :mod:`aiotensor.formats.tree`) are not named."""
-    if isinstance(obj, str):
-        return None if _encodes(obj) else (key, obj, False)
+    (``{"dict": ...}``, ``{"list": ...}``: :mod:`aiotensor.formats.tree`) are not named. For the
+    messages that say where a state holds what JSON cannot."""
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if isinstance(k, str) and not _encodes(k):
+            if test(k):
                 return key, k, True
-            got = _not_unicode(v, key if len(obj) == 1 and k in _TAGS else k)
+            got = first_leaf(v, test, key if len(obj) == 1 and k in _TAGS else k)
             if got is not None:
                 return got
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            got = _not_unicode(v, key)
+            got = first_leaf(v, test, key)
             if got is not None:
                 return got
+    elif test(obj):
+        return key, obj, False
     return None
+
+
+def _not_unicode(x: Any) -> bool:
+    return isinstance(x, str) and not _encodes(x)
 
 
 _TAGS = frozenset({"dict", "list", "tuple", "items", "odict", "counter", "tensor", "dtype", "float"})  # (tree.py's)
