@@ -22,7 +22,8 @@ import stat
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from . import commit, knobs
 from .commit import is_leftover
@@ -369,17 +370,29 @@ def read_manifest(engine: Engine, folder: str, step: int | None = None) -> mf.Ma
         UnsafePathError / OSError: not a regular file, or unreadable.
     """
     path = os.path.join(folder, MANIFEST)
-    m = mf.loads(read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest"), path)
+    identity: list[Any] = []
+    m = mf.loads(read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the manifest", identity=identity), path)
     if step is not None and m.step != step:
         raise ManifestError(f"the manifest is of step {m.step}, but its folder is {step_dir_name(step)}", path)
-    return m
+    return replace(m, identity=identity[0])
 
 
-def read_small(engine: Engine, path: str, limit: int, error: type[FormatError], what: str, shown: str | None = None) -> bytes:
+def read_small(
+    engine: Engine,
+    path: str,
+    limit: int,
+    error: type[FormatError],
+    what: str,
+    shown: str | None = None,
+    identity: list[Any] | None = None,
+) -> bytes:
     """A whole small file of at most ``limit`` bytes, read through ``engine`` (blocking); errors
-    name ``shown`` (the path a user knows, where ``path`` is a link's target) or ``path``."""
+    name ``shown`` (the path a user knows, where ``path`` is a link's target) or ``path``; the
+    file's :meth:`~aiotensor.engines.Engine.identity` is appended to ``identity``, where given."""
     fd = engine.open_read(path)
     try:
+        if identity is not None:
+            identity.append(engine.identity(fd))
         size = engine.size(fd)
         if size > limit:
             raise error(f"{what} is {size} bytes, over the {limit} byte cap", shown or path)

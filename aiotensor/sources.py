@@ -39,7 +39,7 @@ import torch
 
 from . import root as _root
 from ._io.assemble import Entry, Part, Span, stored_bytes
-from ._io.read import Check, check_shard, layout_of, same_file
+from ._io.read import Check, ShardCheck, layout_of, same_file, same_step
 from .engines import Engine
 from .errors import CheckpointNotFoundError, FormatError, ManifestError, MismatchError, UnsafeFileError, annotate_oserror
 from .formats import dcp_metadata as dm
@@ -131,9 +131,24 @@ def _folder(engine: Engine, folder: str) -> Source:
 def step(engine: Engine, folder: str, number: int | None = None) -> Source:
     """A checkpoint folder, of either kind (an aiotensor manifest step, or a DCP checkpoint); with
     ``number``, its manifest must name that step."""
-    if engine.exists(os.path.join(folder, _root.MANIFEST)):
-        return _manifest_step(engine, folder, number)
-    return _dcp_step(engine, folder)
+    try:
+        if engine.exists(os.path.join(folder, _root.MANIFEST)):
+            return _manifest_step(engine, folder, number)
+        return _dcp_step(engine, folder)
+    except FileNotFoundError as e:
+        if isinstance(e, CheckpointNotFoundError) or _root.checkpoint_record(_names(engine, folder)) is not None:
+            raise  # (a file a step still committed lists, gone: damage, which its callers name)
+        raise CheckpointNotFoundError(
+            f"{folder} is gone: retired (or removed) while it was being read; read the newest step again"
+        ) from None  # (helper-64: a stream of a root whose newest step went meanwhile said a .metadata was missing)
+
+
+def _names(engine: Engine, folder: str) -> list[str]:
+    """The entries of ``folder``; none where it is gone."""
+    try:
+        return list(engine.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 # --- aiotensor checkpoints ----------------------------------------------------------------------
@@ -167,7 +182,7 @@ def _shard_checks(m: Any, folder: str, where: str) -> dict[str, Check]:
     checks: dict[str, Check] = {}
     for shard, size in m.shards.items():
         path = os.path.join(folder, shard)
-        checks[path] = partial(check_shard, path=path, size=size, entries=by_shard[shard], crc=m.headers.get(shard), mpath=where)
+        checks[path] = ShardCheck(path, size, by_shard[shard], m.headers.get(shard), where, m.identity)
     return checks
 
 
@@ -177,8 +192,22 @@ def _dcp_step(engine: Engine, folder: str) -> Source:
     does, or refused)."""
     aiotensor = engine.exists(os.path.join(folder, dm.JSON_NAME))
     where = os.path.join(folder, dm.JSON_NAME if aiotensor else dm.PICKLE_NAME)
-    data = _root.read_small(engine, where, dm.MAX_BYTES, ManifestError, "the DCP metadata")
+    identity: list[Any] = []
+    data = _root.read_small(engine, where, dm.MAX_BYTES, ManifestError, "the DCP metadata", identity=identity)
     d = dm.loads_json(data, where) if aiotensor else dm.loads_pickle(data, where)[1]
+    try:
+        src = _dcp_source(engine, folder, d, where, aiotensor)
+    except FormatError:  # a checkpoint saved again over it meanwhile: that, not a malformed one
+        same_step(engine, where, identity[0])
+        raise
+    # its data files were first opened (their identities kept) after it was read: the same save's, or
+    # one replaced the folder meanwhile (its old metadata's offsets read the new files, helper-64)
+    same_step(engine, where, identity[0])
+    return src
+
+
+def _dcp_source(engine: Engine, folder: str, d: Any, where: str, aiotensor: bool) -> Source:
+    """:func:`_dcp_step`'s source, of the metadata ``d`` (read from ``where``)."""
     checks: dict[str, Check] = {}  # each file as first opened here: what a reader's open must find again
     dm.check(d, lambda name: file_size(engine, os.path.join(folder, name), checks), where)
     files = {name: os.path.join(folder, name) for name in sorted(d.files())}

@@ -928,3 +928,43 @@ def test_a_dcp_data_file_replaced_while_it_loads_fails_the_load(tmp_path: Any, w
     assert at >= 2
     with pytest.raises(SourceChangedError, match="changed while it was being loaded"):
         anyio.run(load)
+
+
+@pytest.mark.parametrize("writer", ["aiotensor", "dcp"])
+def test_a_dcp_checkpoint_replaced_after_its_metadata_was_read_fails_the_load(tmp_path: Any, writer: str) -> None:
+    """Another version of the checkpoint (the same names, its items in another order) renamed over
+    the folder after its metadata was read and before a data file is first opened: the old
+    metadata's offsets read the new files, garbage where no checksum covers them (helper-64: DCP's
+    own files). The metadata must still be the file read once the data files are opened: a
+    SourceChangedError."""
+    import shutil
+
+    from aiotensor import stream
+    from aiotensor.errors import SourceChangedError
+    from aiotensor.testing import FaultyEngine
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for path, state in ((a, {"w0": torch.full((64,), 1.0), "w1": torch.full((256,), 2.0)}),
+                        (b, {"w1": torch.full((256,), 3.0), "w0": torch.full((64,), 4.0), "w2": torch.ones(8)})):  # fmt: skip
+        dcp.save(state, storage_writer=AiotensorWriter(path)) if writer == "aiotensor" else dcp.save(state, checkpoint_id=path)
+    (data,) = [n for n in os.listdir(a) if not n.startswith(".")]
+    swapped: list[int] = []
+
+    def replace_before_the_first_data_open(op: tuple[Any, ...]) -> None:
+        if op[0] == "open_read" and op[1] == str(a / data) and not swapped:
+            swapped.append(1)
+            shutil.rmtree(a)
+            os.rename(b, a)
+
+    async def load() -> None:
+        sched = aiotensor.Scheduler(FaultyEngine(hook=replace_before_the_first_data_open))
+        try:
+            with pytest.raises(SourceChangedError, match="was saved again while it was being loaded"):
+                async with stream(a, scheduler=sched) as s:
+                    async for _ in s:
+                        pass
+        finally:
+            sched.close()
+
+    anyio.run(load)
+    assert swapped

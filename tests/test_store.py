@@ -1297,3 +1297,80 @@ async def test_an_int_too_long_for_text_is_a_state_error_naming_its_key_and_leav
             await store.save(2, {"w": torch.ones(2), "k": {"rng": [1, 7**9000]}})
         assert store.steps() == [1] and (await store.load())["ok"] == 10**4000
     assert sorted(os.listdir(tmp_path)) == [".aiotensor.lock", "latest", "step-000000000001"]
+
+
+@pytest.mark.parametrize("layout", ["same", "other"])
+@pytest.mark.parametrize("how", ["load", "into", "mmap", "stream"])
+@pytest.mark.parametrize("verify", [False, True])
+async def test_a_step_saved_again_under_its_number_while_it_loads_is_a_source_change(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, layout: str, how: str, verify: bool
+) -> None:
+    """Another process deletes step 1 and saves step 1 again (its folder replaced whole) after a
+    reader checked the first of its shards: the shards checked after it are the new save's, and a
+    new shard of the same layout passed the old manifest's check, so loads mixed the two saves
+    (helper-64: `into=` and `mmap=True` with verify=False), called them corrupt (verify=True), or a
+    new layout damaged (ManifestError). Each shard's check now finds the step's manifest still the
+    one read: a SourceChangedError."""
+    import shutil
+
+    from aiotensor.errors import SourceChangedError
+
+    old = {f"t{i}": torch.full((256,), 1.0 + i) for i in range(4)}
+    new = {f"t{i}": torch.full((256,), 100.0 + i) for i in range(4)}
+    async with TensorStore(tmp_path / "a", shard_bytes=1024) as store:  # a shard per tensor
+        await store.save(1, old)
+    async with TensorStore(tmp_path / "b", shard_bytes=1024 if layout == "same" else 4096) as store:
+        await store.save(1, new)
+    step = "step-000000000001"
+    shards: list[str] = []
+
+    def resave_at_the_second_shard(op: tuple[Any, ...]) -> None:
+        if op[0] == "open_read" and op[1].endswith(".safetensors") and op[1] not in shards:
+            shards.append(op[1])
+            if len(shards) == 2:  # the first shard was checked: the step is saved again by another process
+                shutil.rmtree(tmp_path / "a" / step)
+                os.rename(tmp_path / "b" / step, tmp_path / "a" / step)
+
+    engine = FaultyEngine(hook=resave_at_the_second_shard)
+    into = {k: torch.zeros(256) for k in old}
+    with pytest.raises(SourceChangedError, match="was saved again while it was being loaded"):
+        if how == "stream":
+            sched = aiotensor.Scheduler(engine)
+            try:
+                async with aiotensor.stream(tmp_path / "a", verify=verify, scheduler=sched) as s:
+                    async for _ in s:
+                        pass
+            finally:
+                sched.close()
+        else:
+            async with TensorStore(tmp_path / "a", readonly=True, engine=engine) as reader:
+                kw: dict[str, Any] = {"into": into} if how == "into" else {"mmap": True} if how == "mmap" else {}
+                await reader.load(1, verify=verify, **kw)
+    assert len(shards) >= 2
+    async with TensorStore(tmp_path / "a", readonly=True) as reader:  # loaded again: the new save, whole
+        assert_state_equal(await reader.load(1), new)
+
+
+async def test_a_stream_of_a_root_whose_newest_step_goes_while_it_resolves_says_so(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newest step retired between the root's listing and the read of its manifest: a
+    CheckpointNotFoundError saying it is gone (helper-64: a FileNotFoundError of a '.metadata' the
+    step never had, the resolver having taken it for a DCP checkpoint)."""
+    import shutil
+
+    from aiotensor import sources
+
+    async with TensorStore(tmp_path) as store:
+        await store.save(1, {"w": torch.ones(2)})
+    real = sources.step
+
+    def retired_first(engine: Any, folder: str, number: Any = None) -> Any:
+        shutil.rmtree(folder)
+        return real(engine, folder, number)
+
+    monkeypatch.setattr(sources, "step", retired_first)
+    with pytest.raises(CheckpointNotFoundError, match="is gone: retired"):
+        async with aiotensor.stream(tmp_path) as s:
+            async for _ in s:
+                pass

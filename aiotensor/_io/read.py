@@ -53,7 +53,12 @@ async def open_read(sched: Scheduler, path: str, check: Check | None = None) -> 
 
 
 def _open_checked(engine: Engine, path: str, check: Check | None) -> int:
-    fd = engine.open_read(path)
+    try:
+        fd = engine.open_read(path)
+    except FileNotFoundError:
+        if isinstance(check, ShardCheck):  # a step saved again with other shards: that, not damage
+            same_step(engine, check.mpath, check.step)
+        raise
     if check is not None:
         try:
             check(engine, fd)
@@ -140,8 +145,63 @@ def _header(engine: Engine, fd: int, path: str) -> tuple[int, bytearray, bytearr
     return size, prefix, header
 
 
-def check_shard(engine: Engine, fd: int, path: str, size: int, entries: Sequence[mf.Entry], crc: int | None, mpath: str) -> None:
-    """Check that the shard holds what its manifest entries say (else ManifestError): its size,
+def check_shard(
+    engine: Engine, fd: int, path: str, size: int, entries: Sequence[mf.Entry], crc: int | None, mpath: str, step: Any = None
+) -> None:
+    """Check that the shard holds what its manifest entries say (else ManifestError), and that the
+    step is still the one whose manifest (``mpath``) had the identity ``step`` as it was read
+    (:func:`same_step`: a step saved again under its number, its folder replaced, passed the check
+    of a shard of the same layout, and loads mixed the two saves, helper-64), after the check and
+    after a failure of it (a shard of another layout is the new save's, not damage)."""
+    try:
+        _check_shard(engine, fd, path, size, entries, crc, mpath)
+    except FormatError:
+        same_step(engine, mpath, step)
+        raise
+    same_step(engine, mpath, step)
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """:func:`check_shard` of one shard of a step, as a :data:`Check` (``Source.checks``); where the
+    shard is missing, :func:`open_read` first asks whether the step was saved again (:func:`same_step`)."""
+
+    path: str
+    size: int
+    entries: Sequence[mf.Entry]
+    crc: int | None
+    mpath: str
+    step: Any = None
+
+    def __call__(self, engine: Engine, fd: int) -> None:
+        check_shard(engine, fd, self.path, self.size, self.entries, self.crc, self.mpath, self.step)
+
+
+def same_step(engine: Engine, mpath: str, step: Any) -> None:
+    """The manifest at ``mpath`` is still the file whose identity was ``step`` (None: nothing to
+    compare).
+
+    Raises:
+        SourceChangedError: another file is there (the step saved again under its number): what a
+            load has read of the step so far may be of either save.
+        FileNotFoundError: it is gone (the step retired: its callers say so)."""
+    if step is None:
+        return
+    fd = engine.open_read(mpath)
+    try:
+        if engine.identity(fd) == step:
+            return
+    finally:
+        engine.close(fd)
+    folder = os.path.dirname(mpath)
+    raise SourceChangedError(
+        f"{folder} was saved again while it was being loaded (its {os.path.basename(mpath)} is another file now): "
+        "what was read of it may be of either save, and none of it is returned. Load again"
+    )
+
+
+def _check_shard(engine: Engine, fd: int, path: str, size: int, entries: Sequence[mf.Entry], crc: int | None, mpath: str) -> None:
+    """:func:`check_shard`'s check of the shard: its size,
     the entries' bytes one after the other from its header's end to its end, and that header the
     one written with them. ``crc``: the crc32c of the header that the manifest records, if it
     does (version 2 and later).

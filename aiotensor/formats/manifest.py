@@ -80,6 +80,9 @@ class Manifest:
     headers: Mapping[str, int] = field(default_factory=dict)
     # the bytes of the JSON it was read from (0: made, not read): what freeing it costs, tree and all
     nbytes: int = field(default=0, compare=False, repr=False)
+    # what told the file it was read from from another (Engine.identity; None: made, not read): a
+    # reader checks that the step is still this one as it checks each shard (read.check_shard)
+    identity: Any = field(default=None, compare=False, repr=False)
 
 
 @gil.quiet_gc

@@ -22,6 +22,7 @@ from .._io.read import (
     open_read,
     read_tensors,
     same_file,
+    same_step,
     verify_mapped,
     verify_tensors,
     written,
@@ -104,9 +105,13 @@ async def _load(
         m: mf.Manifest
         m, by_shard, views = opened
         del opened
-        return await _load_opened(
-            sched, folder, m, by_shard, views, held, seen, into, verify, dev, atomic, progress, mmap, strict
-        )
+        try:
+            return await _load_opened(
+                sched, folder, m, by_shard, views, held, seen, into, verify, dev, atomic, progress, mmap, strict
+            )
+        except FileNotFoundError:  # a shard gone as it was opened again: the step saved again, or retired
+            await sched.call(same_step, sched.engine, os.path.join(folder, _root.MANIFEST), m.identity, priority=Priority.LOAD)
+            raise
     finally:
         await close(sched, *held.values())
 
@@ -365,13 +370,15 @@ def _open_shard(
     try:
         fd = eng.open_read(path)
     except OSError as e:
+        if isinstance(e, FileNotFoundError):  # a step saved again with other shards: that, not damage
+            same_step(eng, os.path.join(folder, _root.MANIFEST), m.identity)
         raise annotate_oserror(e, f"opening {path}") from e
     try:
         identity = eng.identity(fd)  # before the check: a write meanwhile makes it another file (helper-63)
         args = (sched, fd, path, m.shards[shard], by_shard[shard], m.headers.get(shard), os.path.join(folder, _root.MANIFEST))
         if mmap:
-            return _map_shard(*args, verify)
-        check_shard(eng, *args[1:])
+            return _map_shard(*args, verify, m.identity)
+        check_shard(eng, *args[1:], m.identity)
         if seen is not None:
             seen[shard] = partial(same_file, path, identity)
         if held is not None:
@@ -445,11 +452,20 @@ def _finish(
 
 
 def _map_shard(
-    sched: Scheduler, fd: int, path: str, size: int, entries: list[mf.Entry], crc: int | None, mpath: str, verify: bool
+    sched: Scheduler,
+    fd: int,
+    path: str,
+    size: int,
+    entries: list[mf.Entry],
+    crc: int | None,
+    mpath: str,
+    verify: bool,
+    step: Any = None,
 ) -> list[Target]:
-    """:func:`~aiotensor._io.read.check_shard`, then a copy-on-write mapping of the shard and a view of it for each
-    entry (with its crc, to verify, if ``verify``)."""
-    check_shard(sched.engine, fd, path, size, entries, crc, mpath)
+    """:func:`~aiotensor._io.read.check_shard` (``step``: the manifest's identity), then a
+    copy-on-write mapping of the shard and a view of it for each entry (with its crc, to verify,
+    if ``verify``)."""
+    check_shard(sched.engine, fd, path, size, entries, crc, mpath, step)
     return mapped(fd, path, size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
 
 
