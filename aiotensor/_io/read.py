@@ -181,13 +181,19 @@ def same_step(engine: Engine, mpath: str, step: Any) -> None:
     """The manifest at ``mpath`` is still the file whose identity was ``step`` (None: nothing to
     compare).
 
+    A manifest gone is no answer: the step retired, or between its deletion and its new save; the
+    files opened so far are the step's (a retired step's files stay readable while open, or are
+    gone), and each later open of the load finds out (a file gone, or another one).
+
     Raises:
         SourceChangedError: another file is there (the step saved again under its number): what a
-            load has read of the step so far may be of either save.
-        FileNotFoundError: it is gone (the step retired: its callers say so)."""
+            load has read of the step so far may be of either save."""
     if step is None:
         return
-    fd = engine.open_read(mpath)
+    try:
+        fd = engine.open_read(mpath)
+    except FileNotFoundError:
+        return
     try:
         if engine.identity(fd) == step:
             return
