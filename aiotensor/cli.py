@@ -283,7 +283,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         # a folder named as a step that is none (no valid manifest, cannot be read): `latest` may name
         # it; one retired while it was listed is gone
         for n, why in sorted(listing.ignored.items()):
-            if _root.parse_step(n) is not None:
+            if _root.parse_step(n) is not None and why != _root.DCP_OWN:
                 (bad.append(f"{n}: {why}") if engine.exists(os.path.join(a.path, n)) else gone.append(n))
     else:
         paths = [a.path]
@@ -535,7 +535,7 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(fn=cmd_ls)
     ins = sub.add_parser("inspect", parents=[common], help="tensors (name, dtype, shape, bytes) from headers only",
-                         epilog="example: aiotensor inspect model.safetensors --json")  # fmt: skip
+                         aliases=["info"], epilog="example: aiotensor inspect model.safetensors --json")  # fmt: skip
     ins.add_argument("path", type=_where)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(fn=cmd_inspect)

@@ -346,7 +346,7 @@ def _check_dcp_step(engine: Engine, folder: str) -> str | Exception | None:
     sealed metadata is intact), else why not."""
     path = os.path.join(folder, DCP_METADATA)
     if not engine.exists(path):
-        return _NO_RECORD
+        return DCP_OWN if engine.exists(os.path.join(folder, dm.PICKLE_NAME)) else _NO_RECORD
     try:
         data = read_small(engine, path, mf.MAX_MANIFEST_BYTES, ManifestError, "the DCP metadata")
         mf.check_seal(data, path)
@@ -356,6 +356,9 @@ def _check_dcp_step(engine: Engine, folder: str) -> str | Exception | None:
 
 
 _NO_RECORD = "no manifest.json (not a checkpoint)"
+# a folder named as a step that DCP's own writer (FileSystemWriter) made: a checkpoint, but not one
+# this store committed (helper-64: `ls` said it was no checkpoint, `verify` counted it bad)
+DCP_OWN = "a checkpoint of DCP's own writer (.metadata), not a step of this store: aiotensor.dcp.load_full or stream reads it"
 
 
 def is_dcp_step(engine: Engine, folder: str) -> bool:

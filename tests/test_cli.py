@@ -354,3 +354,25 @@ def test_verbose_before_or_after_the_command(tmp_path: Any, where: str) -> None:
     assert no_v.returncode == 0 and no_v.stdout == out.stdout
     assert parser().parse_args(args).verbose is True
     assert parser().parse_args(["ls", "x"]).verbose is False
+
+
+def test_a_checkpoint_of_dcps_own_writer_in_a_store_root_is_said_to_be_one(tmp_path: Any, capsys: Any) -> None:
+    """A folder named as a step that DCP's own writer made: `ls` said it was no checkpoint, and
+    `verify` of the root counted it bad (exit 1), while `verify` of the folder read it (helper-64).
+    It is a checkpoint the store did not commit: said so, and not counted bad."""
+    import torch.distributed.checkpoint as dcp
+
+    async def save() -> None:
+        async with TensorStore(tmp_path) as store:
+            await store.save(1, {"w": torch.ones(2)})
+
+    anyio.run(save)
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "step-000000000002")  # DCP's FileSystemWriter
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "a checkpoint of DCP's own writer (.metadata), not a step of this store" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path)]) == 0
+    assert main(["verify", str(tmp_path / "step-000000000002")]) == 0  # read whole, against DCP's own CRC-32s
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "step-000000000002")]) == 0  # (inspect's other name, as the store's info())
+    assert "w" in capsys.readouterr().out
