@@ -356,6 +356,7 @@ def test_verbose_before_or_after_the_command(tmp_path: Any, where: str) -> None:
     assert parser().parse_args(["ls", "x"]).verbose is False
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")  # (DCP's, as test_dcp)
 def test_a_checkpoint_of_dcps_own_writer_in_a_store_root_is_said_to_be_one(tmp_path: Any, capsys: Any) -> None:
     """A folder named as a step that DCP's own writer made: `ls` said it was no checkpoint, and
     `verify` of the root counted it bad (exit 1), while `verify` of the folder read it (helper-64).
