@@ -26,7 +26,7 @@
  *     (aiotensor/formats/manifest.py, version 3), made `entry(files[shard], spec(key, dtype,
  *     shape, offset, nbytes), crc32c)` and put in the dict `out` under their keys. `texts`: the
  *     columns shard, dtype, ndim, dims, offset and crc32c as the writer writes them (ASCII, one
- *     space between values; numbers in plain decimal below 2**63), `pos` where each stands. None:
+ *     space between values; numbers in plain decimal below 10**18), `pos` where each stands. None:
  *     anything else (a value out of range, a packed or unknown dtype, a key twice, bytes past
  *     their shard's end): the Python code then reads the table and names what is wrong.
  */
@@ -155,6 +155,18 @@ key_span(Doc *d, Py_ssize_t *a, Py_ssize_t *b)
         d->i++;
     }
     return 0;
+}
+
+/* a dtype's name at d->i, [A-Za-z0-9_]{1,32}: its length, 0 where there is none or a longer one */
+static Py_ssize_t
+dtype_chars(Doc *d)
+{
+    Py_ssize_t a = d->i;
+    while (d->i < d->n && d->i - a <= 32 &&
+           ((d->s[d->i] >= 'A' && d->s[d->i] <= 'Z') || (d->s[d->i] >= 'a' && d->s[d->i] <= 'z') ||
+            (d->s[d->i] >= '0' && d->s[d->i] <= '9') || d->s[d->i] == '_'))
+        d->i++;
+    return d->i - a > 32 ? 0 : d->i - a;
 }
 
 /* any JSON string (escapes skipped over, not checked: the decoder checks the text later) */
@@ -326,13 +338,8 @@ scan_header(PyObject *self, PyObject *args)
         else {
             if (!lit(&d, "{\"dtype\":\""))
                 goto refuse;
-            Py_ssize_t ta = d.i;
-            while (d.i < d.n && d.i - ta <= 32 &&
-                   ((d.s[d.i] >= 'A' && d.s[d.i] <= 'Z') || (d.s[d.i] >= 'a' && d.s[d.i] <= 'z') ||
-                    (d.s[d.i] >= '0' && d.s[d.i] <= '9') || d.s[d.i] == '_'))
-                d.i++;
-            Py_ssize_t tn = d.i - ta;
-            if (tn == 0 || tn > 32 || !lit(&d, "\",\"shape\":["))
+            Py_ssize_t ta = d.i, tn = dtype_chars(&d);
+            if (tn == 0 || !lit(&d, "\",\"shape\":["))
                 goto refuse;
             int known = dtype_named(&dtype, itemsizes, d.s + ta, tn);
             if (known < 0)
@@ -547,52 +554,34 @@ fail:
 
 /* ---- a manifest's tensor table ---------------------------------------------------------------- */
 
-typedef struct {
-    const char *s;
-    Py_ssize_t n, i;
-} Col;
-
-/* the next value of a column: after a space unless at its start; '0' or 1-19 digits without a
- * leading zero, below 2**63 */
+/* a column's next value begins here: at its start, or after one space */
 static int
-next_number(Col *c, int64_t *out)
+separated(Doc *c)
 {
-    if (c->i > 0) {
-        if (c->i >= c->n || c->s[c->i] != ' ')
-            return 0;
-        c->i++;
-    }
-    Py_ssize_t a = c->i;
-    uint64_t v = 0;
-    while (c->i < c->n && c->s[c->i] >= '0' && c->s[c->i] <= '9') {
-        if (c->i - a >= 19)
-            return 0;
-        v = v * 10 + (uint64_t)(c->s[c->i] - '0');
-        c->i++;
-    }
-    if (c->i == a || (c->s[a] == '0' && c->i - a > 1) || v >= ((uint64_t)1 << 63))
+    if (c->i == 0)
+        return 1;
+    if (c->i >= c->n || c->s[c->i] != ' ')
         return 0;
-    *out = (int64_t)v;
+    c->i++;
     return 1;
 }
 
-/* the next dtype name of the dtype column: [A-Za-z0-9_]{1,32}, after a space unless at its start */
+/* the next number of a column: a count as writers write one (below 10**18; a bigger one, or one
+ * with a leading zero, goes to the Python reader) */
 static int
-next_name(Col *c, Py_ssize_t *a)
+next_number(Doc *c, int64_t *out)
 {
-    if (c->i > 0) {
-        if (c->i >= c->n || c->s[c->i] != ' ')
-            return 0;
-        c->i++;
-    }
+    return separated(c) && count(c, out);
+}
+
+/* the next dtype name of the dtype column, from *a */
+static int
+next_name(Doc *c, Py_ssize_t *a)
+{
+    if (!separated(c))
+        return 0;
     *a = c->i;
-    while (c->i < c->n && c->s[c->i] != ' ') {
-        char x = c->s[c->i];
-        if (!((x >= 'A' && x <= 'Z') || (x >= 'a' && x <= 'z') || (x >= '0' && x <= '9') || x == '_') || c->i - *a >= 32)
-            return 0;
-        c->i++;
-    }
-    return c->i > *a;
+    return dtype_chars(c) > 0 && (c->i == c->n || c->s[c->i] == ' ');
 }
 
 static PyObject *
@@ -612,7 +601,7 @@ table_rows(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "table_rows: 6 texts and positions, a size per file, max_dims 0 to 64");
         return NULL;
     }
-    Col col[6];
+    Doc col[6];
     for (int j = 0; j < 6; j++) {
         PyObject *t = PyTuple_GET_ITEM(texts, j);
         if (!PyUnicode_Check(t)) {
