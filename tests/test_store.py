@@ -1266,13 +1266,13 @@ async def test_a_shard_written_in_place_while_it_is_checked_fails_the_load(
     were read unchecked (helper-63: with verify=False, silently)."""
     import time
 
+    from aiotensor._io import read as io_read
     from aiotensor.errors import SourceChangedError
-    from aiotensor.store import load as store_load
 
     async with TensorStore(tmp_path) as store:
         await store.save(1, {"t": torch.full((256,), 1.0)})
     (shard,) = (tmp_path / "step-000000000001").glob("*.safetensors")
-    real = store_load.check_shard
+    real = io_read.check_shard
 
     def check_then_write(*args: Any) -> None:
         real(*args)
@@ -1281,7 +1281,7 @@ async def test_a_shard_written_in_place_while_it_is_checked_fails_the_load(
             f.seek(os.path.getsize(shard) - 1024)
             f.write(torch.full((256,), 7.0).numpy().tobytes())
 
-    monkeypatch.setattr(store_load, "check_shard", check_then_write)
+    monkeypatch.setattr(io_read, "check_shard", check_then_write)  # (the check every reader of a shard runs)
     async with TensorStore(tmp_path, readonly=True) as reader:
         with pytest.raises(SourceChangedError, match="changed while it was being loaded"):
             await reader.load(1, verify=False)

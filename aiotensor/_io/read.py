@@ -56,8 +56,8 @@ def _open_checked(engine: Engine, path: str, check: Check | None) -> int:
     try:
         fd = engine.open_read(path)
     except FileNotFoundError:
-        if isinstance(check, ShardCheck):  # a step saved again with other shards: that, not damage
-            same_step(engine, check.mpath, check.step)
+        if isinstance(check, ShardCheck):
+            check.missing(engine)
         raise
     if check is not None:
         try:
@@ -163,8 +163,8 @@ def check_shard(
 
 @dataclass(frozen=True)
 class ShardCheck:
-    """:func:`check_shard` of one shard of a step, as a :data:`Check` (``Source.checks``); where the
-    shard is missing, :func:`open_read` first asks whether the step was saved again (:func:`same_step`)."""
+    """:func:`check_shard` of one shard of a step, as a :data:`Check` (``Source.checks``, a
+    store's ``load()``); :meth:`missing` where the shard is not there."""
 
     path: str
     size: int
@@ -175,6 +175,11 @@ class ShardCheck:
 
     def __call__(self, engine: Engine, fd: int) -> None:
         check_shard(engine, fd, self.path, self.size, self.entries, self.crc, self.mpath, self.step)
+
+    def missing(self, engine: Engine) -> None:
+        """The shard is not there: a step saved again with other shards is that (a
+        SourceChangedError), not damage; else the caller's FileNotFoundError stands."""
+        same_step(engine, self.mpath, self.step)
 
 
 def same_step(engine: Engine, mpath: str, step: Any) -> None:

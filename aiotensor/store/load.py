@@ -17,7 +17,7 @@ from .. import root as _root
 from .._io.assemble import read
 from .._io.read import (
     Check,
-    check_shard,
+    ShardCheck,
     close,
     open_read,
     read_tensors,
@@ -30,6 +30,7 @@ from .._io.read import (
 from .._io.tensors import Target, assign, carved_targets, check_into, load_device, mapped, mismatch, modified, new_tensor
 from .._runtime import cuda, gil
 from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, reporting
+from ..engines import Engine
 from ..errors import annotate_oserror
 from ..formats import manifest as mf
 from ..formats import safetensors as st
@@ -367,18 +368,20 @@ def _open_shard(
     tells the file checked from another is kept in ``seen`` (by shard: :func:`_read_passes`)."""
     eng = sched.engine
     path = os.path.join(folder, shard)
+    check = ShardCheck(
+        path, m.shards[shard], by_shard[shard], m.headers.get(shard), os.path.join(folder, _root.MANIFEST), m.identity
+    )
     try:
         fd = eng.open_read(path)
     except OSError as e:
-        if isinstance(e, FileNotFoundError):  # a step saved again with other shards: that, not damage
-            same_step(eng, os.path.join(folder, _root.MANIFEST), m.identity)
+        if isinstance(e, FileNotFoundError):
+            check.missing(eng)
         raise annotate_oserror(e, f"opening {path}") from e
     try:
         identity = eng.identity(fd)  # before the check: a write meanwhile makes it another file (helper-63)
-        args = (sched, fd, path, m.shards[shard], by_shard[shard], m.headers.get(shard), os.path.join(folder, _root.MANIFEST))
         if mmap:
-            return _map_shard(*args, verify, m.identity)
-        check_shard(eng, *args[1:], m.identity)
+            return _map_shard(eng, fd, check, verify)
+        check(eng, fd)
         if seen is not None:
             seen[shard] = partial(same_file, path, identity)
         if held is not None:
@@ -451,22 +454,12 @@ def _finish(
     return state if into is None else update(into, state, partial=wanted is not None)
 
 
-def _map_shard(
-    sched: Scheduler,
-    fd: int,
-    path: str,
-    size: int,
-    entries: list[mf.Entry],
-    crc: int | None,
-    mpath: str,
-    verify: bool,
-    step: Any = None,
-) -> list[Target]:
-    """:func:`~aiotensor._io.read.check_shard` (``step``: the manifest's identity), then a
-    copy-on-write mapping of the shard and a view of it for each entry (with its crc, to verify,
-    if ``verify``)."""
-    check_shard(sched.engine, fd, path, size, entries, crc, mpath, step)
-    return mapped(fd, path, size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
+def _map_shard(engine: Engine, fd: int, check: ShardCheck, verify: bool) -> list[Target]:
+    """The shard's ``check``, then a copy-on-write mapping of it and a view of it for each entry
+    (with its crc, to verify, if ``verify``)."""
+    check(engine, fd)
+    entries = check.entries
+    return mapped(fd, check.path, check.size, [e.spec for e in entries], [e.crc32c for e in entries] if verify else None)
 
 
 async def _mapped(
