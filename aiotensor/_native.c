@@ -29,6 +29,12 @@
  *     space between values; numbers in plain decimal below 10**18), `pos` where each stands. None:
  *     anything else (a value out of range, a packed or unknown dtype, a key twice, bytes past
  *     their shard's end): the Python code then reads the table and names what is wrong.
+ *
+ * copy_spans(base, starts, sources, sizes, compare) -> bool: for each i, sizes[i] bytes from the
+ *     address sources[i] to base + starts[i] (lists of ints, of one length), the GIL let go while
+ *     the bytes move. With `compare`, a span whose destination holds those bytes already (memcmp)
+ *     is not copied, and the result says whether any span was (without: True). The addresses are
+ *     the caller's to keep valid: this is a memcpy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -98,6 +104,60 @@ rows(PyObject *self, PyObject *args)
 fail:
     Py_DECREF(out);
     return NULL;
+}
+
+/* ---- memory ----------------------------------------------------------------------------------- */
+
+static int
+addresses(PyObject *list, Py_ssize_t n, uintptr_t *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            return 0;
+        if (v > UINTPTR_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "copy_spans: a number past the address space");
+            return 0;
+        }
+        out[i] = (uintptr_t)v;
+    }
+    return 1;
+}
+
+static PyObject *
+copy_spans(PyObject *self, PyObject *args)
+{
+    unsigned long long base;
+    PyObject *starts, *sources, *sizes;
+    int compare;
+    if (!PyArg_ParseTuple(args, "KO!O!O!p", &base, &PyList_Type, &starts, &PyList_Type, &sources, &PyList_Type,
+                          &sizes, &compare))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(starts);
+    if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_spans: starts, sources and sizes must be of one length");
+        return NULL;
+    }
+    uintptr_t *at = PyMem_Malloc(sizeof(uintptr_t) * 3 * (size_t)(n ? n : 1));
+    if (at == NULL)
+        return PyErr_NoMemory();
+    uintptr_t *from = at + n, *len = at + 2 * n;
+    if (!addresses(starts, n, at) || !addresses(sources, n, from) || !addresses(sizes, n, len)) {
+        PyMem_Free(at);
+        return NULL;
+    }
+    int copied = !compare;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        void *to = (void *)(uintptr_t)(base + at[i]);
+        if (compare && memcmp(to, (const void *)from[i], len[i]) == 0)
+            continue;
+        memcpy(to, (const void *)from[i], len[i]);
+        copied = 1;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(at);
+    return PyBool_FromLong(copied);
 }
 
 /* ---- safetensors headers ---------------------------------------------------------------------- */
@@ -692,6 +752,7 @@ fail:
 }
 
 static PyMethodDef methods[] = {
+    {"copy_spans", copy_spans, METH_VARARGS, "copy_spans(base, starts, sources, sizes, compare) -> bool."},
     {"rows", rows, METH_VARARGS, "rows(cls, iterators, most): up to most named tuples, one per row of the iterators."},
     {"header_entries", header_entries, METH_VARARGS, "header_entries(keys, dtypes, shapes, begins, ends, lo, hi)."},
     {"scan_header", scan_header, METH_VARARGS, "scan_header(doc, pos, most, data_start, file_size, itemsizes, max_dims, spec)."},

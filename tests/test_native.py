@@ -530,3 +530,40 @@ def test_table_rows_holds_what_python_code_it_runs_may_change() -> None:
     assert native.table_rows({}, ["a"], texts, (0,) * 6, 5, 2**62, ["f"], [100], {"F32": 4}, 64, st.TensorSpec, Entry) == (0,) * 6
     sizes: list[Any] = [100.0]  # not an int: left to the Python code (no __index__ runs in the helper)
     assert native.table_rows({}, ["a"], texts, (0,) * 6, 0, 1, ["f"], sizes, {"F32": 4}, 64, st.TensorSpec, Entry) is None
+
+
+@pytest.mark.parametrize("helper", ["native", "python"])
+def test_copy_spans_copies_each_span_and_compares_where_asked(helper: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiotensor._runtime import buffers
+
+    if helper == "native" and native is None:
+        pytest.skip("aiotensor._native is not built here")
+    if helper == "python":
+        monkeypatch.setattr(buffers, "native", None)
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    base, at = dst.data_ptr(), src.data_ptr()
+    starts, sources, sizes = [0, 40, 10, 63], [at + 8, at, at + 30, at + 1], [5, 7, 0, 1]
+    assert buffers.copy_spans(base, starts, sources, sizes) is True
+    want = torch.zeros(64, dtype=torch.uint8)
+    want[0:5], want[40:47], want[63] = src[8:13], src[0:7], src[1]
+    assert torch.equal(dst, want)
+    assert buffers.copy_spans(base, starts, sources, sizes, compare=True) is False  # all there already
+    dst[42] = 200
+    dst[63] = 9
+    assert buffers.copy_spans(base, starts, sources, sizes, compare=True) is True
+    assert torch.equal(dst, want)
+    assert buffers.copy_spans(base, [], [], [], compare=True) is False
+
+
+@needs_native
+def test_copy_spans_refuses_odd_arguments() -> None:
+    buf = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="of one length"):
+        native.copy_spans(buf.data_ptr(), [0], [buf.data_ptr()], [], False)
+    with pytest.raises(TypeError):
+        native.copy_spans(buf.data_ptr(), (0,), [buf.data_ptr()], [1], False)
+    with pytest.raises(OverflowError):
+        native.copy_spans(buf.data_ptr(), [-1], [buf.data_ptr()], [1], False)
+    with pytest.raises(TypeError):
+        native.copy_spans(buf.data_ptr(), ["0"], [buf.data_ptr()], [1], False)

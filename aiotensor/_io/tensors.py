@@ -80,6 +80,19 @@ def direct(t: torch.Tensor) -> bool:
     return t.is_cpu and plain(t)  # (is_cpu: 0.05 us; t.device makes a torch.device, 0.3 us)
 
 
+def all_direct(ts: list[torch.Tensor]) -> bool:
+    """:func:`direct` of every one of ``ts``, asked by C loops (~0.1 us a tensor, against ~0.6)."""
+    return (
+        all(map(_IS_CPU, ts))
+        and all(map(torch.Tensor.is_contiguous, ts))
+        and not any(map(torch.Tensor.is_conj, ts))
+        and not any(map(torch.Tensor.is_neg, ts))
+    )
+
+
+_IS_CPU = attrgetter("is_cpu")
+
+
 def materialize(t: torch.Tensor) -> torch.Tensor:
     """A :func:`plain` tensor with ``t``'s values (``t`` itself when it is one; blocks: on CUDA it
     returns once the copy is done, so a copy stream or cuFile may read the result)."""
