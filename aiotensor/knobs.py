@@ -88,6 +88,9 @@ SHARD_BYTES = 4 << 30
 # The largest shard of tensors that may be unchanged since the last save (incremental saves: such a
 # shard is reused whole, or written whole; smaller ones are reused more often).
 CANDIDATE_SHARD_BYTES = 256 * MiB
+# Shard headers kept for the next save of a state in the same layout, at most this many tensors'
+# entries (~200 bytes each): every save of a training run plans the same shards.
+PLANNED_TENSORS = 1 << 16
 # The largest shard on an object store: each is one PUT (nothing to orphan if interrupted), and
 # several shards upload at once.
 OBJECT_SHARD_BYTES = 256 * MiB

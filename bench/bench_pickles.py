@@ -96,7 +96,9 @@ def cases(a: Any, d: str) -> dict[str, dict[str, Callable[[], Any]]]:
         pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     eng = PosixEngine()
     n = a.memo
-    one = b"\x80\x04" + pickle.EMPTY_LIST + pickle.NONE + pickle.MEMOIZE + (pickle.BINGET + b"\0" + pickle.MEMOIZE + pickle.POP) * n
+    one = (
+        b"\x80\x04" + pickle.EMPTY_LIST + pickle.NONE + pickle.MEMOIZE + (pickle.BINGET + b"\0" + pickle.MEMOIZE + pickle.POP) * n
+    )
     dicts = b"\x80\x04" + pickle.EMPTY_LIST + (pickle.EMPTY_DICT + pickle.MEMOIZE + pickle.POP) * n
     return {
         f"DCP .metadata, {a.tensors:,} tensors ({len(meta) / 1e6:.1f} MB)": {

@@ -9,6 +9,7 @@ import struct
 import tracemalloc
 from collections import Counter, OrderedDict
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from aiotensor.formats import checksum as _checksum
 from aiotensor.formats import manifest as mf
 from aiotensor.formats import safetensors as st
 from aiotensor.formats import tree as tree_module
+from aiotensor.formats.dtypes import TORCH_TO_SAFETENSORS
 from aiotensor.formats.tree import flatten, unflatten
 
 
@@ -633,6 +635,112 @@ def test_plan_refuses_unsupported_tensors() -> None:
         plan_save({"y": torch.ones(2, dtype=torch.complex128)})
     with pytest.raises(StateError, match="'z'.*meta"):
         plan_save({"z": torch.ones(2, device="meta")})
+
+
+def _refused(name: str) -> torch.Tensor:
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    return {
+        "sparse": lambda: torch.ones(2, 2).to_sparse(),
+        "complex128": lambda: torch.ones(2, dtype=torch.complex128),
+        "meta": lambda: torch.ones(2, device="meta"),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "quantized": lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8),
+        "subclass": lambda: torch.Tensor._make_subclass(Sub, torch.ones(2)),
+        "packed 0-d": lambda: torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "__metadata__": lambda: torch.ones(2),
+    }[name]()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
+@pytest.mark.parametrize("bad", ["sparse", "complex128", "meta", "nested", "quantized", "subclass", "packed 0-d", "__metadata__"])
+@pytest.mark.parametrize("at", [0, 1500, 2999])
+def test_tensors_checked_by_columns_are_refused_as_one_by_one(bad: str, at: int) -> None:
+    """check_tensors asks a slice of tensors at a time by C loops: among 3,000 good ones, a bad one
+    anywhere is refused with check_tensor's own error, naming its key; the good ones' dtypes are
+    check_tensor's."""
+    from aiotensor._io.tensors import check_tensor, check_tensors
+
+    good = [torch.ones(1), torch.ones(2, dtype=torch.bfloat16), torch.ones((), dtype=torch.int64), torch.ones(2, 2).t()]
+    tensors = [(f"k{i}", good[i % 4]) for i in range(3000)]
+    assert check_tensors(tensors) == [check_tensor(k, t) for k, t in tensors]
+    key = "__metadata__" if bad == "__metadata__" else f"k{at}"
+    tensors[at] = (key, _refused(bad))
+    with pytest.raises(StateError) as one:
+        check_tensor(*tensors[at])
+    with pytest.raises(StateError) as columns:
+        check_tensors(tensors)
+    assert str(columns.value) == str(one.value) and repr(key) in str(one.value)
+
+
+def test_tensors_on_several_devices_are_checked_one_by_one() -> None:
+    from aiotensor._io.tensors import check_tensors
+
+    tensors = [("a", torch.ones(1)), ("b", torch.ones(1, device="meta"))]
+    assert check_tensors(tensors, ("cpu", "meta")) == ["F32", "F32"]
+    with pytest.raises(StateError, match="'b' is on meta"):
+        check_tensors(tensors, ("cpu",))
+
+
+def test_a_state_saved_again_in_its_layout_reuses_its_shards_and_any_change_makes_new_ones() -> None:
+    """The shards of a state planned again in the same keys, dtypes and shapes are found, not
+    built again; a changed shape, dtype or key order (the same keys and byte count) gets its own."""
+    from aiotensor._io import plan as plan_module
+
+    state = {f"t{i}": torch.ones(6) for i in range(3000)}
+    (a,), (b,) = plan_save(state)[0].shards, plan_save(dict(state))[0].shards
+    assert b.header is a.header and b.layout is a.layout
+    changes = {
+        "shape": lambda s: s.update(t7=torch.ones(2, 3)),
+        "dtype": lambda s: s.update(t7=torch.ones(6, dtype=torch.int32)),
+        "order": lambda s: s.update(t7=s.pop("t7")),
+    }
+    for name, change in changes.items():
+        other = dict(state)
+        change(other)
+        (c,) = plan_save(other)[0].shards
+        assert c.header != a.header, name
+        assert c.header == plan_module._built(*_columns(other))[0], name  # what building it makes
+    with mock.patch.object(plan_module, "_planned", plan_module._Planned(4000)):  # room for one
+        for n in (3000, 3001, 3000):
+            plan_save({f"t{i}": torch.ones(6) for i in range(n)})
+        assert plan_module._planned.count == 3000 and len(plan_module._planned.held) == 1
+
+
+def _columns(state: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[torch.Size]]:
+    return list(state), [TORCH_TO_SAFETENSORS[t.dtype] for t in state.values()], [t.shape for t in state.values()]
+
+
+def test_marks_of_inference_tensors_are_never_equal() -> None:
+    from aiotensor._io.plan import tensor_marks
+    from aiotensor.store.saving import Incremental
+
+    t = torch.ones(2)
+    with torch.inference_mode():
+        i = torch.ones(2)
+    assert tensor_marks([t]) == [(t.data_ptr(), t._version)]
+    marks = tensor_marks([t, i])
+    assert marks[0] == (t.data_ptr(), t._version) and marks[1] != tensor_marks([i])[0]
+    inc = Incremental()
+    plan, _ = plan_save({"t": t, "i": i}, stable=inc.stable)
+    inc.planned(plan)
+    assert inc.stable(["t", "i", "new"], tensor_marks([t, i, t])) == [True, False, False]
+    t.add_(1)
+    assert inc.stable(["t"], tensor_marks([t])) == [False]
+
+
+@pytest.mark.parametrize("per", [1, 3, 1024])
+def test_same_compares_lists_a_slice_at_a_time(per: int) -> None:
+    from aiotensor._runtime import gil as _gil
+
+    with mock.patch.object(_gil, "_LISTED_PER_CALL", per):
+        a = list(range(2500))
+        assert _gil.same(a, list(a)) and _gil.same([], [])
+        assert not _gil.same(a, a[:-1]) and not _gil.same(a, [*a[:-1], -1]) and not _gil.same(a, [-1, *a[1:]])
 
 
 _finite = hs.floats(allow_nan=False, allow_infinity=False)

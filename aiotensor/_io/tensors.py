@@ -56,6 +56,34 @@ def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",),
     return dtype
 
 
+def check_tensors(tensors: list[tuple[str, torch.Tensor]], devices: tuple[str, ...] = ("cpu",)) -> list[str]:
+    """:func:`check_tensor` of each ``(key, tensor)``: their safetensors dtypes, asked by C loops
+    :data:`_CHECKED` tensors at a time (a slice with anything to refuse, or a packed dtype, is
+    checked one by one, so the error is :func:`check_tensor`'s)."""
+    out: list[str] = []
+    for i in range(0, len(tensors), _CHECKED):
+        some = tensors[i : i + _CHECKED]
+        ts = list(map(_SECOND, some))
+        dtypes: list[Any] = list(map(TORCH_TO_SAFETENSORS.get, map(_DTYPE, ts)))
+        if (
+            None in dtypes  # (a quantized tensor's dtype among them: no test of is_quantized)
+            or not PACKED.keys().isdisjoint(dtypes)
+            or st.METADATA_KEY in map(_FIRST, some)
+            or any(map(_IS_NESTED, ts))
+            or not {torch.strided}.issuperset(map(_LAYOUT, ts))
+            or any(k.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ for k in set(map(type, ts)))  # type: ignore[attr-defined]
+            or not (("cpu" in devices and all(map(_IS_CPU, ts))) or ("cuda" in devices and all(map(_IS_CUDA, ts))))
+        ):
+            dtypes = [check_tensor(key, t, devices) for key, t in some]
+        out += dtypes
+    return out
+
+
+_CHECKED = 1024
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_DTYPE, _LAYOUT, _IS_NESTED = attrgetter("dtype"), attrgetter("layout"), attrgetter("is_nested")
+
+
 def byte_tensor(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor on its device (no copy)."""
     if t.dtype == torch.uint8 and t.dim() == 1 and not t.requires_grad:
@@ -90,7 +118,7 @@ def all_direct(ts: list[torch.Tensor]) -> bool:
     )
 
 
-_IS_CPU = attrgetter("is_cpu")
+_IS_CPU, _IS_CUDA = attrgetter("is_cpu"), attrgetter("is_cuda")
 
 
 def materialize(t: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any, TypeVar
 
@@ -78,6 +78,13 @@ def listed(items: Iterable[T]) -> list[T]:
 
 
 _LISTED_PER_CALL = 1024
+
+
+def same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """``a == b`` for two lists, compared :data:`_LISTED_PER_CALL` items per C call (as
+    :func:`listed` makes one)."""
+    step = _LISTED_PER_CALL
+    return len(a) == len(b) and all(a[i : i + step] == b[i : i + step] for i in range(0, len(a), step))
 
 
 def filled(into: U, items: Iterable[Any]) -> U:

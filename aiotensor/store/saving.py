@@ -32,8 +32,8 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from itertools import chain, islice
-from operator import attrgetter
+from itertools import chain, islice, repeat
+from operator import attrgetter, eq
 from typing import Any
 
 import blake3
@@ -76,11 +76,13 @@ class Incremental:
         self.previous = []
         self.known = {}
 
-    def stable(self, key: str, t: torch.Tensor) -> bool:
-        return self.versions.get(key) == _version(t)
+    def stable(self, keys: list[str], marks: list[Any]) -> list[bool]:
+        """Is each tensor's memory and version counter (its :func:`~aiotensor._io.plan.tensor_marks`)
+        what the last save planned (C loops)?"""
+        return gil.listed(map(eq, map(self.versions.get, keys, repeat(_UNSEEN)), marks))
 
-    def planned(self, sources: dict[str, torch.Tensor]) -> None:
-        self.versions = {k: v for k, t in sources.items() if (v := _version(t)) is not None}
+    def planned(self, plan: SavePlan) -> None:
+        self.versions = plan.marks
 
     def committed(self, m: mf.Manifest, folder: str, wrote: Engine | None = None) -> list[tuple[tuple[str, ...], Previous]]:
         """The step ``m`` of ``folder`` is the newest: its candidate shards are the next save's
@@ -193,11 +195,7 @@ def _digest_of(engine: Engine, path: str) -> str:
 _PIECE = 8 << 20
 
 
-def _version(t: torch.Tensor) -> tuple[int, int] | None:
-    try:
-        return t.data_ptr(), t._version
-    except RuntimeError:  # an inference tensor has no version counter: never taken as unchanged
-        return None
+_UNSEEN = object()  # (a key the last save did not see: never equal to a mark)
 
 
 def versions(state: Any) -> tuple[list[torch.Tensor], list[int]]:
@@ -287,8 +285,8 @@ async def save(
     plan, sources = await sched.call(
         functools.partial(plan_save, state, shard_bytes=shard_bytes, devices=sched.devices, **hint), priority=prio
     )
-    if incremental is not None:  # tens of thousands of tensors: not on the loop thread
-        await sched.call(incremental.planned, sources, priority=prio)
+    if incremental is not None:
+        incremental.planned(plan)
     del state
     arena = await staging.acquire(plan.arena_bytes)
     try:
