@@ -132,7 +132,9 @@ def plan_save(
     marks: dict[str, Any] = {}
     flags: list[bool] = []
     if stable is not None:
-        marks = gil.filled({}, zip(map(_FIRST, stored), tensor_marks(gil.listed(map(_THIRD, stored))), strict=True))
+        # (where every tensor is stored, their data pointers are those already taken)
+        made = tensor_marks(gil.listed(map(_THIRD, stored)), None if shared else ptrs)
+        marks = gil.filled({}, zip(map(_FIRST, stored), made, strict=True))
         names = gil.listed(map(_FIRST, left))
         flags = stable(names, gil.listed(map(marks.__getitem__, names)))
     maybe = gil.listed(compress(left, flags))
@@ -155,11 +157,12 @@ def plan_save(
     return SavePlan(tree, tuple(shards), aliases, arena, nbytes, marks), sources
 
 
-def tensor_marks(tensors: list[torch.Tensor]) -> list[Any]:
-    """Each tensor's memory and version counter, ``(data_ptr, _version)``, by C loops; an inference
-    tensor has no counter: its mark is an object equal to no other (never taken as unchanged)."""
+def tensor_marks(tensors: list[torch.Tensor], ptrs: list[int] | None = None) -> list[Any]:
+    """Each tensor's memory and version counter, ``(data_ptr, _version)``, by C loops (``ptrs``: their
+    data pointers, where taken already); an inference tensor has no counter: its mark is an object
+    equal to no other (never taken as unchanged)."""
     try:
-        return gil.listed(zip(map(_DATA_PTR, tensors), map(_VERSION, tensors), strict=True))
+        return gil.listed(zip(ptrs or map(_DATA_PTR, tensors), map(_VERSION, tensors), strict=True))
     except RuntimeError:  # "Inference tensors do not track version counter"
         return [(t.data_ptr(), t._version) if not t.is_inference() else object() for t in tensors]
 
