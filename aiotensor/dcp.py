@@ -621,7 +621,8 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
     ``path`` may be an ``s3://`` URL (``storage_options`` as for :class:`AiotensorReader`).
 
     Raises:
-        CheckpointNotFoundError: ``path`` holds no checkpoint (a store root: its step folders do).
+        CheckpointNotFoundError: ``path`` holds no checkpoint (a store root: its step folders do),
+            or it went (deleted, retired) while it was read.
         FormatError (ManifestError, UnsafeFileError, ChecksumError...), OSError: as raised while
             reading, naming the file and the item.
     """
@@ -629,7 +630,12 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
 
     async def load(sched: Scheduler) -> Any:
         src = await sched.call(_checkpoint, sched.engine, folder)
-        tensors = await read(sched, src.entries, torch.device("cpu"), verify, checks=src.checks)
+        try:
+            tensors = await read(sched, src.entries, torch.device("cpu"), verify, checks=src.checks)
+        except FileNotFoundError as e:
+            if (gone := await sched.call(sources.missing, sched.engine, folder, e)) is e:
+                raise
+            raise gone from None
         by_name = {n: t for e, t in zip(src.entries, tensors, strict=True) for n in e.names}
         assert src.state is not None
         return src.state(by_name.__getitem__)
@@ -639,7 +645,12 @@ def load_full(path: str | os.PathLike[str], *, verify: bool = True, storage_opti
 
 def _checkpoint(engine: Engine, folder: str) -> sources.Source:
     """The DCP checkpoint (or step) ``folder``, or a CheckpointNotFoundError saying what it is instead."""
-    names = engine.listdir(folder)
+    try:
+        names = engine.listdir(folder)
+    except FileNotFoundError:
+        raise errors.CheckpointNotFoundError(f"{folder}: no such folder") from None
+    except NotADirectoryError:
+        raise errors.CheckpointNotFoundError(f"{folder} is a file, not a DCP checkpoint's folder") from None
     if _root.checkpoint_record(names) is None:
         hint = ": a store root, pass one of its step folders (step-...)" if _root.is_store(names) else ""
         raise errors.CheckpointNotFoundError(f"{folder} is not a DCP checkpoint (no {dm.PICKLE_NAME}){hint}")

@@ -136,11 +136,18 @@ def step(engine: Engine, folder: str, number: int | None = None) -> Source:
             return _manifest_step(engine, folder, number)
         return _dcp_step(engine, folder)
     except FileNotFoundError as e:
-        if isinstance(e, CheckpointNotFoundError) or _root.checkpoint_record(_names(engine, folder)) is not None:
-            raise  # (a file a step still committed lists, gone: damage, which its callers name)
-        raise CheckpointNotFoundError(
-            f"{folder} is gone: retired (or removed) while it was being read; read the newest step again"
-        ) from None  # (helper-64: a stream of a root whose newest step went meanwhile said a .metadata was missing)
+        if (gone := missing(engine, folder, e)) is e:
+            raise
+        raise gone from None  # (helper-64: a stream of a root whose newest step went meanwhile said a .metadata was missing)
+
+
+def missing(engine: Engine, folder: str, e: FileNotFoundError) -> Exception:
+    """What a file of the checkpoint ``folder`` found missing (``e``) means: where the folder still
+    holds its record, a file it lists is gone, damage (``e`` itself, which the caller names);
+    else the checkpoint went while it was read (a CheckpointNotFoundError)."""
+    if isinstance(e, CheckpointNotFoundError) or _root.checkpoint_record(_names(engine, folder)) is not None:
+        return e
+    return CheckpointNotFoundError(f"{folder} is gone: retired (or removed) while it was being read; read the newest step again")
 
 
 def _names(engine: Engine, folder: str) -> list[str]:

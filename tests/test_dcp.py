@@ -968,3 +968,57 @@ def test_a_dcp_checkpoint_replaced_after_its_metadata_was_read_fails_the_load(tm
 
     anyio.run(load)
     assert swapped
+
+
+@pytest.mark.parametrize("writer", ["aiotensor", "dcp"])
+def test_load_full_of_a_checkpoint_deleted_while_it_loads_says_it_went(
+    tmp_path: Any, writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint's folder deleted at each open of its data file (the resolver's, the read's):
+    a CheckpointNotFoundError saying it went, not a bare FileNotFoundError of one of its files (a
+    load_full of a folder deleted as its data was opened for reading said that); a data file gone
+    while the metadata stays is damage, named as the file."""
+    import shutil
+
+    from aiotensor.dcp import load_full
+    from aiotensor.engines.posix import PosixEngine
+
+    a = tmp_path / "ckpt"
+    state = {"w": torch.full((256,), 1.0), "b": torch.full((8,), 1.0), "lr": 1.0}
+    dcp.save(state, storage_writer=AiotensorWriter(a)) if writer == "aiotensor" else dcp.save(state, checkpoint_id=a)
+    (data,) = [n for n in os.listdir(a) if not n.startswith(".")]
+    kept = tmp_path / "kept"
+    shutil.copytree(a, kept)
+    real, opens, at = PosixEngine.open_read, 0, 0
+
+    def open_read(self: PosixEngine, path: str) -> int:
+        nonlocal opens
+        if path == str(a / data):
+            opens += 1
+            if opens == at:
+                shutil.rmtree(a)
+        return real(self, path)
+
+    monkeypatch.setattr(PosixEngine, "open_read", open_read)
+    assert torch.equal(load_full(a)["w"], state["w"])  # (counts the opens)
+    assert opens >= 2
+    for n in range(1, opens + 1):
+        opens, at = 0, n
+        with pytest.raises(CheckpointNotFoundError, match="is gone: retired"):
+            load_full(a)
+        shutil.copytree(kept, a)
+    at = 0
+    os.remove(a / data)
+    with pytest.raises(FileNotFoundError) as damaged:
+        load_full(a)
+    assert not isinstance(damaged.value, CheckpointNotFoundError) and data in str(damaged.value)
+
+
+def test_load_full_of_no_folder_is_a_checkpoint_not_found(tmp_path: Any) -> None:
+    from aiotensor.dcp import load_full
+
+    with pytest.raises(CheckpointNotFoundError, match="no such folder"):
+        load_full(tmp_path / "nothing")
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="is a file"):
+        load_full(tmp_path / "file")
