@@ -13,6 +13,8 @@ import pytest
 from aiotensor import knobs
 from aiotensor._runtime.scheduler import Priority, Scheduler
 
+from .conftest import ALL_BACKENDS
+
 pytestmark = pytest.mark.anyio
 
 
@@ -75,6 +77,58 @@ async def test_map_raises_the_first_error_itself_and_stops() -> None:
     with pytest.raises(KeyError, match="boom"):
         await sched.map(fn, range(1000), nbytes=lambda _: 1, priority=Priority.SAVE)
     assert len(seen) < 1000
+    assert await sched.map(lambda i: i * 2, range(5), nbytes=lambda _: 1, priority=Priority.LOAD) == [0, 2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("anyio_backend", ALL_BACKENDS)
+@pytest.mark.parametrize("how", ["scope", "task"])
+async def test_a_cancelled_map_stops_its_running_batches_after_the_unit_in_hand(how: str, anyio_backend: Any) -> None:
+    """A batch runs its units in one thread call; a cancelled map waited for all of them (a batch of
+    64 MiB of reads held a cancelled load 0.1-0.25 s). Now each running batch stops after the unit
+    in hand, and a unit that works in steps (a stream's batch) stops between two (given_up); the
+    cancellation is raised, once no thread runs."""
+    from aiotensor._runtime import scheduler as scheduler_module
+
+    if how == "task" and anyio_backend[0] == "trio":
+        pytest.skip("asyncio's own Task.cancel()")
+    sched = Scheduler(workers=1, chunk_bytes=4096)
+    ran: list[int] = []
+    steps: list[int] = []
+    started = threading.Event()
+
+    def unit(i: int) -> int:
+        ran.append(i)
+        if i == 0:
+            started.set()
+            stop = scheduler_module._stop.get()
+            assert stop is not None and stop.wait(10), "the cancellation never reached the thread"
+            for step in range(5):  # a unit of steps: stops at the next
+                try:
+                    scheduler_module.given_up()
+                except scheduler_module._Stopped:
+                    break
+                steps.append(step)
+        return i
+
+    async def run() -> None:
+        await sched.map(unit, range(50), nbytes=lambda _: 1, priority=Priority.LOAD, batch_bytes=1 << 30)
+
+    if how == "scope":
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await anyio.to_thread.run_sync(started.wait)
+                scope.cancel()
+        assert scope.cancelled_caught
+    else:
+        import asyncio
+
+        task = asyncio.ensure_future(run())
+        await anyio.to_thread.run_sync(started.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert ran == [0] and steps == []
     assert await sched.map(lambda i: i * 2, range(5), nbytes=lambda _: 1, priority=Priority.LOAD) == [0, 2, 4, 6, 8]
 
 

@@ -22,7 +22,7 @@ import torch
 from .. import knobs
 from .._runtime import gil
 from .._runtime.buffers import PAGE, address, copy_bytes, disjoint, memory_at, move, prefault, round_up
-from .._runtime.scheduler import Priority, Scheduler
+from .._runtime.scheduler import Priority, Scheduler, given_up
 from ..engines import Engine
 from ..errors import ChecksumError, FormatError, ManifestError, MismatchError, SourceChangedError, annotate_oserror
 from ..formats import checksum
@@ -316,7 +316,10 @@ def _read_at_once(slot: memoryview, job: tuple[Scheduler, int, str, Sequence[Tar
     sched, fd, path, targets = job
     units, nbytes, dfd = _plan(sched, fd, targets)
     try:
-        got = [_read_unit(sched, fd, dfd, path, targets, slot, u) for u in units]
+        got = []
+        for u in units:
+            given_up()  # (a cancelled stream's batch stops here)
+            got.append(_read_unit(sched, fd, dfd, path, targets, slot, u))
     finally:
         if dfd is not None:
             sched.engine.close(dfd)

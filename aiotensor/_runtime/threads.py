@@ -182,7 +182,12 @@ def call_soon_threadsafe() -> Callable[[Callable[[], object]], object]:
 
 
 async def run_sync(
-    fn: Callable[..., T], *args: Any, nice: int = NICE, cleanup: Callable[[T], object] | None = None, home: bool = False
+    fn: Callable[..., T],
+    *args: Any,
+    nice: int = NICE,
+    cleanup: Callable[[T], object] | None = None,
+    home: bool = False,
+    stop: threading.Event | None = None,
 ) -> T:
     """Run ``fn(*args)`` in a worker thread ``nice`` levels below the process, in a copy of the
     caller's context (as ``anyio.to_thread.run_sync``).
@@ -198,7 +203,8 @@ async def run_sync(
     asyncio's own ``Task.cancel()`` (``wait_for``), which an anyio shield does not hold. Then the
     cancellation is raised (even where ``fn`` failed meanwhile), after ``cleanup(result)`` (in a
     worker) where ``fn`` made something (a file descriptor) that the caller would otherwise never
-    get to release.
+    get to release. ``stop``: set as the cancellation comes, for a ``fn`` that does its work in
+    steps to give up between two (:meth:`aiotensor._runtime.scheduler.Scheduler.map`).
     """
     done = anyio.Event()
     call_soon = call_soon_threadsafe()
@@ -219,7 +225,7 @@ async def run_sync(
         return tell
 
     _pool(nice).submit(job, home)
-    cancelled = await wait_out(done)
+    cancelled = await wait_out(done, None if stop is None else stop.set)
     ok, value = out.pop()
     if ok and cleanup is not None:
         if cancelled is None:
@@ -257,11 +263,18 @@ async def _handed_back(cancelled: BaseException | None, ok: bool, value: Any) ->
     return value
 
 
-async def wait_out(done: anyio.Event) -> BaseException | None:
+async def wait_out(done: anyio.Event, cancelled: Callable[[], object] | None = None) -> BaseException | None:
     """Wait for ``done`` through any cancellation; return the cancellation that came meanwhile
     from outside anyio (asyncio's ``Task.cancel()`` is raised even inside a shielded scope), to be
-    raised once the wait is over."""
+    raised once the wait is over. With ``cancelled``, the wait is not shielded until a cancellation
+    comes (anyio's too, which a shield would hold back unseen): ``cancelled()`` is called then."""
     pending: BaseException | None = None
+    if cancelled is not None and not done.is_set():
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class() as e:
+            pending = e
+            cancelled()
     with anyio.CancelScope(shield=True):
         while not done.is_set():
             try:
