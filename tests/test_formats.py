@@ -743,6 +743,22 @@ def test_same_compares_lists_a_slice_at_a_time(per: int) -> None:
         assert not _gil.same(a, a[:-1]) and not _gil.same(a, [*a[:-1], -1]) and not _gil.same(a, [-1, *a[1:]])
 
 
+@settings(max_examples=400, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 5), hs.integers(0, 7)), min_size=0, max_size=4))
+def test_overlaps_says_what_the_offsets_say(dims: list[tuple[int, int]]) -> None:
+    """overlaps(t): two elements at one offset, as counting every element's offset says (a
+    transpose, a slice, a broadcast, an interleaving of strides, an empty tensor)."""
+    from itertools import product
+
+    from aiotensor._io.tensors import overlaps
+
+    shape, strides = [n for n, _ in dims], [s for _, s in dims]
+    size = 1 + sum((n - 1) * s for n, s in dims if n)
+    t = torch.zeros(max(size, 1)).as_strided(shape, strides)
+    offsets = [sum(i * s for i, s in zip(idx, strides, strict=True)) for idx in product(*map(range, shape))]
+    assert overlaps(t) == (len(set(offsets)) < len(offsets))
+
+
 _finite = hs.floats(allow_nan=False, allow_infinity=False)
 
 

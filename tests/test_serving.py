@@ -1156,3 +1156,21 @@ async def test_load_into_an_expanded_buffer_is_a_mismatch_before_anything_is_rea
     with pytest.raises(MismatchError, match="tensor 'b': the tensor to read it into has elements that share memory"):
         await load_into(m, tmp_path / "m.safetensors")
     assert torch.equal(m.w, torch.zeros(2))  # nothing read
+
+
+async def test_load_into_refuses_a_module_tensor_whose_elements_overlap(tmp_path: Any) -> None:
+    """A parameter made by as_strided with overlapping strides: load_into filled it, each location
+    with whichever value came last (torch's copy_ says nothing either); now a MismatchError naming
+    it, before anything is read. A transposed or sliced parameter still loads."""
+    from safetensors.torch import save_file
+
+    w, b = torch.randn(4, 4), torch.randn(4)
+    save_file({"weight": w, "bias": b}, tmp_path / "m.safetensors")
+    m = torch.nn.Linear(4, 4)
+    m.weight.data = torch.zeros(16).as_strided((4, 4), (1, 1))
+    with pytest.raises(MismatchError, match="the module's tensor 'weight' has strides \\[1, 1\\]"):
+        await aiotensor.load_into(m, tmp_path / "m.safetensors")
+    assert not m.weight.any()
+    m.weight.data = torch.zeros(4, 4).t()
+    await aiotensor.load_into(m, tmp_path / "m.safetensors")
+    assert torch.equal(m.weight, w) and torch.equal(m.bias, b)

@@ -908,6 +908,12 @@ async def test_a_partial_resume_still_refuses_a_shape_or_dtype_that_differs(tmp_
         into = {"w": torch.zeros(1, 4).expand(4, 4), "b": torch.zeros(4)}  # one row, seen 4 times: not fillable
         with pytest.raises(MismatchError, match="tensor 'w' of `into` is expanded"):
             await store.load(into=into)
+        into = {"w": torch.zeros(16).as_strided((4, 4), (1, 1)), "b": torch.zeros(4)}  # rows that overlap: was filled, mixed
+        with pytest.raises(MismatchError, match="tensor 'w' of `into` has strides \\[1, 1\\].*one memory location"):
+            await store.load(into=into)
+        assert not into["b"].any() and not into["w"].any()
+        into = {"w": torch.zeros(4, 8)[:, ::2].t().t(), "b": torch.zeros(8)[::2]}  # strided, no overlap: filled
+        assert (await store.load(into=into))["w"].eq(1).all() and into["b"].eq(1).all()
         into = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
         assert (await store.load(into=into, strict=False, atomic=True))["w"].eq(1).all()  # nothing to warn about
         assert (await store.load(strict=False))["b"].eq(1).all()  # without into: no meaning, new tensors

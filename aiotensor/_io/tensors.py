@@ -234,10 +234,42 @@ def check_into(
         want, shape = SAFETENSORS_TO_TORCH[spec.dtype], torch_shape(spec.dtype, spec.shape)
         if tuple(t.shape) != shape or t.dtype != want:
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
-        strides = t.stride()
-        if 0 in strides and t.numel() > 1 and any(n > 1 for st_, n in zip(strides, t.shape, strict=True) if st_ == 0):
-            raise MismatchError(f"tensor {k!r} of `into` is expanded (a stride of 0): its elements share memory, not fillable")
+        check_fillable(t, f"tensor {k!r} of `into`")
     return missing, unexpected
+
+
+def check_fillable(t: torch.Tensor, what: str) -> None:
+    """A MismatchError where two elements of ``t`` (``what``, in the message) are one memory
+    location: no load can fill it (torch's ``copy_`` mixes the values without a word)."""
+    strides = t.stride()
+    if 0 in strides and t.numel() > 1 and any(n > 1 for st_, n in zip(strides, t.shape, strict=True) if st_ == 0):
+        raise MismatchError(f"{what} is expanded (a stride of 0): its elements share memory, not fillable")
+    if overlaps(t):
+        raise MismatchError(
+            f"{what} has strides {list(strides)} for its shape {list(t.shape)}: some of its elements are one memory "
+            "location (as_strided), so no load can fill it"
+        )
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """Do two elements of ``t`` lie at one memory location (an ``as_strided`` view of overlapping
+    strides)? Each dimension's stride, smallest first, must pass every offset the smaller ones reach
+    (a contiguous tensor, a transpose, a slice: ~1 us); where it does not, the offsets of its
+    elements are counted (a layout no ordinary view has)."""
+    if t.numel() <= 1:
+        return False
+    dims = sorted((st_, n) for st_, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    reach = 0
+    for stride, n in dims:
+        if stride <= reach:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+    return int(torch.unique(offsets).numel()) < t.numel()
 
 
 def mismatch(missing: list[str], unexpected: list[str], side: str) -> str:

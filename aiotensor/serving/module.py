@@ -14,15 +14,15 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_, itemgetter, not_
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import assign, load_device, mismatch, modified, writing
+from .._io.tensors import assign, check_fillable, load_device, mismatch, modified, overlaps, writing
 from .._runtime import cuda, gil, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
@@ -336,6 +336,8 @@ def _plan(
                 raise MismatchError(
                     f"tensor {name!r}: {source} has {e.dtype}, which torch cannot copy into the module's {dst.dtype}"
                 )
+            if place is _itself and not dst.is_meta and not dst.is_contiguous():  # (filled in place)
+                check_fillable(dst, f"the module's tensor {name!r}")
             names = ties.get(name)
             if names is None:
                 names = (name,)
@@ -380,6 +382,9 @@ def _in_place_at_once(
     if gil.listed(map(_DTYPE, dsts)) != gil.listed(map(_DTYPE, entries)):
         return None
     if any(gil.listed(map(_IS_META, dsts))):
+        return None
+    odd = gil.listed(compress(dsts, map(not_, map(torch.Tensor.is_contiguous, dsts))))
+    if any(map(overlaps, odd)):  # (the loop names it)
         return None
     chosen = set(names)
     return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
