@@ -534,3 +534,26 @@ async def test_many_small_tensors_beside_odd_ones_are_staged_exactly(
             for i in range(step, 2600, 397):
                 (model[f"w{i}"].data if step >= 2 else model[f"w{i}"]).add_(1)
     assert sum(spans) > 4 * 1500  # (the slices after the first went through the spans)
+
+
+async def test_a_frozen_base_made_under_inference_mode_is_reused(tmp_path: Any) -> None:
+    """Inference tensors have no version counter: in the same memory they may be unchanged, so
+    their shards are compared byte for byte and linked (helper-65: written whole at every save);
+    one changed in place under inference_mode is still written."""
+    with torch.inference_mode():
+        base = {f"layers.{i}.w": torch.randn(256, 256) for i in range(8)}
+    adapters = {f"layers.{i}.lora": torch.zeros(256, 4) for i in range(8)}
+    frozen = sum(t.nbytes for t in base.values())
+    async with TensorStore(tmp_path, keep_last=2) as store:
+        for step in range(4):
+            for t in adapters.values():
+                t.add_(1)
+            if step == 3:
+                with torch.inference_mode():
+                    base["layers.3.w"][0, 0] += 1
+            h = store.save(step, {**base, **adapters})
+            await h
+            if step == 2:  # (step 1 made them candidates, as any tensor unchanged since the step before)
+                assert h.bytes_reused >= frozen
+            assert same((await store.load(step)), {**base, **adapters})
+        assert h.bytes_written >= base["layers.3.w"].nbytes

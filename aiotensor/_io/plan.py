@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -159,12 +160,13 @@ def plan_save(
 
 def tensor_marks(tensors: list[torch.Tensor], ptrs: list[int] | None = None) -> list[Any]:
     """Each tensor's memory and version counter, ``(data_ptr, _version)``, by C loops (``ptrs``: their
-    data pointers, where taken already); an inference tensor has no counter: its mark is an object
-    equal to no other (never taken as unchanged)."""
+    data pointers, where taken already). An inference tensor has no counter (None): in the same
+    memory, it is taken as maybe unchanged, as a frozen base model made under ``inference_mode``
+    is (what a candidate shard holds is compared byte for byte before it is reused)."""
     try:
         return gil.listed(zip(ptrs or map(_DATA_PTR, tensors), map(_VERSION, tensors), strict=True))
     except RuntimeError:  # "Inference tensors do not track version counter"
-        return [(t.data_ptr(), t._version) if not t.is_inference() else object() for t in tensors]
+        return [(t.data_ptr(), None if t.is_inference() else t._version) for t in tensors]
 
 
 def shard_header(specs: Sequence[st.TensorSpec]) -> bytes:
@@ -199,6 +201,8 @@ class _Planned:
         self.held: OrderedDict[tuple[str, ...], tuple[list[str], list[torch.Size], tuple[bytes, st.Layout]]] = OrderedDict()
 
     def get(self, keys: list[str], dtypes: list[str], shapes: list[torch.Size]) -> tuple[bytes, st.Layout]:
+        if len(keys) > self.most:
+            return _built(keys, dtypes, shapes)
         name = tuple(keys)
         with self.lock:
             hit = self.held.get(name)
@@ -208,18 +212,18 @@ class _Planned:
                     self.held.move_to_end(name)
             return hit[2]
         made = _built(keys, dtypes, shapes)
-        if len(name) <= self.most:
-            with self.lock:
-                if self.held.pop(name, None) is not None:
-                    self.count -= len(name)
-                self.held[name] = (dtypes, shapes, made)
-                self.count += len(name)
-                while self.count > self.most:
-                    self.count -= len(self.held.popitem(last=False)[0])
+        with self.lock:
+            if self.held.pop(name, None) is not None:
+                self.count -= len(name)
+            self.held[name] = (dtypes, shapes, made)
+            self.count += len(name)
+            while self.count > self.most:
+                self.count -= len(self.held.popitem(last=False)[0])
         return made
 
 
 _planned = _Planned(knobs.PLANNED_TENSORS)
+os.register_at_fork(after_in_child=lambda: setattr(_planned, "lock", threading.Lock()))  # (one a thread held at the fork)
 
 
 def _nbytes(items: list[tuple[str, str, torch.Tensor]]) -> list[int]:

@@ -383,13 +383,15 @@ def _in_place_at_once(
         return None
     if any(gil.listed(map(_IS_META, dsts))):
         return None
-    odd = gil.listed(compress(dsts, map(not_, map(torch.Tensor.is_contiguous, dsts))))
+    have: list[torch.Tensor] = dsts  # type: ignore[assignment]  # (None is none of them now)
+    odd = gil.listed(compress(have, map(not_, map(_IS_CONTIGUOUS, have))))
     if any(map(overlaps, odd)):  # (the loop names it)
         return None
     chosen = set(names)
     return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
 
 
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _NAMES, _FIRST, _SHAPE, _DTYPE, _IS_META = (
     attrgetter("names"),
     itemgetter(0),
