@@ -89,6 +89,7 @@ print(json.dumps({"tensors": len(tensors(state())), "hold_s": holds[1:], "clone_
 """
 SHAPES = ("flat", "optim")
 MODES = ("incremental", "full")
+WHO = {"incremental": "TensorStore()", "full": "TensorStore(incremental=False)", "dcp": "dcp.async_save"}
 
 
 def child(tree: str, shape: str, mode: str, folder: str) -> dict[str, object]:
@@ -135,9 +136,9 @@ def main() -> None:
         f"{platform.machine()}, {os.cpu_count()} cores, torch {__import__('torch').__version__}. Hold / clone of the same tensors "
         "in the same process (median of saves 2-7 per process; the range over processes). Target: <= 1.2.",
         "",
-        "| tree | state | store | hold / clone |",
+        "| tree | state | saved by | hold / clone |",
         "|---|---|---|---|",
-        *(f"| {k.split()[0]} | {k.split()[1]} | {k.split()[2]} | {min(v):.2f}-{max(v):.2f} |" for k, v in results.items()),
+        *(f"| {k.split()[0]} | {k.split()[1]} | {WHO[k.split()[2]]} | {min(v):.2f}-{max(v):.2f} |" for k, v in results.items()),
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -121,14 +121,13 @@ def plan_save(
     if previous:
         gil.filled(by_key, zip(map(_FIRST, stored), stored, strict=True))
     planned: list[tuple[bytes, st.Layout, bool, Previous | None]] = []
-    for keys, earlier in previous:
-        if all(k in by_key for k in keys):
-            group = [by_key[k] for k in keys]
+    for keys, earlier in previous:  # (C loops: an earlier shard may hold tens of thousands)
+        if all(map(by_key.__contains__, keys)):
+            group = gil.listed(map(by_key.__getitem__, keys))
             header, layout = _shard(group)
             if header == earlier.header:
                 planned.append((header, layout, True, earlier))
-                for k in keys:
-                    del by_key[k]
+                deque(map(by_key.__delitem__, keys), maxlen=0)
     left = list(by_key.values()) if previous else stored
     marks: dict[str, Any] = {}
     flags: list[bool] = []
