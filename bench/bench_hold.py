@@ -28,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 import torch
 
@@ -72,13 +73,29 @@ print(json.dumps(out))
 MODES = ("limit", "fresh", "reserved")
 
 
-def child(mode: str, folder: str) -> dict[str, float]:
+def run_json(code: str, args: list[str], folder: str) -> Any:
+    """Run ``code`` in a fresh Python process with ``args`` (``folder`` removed before and after):
+    the JSON of its output's last line."""
     shutil.rmtree(folder, ignore_errors=True)
-    r = subprocess.run([sys.executable, "-c", CHILD, mode, folder, HERE], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     shutil.rmtree(folder, ignore_errors=True)
     if r.returncode:
-        raise SystemExit(f"{mode}: {r.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(args)}: {r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def write_results(out: str, lines: list[str], raw: Any) -> None:
+    """Print the report's ``lines``, and write them to ``out.md``, the measurements to ``out.json``."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    with open(out + ".json", "w") as f:
+        json.dump(raw, f, indent=1)
+
+
+def child(mode: str, folder: str) -> dict[str, float]:
+    return run_json(CHILD, [mode, folder, HERE], folder)  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -146,12 +163,7 @@ def main() -> None:
         "later {:.0f}, first commit {:.0f}, later {:.0f}; with reserve= first held {:.0f}, later {:.0f}, first commit {:.0f}, "
         "later {:.0f}.".format(*ms.values()),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    with open(a.out + ".json", "w") as f:
-        json.dump(reps, f, indent=1)
+    write_results(a.out, lines, reps)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ two trees run alternately, so that a change is measured against the machine's dr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
+
+from bench_hold import run_json, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r"""
@@ -93,12 +92,7 @@ WHO = {"incremental": "TensorStore()", "full": "TensorStore(incremental=False)",
 
 
 def child(tree: str, shape: str, mode: str, folder: str) -> dict[str, object]:
-    shutil.rmtree(folder, ignore_errors=True)
-    r = subprocess.run([sys.executable, "-c", CHILD, tree, shape, mode, folder], capture_output=True, text=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    if r.returncode:
-        raise SystemExit(f"{tree} {shape} {mode}: {r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json(CHILD, [tree, shape, mode, folder], folder)  # type: ignore[no-any-return]
 
 
 def main() -> None:
@@ -140,12 +134,7 @@ def main() -> None:
         "|---|---|---|---|",
         *(f"| {k.split()[0]} | {k.split()[1]} | {WHO[k.split()[2]]} | {min(v):.2f}-{max(v):.2f} |" for k, v in results.items()),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(a.out + ".md", "w") as f:
-        f.write(text)
-    with open(a.out + ".json", "w") as f:
-        json.dump(raw, f, indent=1)
+    write_results(a.out, lines, raw)
 
 
 if __name__ == "__main__":

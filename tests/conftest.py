@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -131,3 +134,15 @@ def set_manifest_rows(doc: dict[str, Any], rows: dict[str, dict[str, Any]]) -> N
         "crc32c": [x["crc32c"] for x in r],
     }
     doc["table"] = {"keys": list(rows)} | {c: " ".join(map(str, v)) for c, v in columns.items()}
+
+
+async def cancel_task_once(run: Callable[[], Awaitable[object]], started: threading.Event) -> None:
+    """Run ``run()`` as an asyncio task, cancel it (asyncio's own ``Task.cancel()``, which an anyio
+    shield does not hold) once ``started`` is set (from a worker thread), and check it ends cancelled."""
+    import asyncio
+
+    task = asyncio.ensure_future(run())
+    await anyio.to_thread.run_sync(started.wait)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

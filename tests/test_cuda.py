@@ -21,7 +21,7 @@ from aiotensor import PosixEngine, Scheduler, TensorStore, load_file, save_file
 from aiotensor._runtime.buffers import HostBuffer, StagingPool
 from aiotensor._runtime.cuda import EventBridge, Pinning
 
-from .conftest import assert_state_equal
+from .conftest import assert_state_equal, cancel_task_once
 from .test_store import DTYPES, random_tensor
 
 pytestmark = pytest.mark.anyio
@@ -189,7 +189,6 @@ async def test_a_save_cancelled_while_its_device_copies_are_queued_waits_for_the
 ) -> None:
     """Issue 24.3: cancelled while the worker queues the device → host copies, the completion
     event it made was dropped and the arena released while the copies still wrote into it."""
-    import asyncio
 
     from aiotensor._io import stage as stage_module
 
@@ -223,11 +222,7 @@ async def test_a_save_cancelled_while_its_device_copies_are_queued_waits_for_the
         with anyio.move_on_after(0.03):
             await run()
     else:
-        task = asyncio.ensure_future(run())
-        await anyio.to_thread.run_sync(queued.wait)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_task_once(run, queued)
     assert returned_before_completion == [False]
     await anyio.to_thread.run_sync(sched.cuda.b.close)  # type: ignore[union-attr]
 

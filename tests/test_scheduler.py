@@ -13,7 +13,7 @@ import pytest
 from aiotensor import knobs
 from aiotensor._runtime.scheduler import Priority, Scheduler
 
-from .conftest import ALL_BACKENDS
+from .conftest import ALL_BACKENDS, cancel_task_once
 
 pytestmark = pytest.mark.anyio
 
@@ -121,13 +121,7 @@ async def test_a_cancelled_map_stops_its_running_batches_after_the_unit_in_hand(
                 scope.cancel()
         assert scope.cancelled_caught
     else:
-        import asyncio
-
-        task = asyncio.ensure_future(run())
-        await anyio.to_thread.run_sync(started.wait)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_task_once(run, started)
     assert ran == [0] and steps == []
     assert await sched.map(lambda i: i * 2, range(5), nbytes=lambda _: 1, priority=Priority.LOAD) == [0, 2, 4, 6, 8]
 
