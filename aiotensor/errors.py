@@ -15,6 +15,8 @@ Every problem of a file, a checkpoint or a store that the library raises is an
     ├── MismatchError (ValueError)         ``load(into=...)`` target has another shape/dtype/key set
     ├── UnsupportedLocationError (ValueError)  a URL aiotensor does not serve there (``gs://...``, ``s3:/bucket``)
     ├── CheckpointNotFoundError (LookupError, FileNotFoundError)  no such step / no committed step
+    ├── SourceChangedError (RuntimeError)  a file was replaced or written while it was being loaded
+    ├── StreamClosedError (RuntimeError)   a stream cut short (a cancelled wait, a failed read) asked again
     ├── CheckpointExistsError (FileExistsError)   the step is already committed or being saved
     ├── StaleStepError (ValueError)        a save of a step older than a committed one (roll back first)
     ├── SaveCancelledError                 the save was cancelled; nothing was committed
@@ -46,9 +48,11 @@ __all__ = [
     "MismatchError",
     "SaveCancelledError",
     "SaveFailedError",
+    "SourceChangedError",
     "StateChangedError",
     "StateError",
     "StoreClosedError",
+    "StreamClosedError",
     "UnsafeFileError",
     "UnsupportedLocationError",
 ]
@@ -127,6 +131,13 @@ class CheckpointNotFoundError(AiotensorError, LookupError, FileNotFoundError):
 class SourceChangedError(AiotensorError, RuntimeError):
     """A file was replaced (or written) while it was being loaded: its data is no longer the data its
     header, read first, describes. Nothing read from it is returned or switched to; load again."""
+
+
+class StreamClosedError(AiotensorError, RuntimeError):
+    """A stream asked for its next tensor after it was cut short: a wait for a tensor was cancelled
+    (a per-tensor timeout) or a read failed, which closed it. What it gave is only part of its
+    source; open a new stream. (A stream closed by ``aclose()`` or its ``async with`` ends as an
+    iterator does, ``StopAsyncIteration``.)"""
 
 
 class CheckpointExistsError(AiotensorError, FileExistsError):

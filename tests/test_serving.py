@@ -1174,3 +1174,40 @@ async def test_load_into_refuses_a_module_tensor_whose_elements_overlap(tmp_path
     m.weight.data = torch.zeros(4, 4).t()
     await aiotensor.load_into(m, tmp_path / "m.safetensors")
     assert torch.equal(m.weight, w) and torch.equal(m.bias, b)
+
+
+async def test_a_stream_cut_short_by_a_cancelled_wait_says_so_when_asked_again(tmp_path: Any) -> None:
+    """A per-tensor timeout (``wait_for(anext(s), t)``) cancels the wait and closes the stream; a
+    consumer that went on got StopAsyncIteration, as if the file had no more tensors, and kept
+    part of the weights (helper-66). Now a StreamClosedError; a stream closed by aclose() still
+    ends as an iterator does."""
+    import asyncio
+    import threading
+
+    from aiotensor.errors import StreamClosedError
+    from aiotensor.testing import FaultyEngine
+
+    st_save({f"t{i}": torch.randn(1 << 16) for i in range(8)}, str(tmp_path / "m.safetensors"))
+    slow = threading.Event()
+
+    def hook(op: tuple[Any, ...]) -> None:
+        if slow.is_set() and op[0] in ("pread", "preadv", "readinto"):
+            threading.Event().wait(0.2)  # a slow disk: the consumer's timeout comes first
+
+    sched = aiotensor.Scheduler(FaultyEngine(hook=hook))
+    try:
+        async with stream(tmp_path / "m.safetensors", scheduler=sched, window_bytes=1 << 18) as s:
+            await anext(s)
+            slow.set()
+            with pytest.raises(TimeoutError):
+                while True:
+                    await asyncio.wait_for(anext(s), 0.05)
+            with pytest.raises(StreamClosedError, match="closed part way \\(a wait for its next tensor was cancelled\\)"):
+                await anext(s)
+    finally:
+        sched.close()
+    async with stream(tmp_path / "m.safetensors") as s:
+        await anext(s)
+        await s.aclose()
+        with pytest.raises(StopAsyncIteration):
+            await anext(s)

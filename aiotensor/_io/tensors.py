@@ -238,9 +238,14 @@ def check_into(
     return missing, unexpected
 
 
+_COUNTED = 1 << 22  # elements whose offsets overlaps() counts (32 MB of int64s, ~0.3 s)
+
+
 def check_fillable(t: torch.Tensor, what: str) -> None:
     """A MismatchError where two elements of ``t`` (``what``, in the message) are one memory
     location: no load can fill it (torch's ``copy_`` mixes the values without a word)."""
+    if t.is_contiguous():  # (nothing to look at: 50,000 tensors of a state cost 60 ms, helper-66)
+        return
     strides = t.stride()
     if 0 in strides and t.numel() > 1 and any(n > 1 for st_, n in zip(strides, t.shape, strict=True) if st_ == 0):
         raise MismatchError(f"{what} is expanded (a stride of 0): its elements share memory, not fillable")
@@ -254,8 +259,10 @@ def check_fillable(t: torch.Tensor, what: str) -> None:
 def overlaps(t: torch.Tensor) -> bool:
     """Do two elements of ``t`` lie at one memory location (an ``as_strided`` view of overlapping
     strides)? Each dimension's stride, smallest first, must pass every offset the smaller ones reach
-    (a contiguous tensor, a transpose, a slice: ~1 us); where it does not, the offsets of its
-    elements are counted (a layout no ordinary view has)."""
+    (a contiguous tensor, a transpose, a slice: ~1 us). Where it does not: more elements than
+    locations they span overlap (a sliding window, ``unfold``); else, up to :data:`_COUNTED`
+    elements, their offsets are counted (a layout no ordinary view has); beyond, taken as not
+    overlapping (counting them took seconds and gigabytes, helper-66)."""
     if t.numel() <= 1:
         return False
     dims = sorted((st_, n) for st_, n in zip(t.stride(), t.shape, strict=True) if n > 1)
@@ -265,6 +272,11 @@ def overlaps(t: torch.Tensor) -> bool:
             break
         reach += stride * (n - 1)
     else:
+        return False
+    span = sum(stride * (n - 1) for stride, n in dims) + 1
+    if t.numel() > span:
+        return True
+    if t.numel() > _COUNTED:
         return False
     offsets = torch.zeros((), dtype=torch.int64)
     for stride, n in dims:

@@ -24,7 +24,7 @@ from .._io.tensors import check_device
 from .._runtime import cuda, threads
 from .._runtime.scheduler import Priority, Scheduler
 from ..engines import Engine
-from ..errors import CheckpointNotFoundError, MismatchError
+from ..errors import CheckpointNotFoundError, MismatchError, StreamClosedError
 from ..location import engine_for, local_path
 
 Keys = sources.Keys
@@ -88,6 +88,13 @@ _HOLD = 64
 
 
 _PARTS = attrgetter("parts")
+
+
+def _why(e: BaseException, what: str) -> str:
+    """Why a stream closed part way: ``what`` was cancelled, or failed with ``e``."""
+    if isinstance(e, anyio.get_cancelled_exc_class()) or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        return f"{what} was cancelled"
+    return f"{what} failed: {type(e).__name__}"
 
 
 def _pairs(names: list[tuple[str, ...]], got: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -171,6 +178,7 @@ class _Stream:
         self._reader: anyio.CancelScope | None = None
         self._reader_done: anyio.Event | None = None
         self._closed = False
+        self._cut: str | None = None  # why it closed before its end, where it did (StreamClosedError)
         self._yielded = 0.0  # when the consumer last let other tasks run
         self._later: Callable[[Callable[[], Awaitable[None]]], None] | None = None  # spawns on its loop, from any thread
 
@@ -180,6 +188,8 @@ class _Stream:
         if not self._closed and time.perf_counter() - self._yielded > knobs.YIELD_S:
             await self._wait(ready=True)
         if self._closed:
+            if self._cut is not None:  # (ending as if done: a consumer that went on after a timeout had half a model)
+                raise StreamClosedError(f"the stream of {self.source} was closed part way ({self._cut}); open a new stream")
             raise StopAsyncIteration
         if self._run:  # the rest of a batch that landed: ~1 us a tensor
             return self._take()
@@ -193,7 +203,8 @@ class _Stream:
                     plan = await sched.call(
                         _planned, sched.engine, self.source, self._keys, self._rows, self._batch_bytes, priority=Priority.LOAD
                     )
-            except BaseException:
+            except BaseException as e:
+                self._cut = _why(e, "its opening")
                 with anyio.CancelScope(shield=True):
                     await self._close()
                 raise
@@ -206,6 +217,7 @@ class _Stream:
             await self._wait()
         got = self._ready.pop(self._next)
         if isinstance(got, BaseException):
+            self._cut = _why(got, "a read")
             await self._close()
             raise got
         self._run, self._run_bytes = got, self._batches[self._next][2]
@@ -225,7 +237,8 @@ class _Stream:
         cancelled meanwhile, the stream is closed."""
         try:
             await (anyio.lowlevel.checkpoint() if ready else self._next_change())
-        except BaseException:
+        except BaseException as e:
+            self._cut = _why(e, "a wait for its next tensor")
             with anyio.CancelScope(shield=True):
                 await self._close()
             raise
