@@ -422,7 +422,9 @@ class TensorStream:
     ``region``..., and ``allow_http``) over the ``AWS_*`` environment (``docs/store.md``).
 
     Cancellation: cancelling the task that iterates cancels the reads in flight; the stream is
-    then closed (its reader task stopped, nothing left writing).
+    then closed (its reader task stopped, nothing left writing), and asked again it raises
+    :class:`~aiotensor.errors.StreamClosedError` (what it gave is only part of the source), as it
+    does after a read that failed.
     """
 
     def __init__(
