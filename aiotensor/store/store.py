@@ -910,7 +910,8 @@ class TensorStore:
         (the same on 1 and N processes). In one process, a strict load puts the saved values under
         a dict ``into`` holds empty (a fresh optimizer's ``state``) there, new tensors included;
         under a process group DCP reads only the tensors ``into`` has. ``atomic=True`` verifies every checksum before writing into
-        ``into``, so a corrupt step leaves it untouched. ``progress(done, total)``: as for ``save``.
+        ``into``, so a corrupt step leaves it untouched (a cancellation while it writes does not:
+        see below). ``progress(done, total)``: as for ``save``.
 
         ``mmap=True`` (CPU, without ``into``, a local store) copies nothing: the tensors are
         copy-on-write views of the step's shard files (as ``load_file(mmap=True)``), their
