@@ -24,13 +24,25 @@ from .._runtime import gil
 from .._runtime.buffers import PAGE, address, copy_bytes, disjoint, memory_at, move, prefault, round_up
 from .._runtime.scheduler import Priority, Scheduler, given_up
 from ..engines import Engine
-from ..errors import ChecksumError, FormatError, ManifestError, MismatchError, SourceChangedError, annotate_oserror
+from ..errors import ChecksumError, FormatError, ManifestError, SourceChangedError, annotate_oserror
 from ..formats import checksum
 from ..formats import manifest as mf
 from ..formats import safetensors as st
 from ..formats.dtypes import SAFETENSORS_TO_TORCH
 from .plan import shard_header
-from .tensors import Block, Target, byte_view, copy_tensor, crc_of_pieces, direct, io_bytes, modified, spans, wait_for_streams
+from .tensors import (
+    Block,
+    Target,
+    byte_view,
+    check_fillable,
+    copy_tensor,
+    crc_of_pieces,
+    direct,
+    io_bytes,
+    modified,
+    spans,
+    wait_for_streams,
+)
 
 Check = Callable[[Engine, int], None]
 """What a file must pass as it is opened to read its data, given the engine and its descriptor
@@ -562,12 +574,8 @@ def _read_units(sched: Scheduler, targets: Sequence[Target], odirect: bool) -> t
                 for a, b in spans(spec.nbytes, piece)
             ]
             continue
-        if torch._debug_has_internal_overlap(dst) == 1:  # (planned before this file's reads: none of them written)
-            raise MismatchError(
-                f"tensor {spec.key!r}: the tensor to read it into has elements that share memory (an expand()ed "
-                "view, stride 0), which nothing can be written into; make it a tensor of its own (.clone()) first "
-                "(helper-59: torch's RuntimeError)"
-            )
+        # (planned before this file's reads: none of them written; helper-59: torch's RuntimeError)
+        check_fillable(dst, f"tensor {spec.key!r}: the tensor to read it into")
         rows = dst.shape[0] if dst.dim() else 1
         row_bytes = spec.nbytes // rows
         per = max(1, host // row_bytes)

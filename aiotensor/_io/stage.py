@@ -156,7 +156,7 @@ def _stage_units(
             keys = list(map(_KEY, some))
             srcs = list(map(sources.__getitem__, keys))
             at = list(map(base.__add__, map(_OFFSET, some)))
-            sizes = list(map(_SIZE, some))
+            sizes = list(map(_NBYTES, some))
             if max(sizes, default=0) <= chunk and all_direct(srcs):
                 pieces += st.rows(_StageUnit, keys, repeat(_NO_SOURCE), at, sizes, repeat(False))
                 cpu += _spans(srcs, at, sizes, chunk)
@@ -239,8 +239,8 @@ def _on_device(plan: SavePlan, sources: dict[str, torch.Tensor], offsets: set[in
 
 _NO_SOURCE = torch.empty(0)
 _START = itemgetter(2)  # (of a _StageUnit)
-_NBYTES = attrgetter("nbytes")  # (of a _StageUnit or _Spans)
-_KEY, _OFFSET, _SIZE = attrgetter("key"), attrgetter("offset"), attrgetter("nbytes")  # (of a TensorSpec)
+_NBYTES = attrgetter("nbytes")  # (of a _StageUnit, a _Spans or a TensorSpec)
+_KEY, _OFFSET = attrgetter("key"), attrgetter("offset")  # (of a TensorSpec)
 _DATA_PTR = torch.Tensor.data_ptr
 _SPANS = 1024  # tensors looked at per C loop (the GIL held ~0.1 ms)
 
