@@ -336,7 +336,7 @@ def _plan(
                 raise MismatchError(
                     f"tensor {name!r}: {source} has {e.dtype}, which torch cannot copy into the module's {dst.dtype}"
                 )
-            if place is _itself and not dst.is_meta and not dst.is_contiguous():  # (filled in place)
+            if place is _itself and not dst.is_meta:  # (filled in place)
                 check_fillable(dst, f"the module's tensor {name!r}")
             names = ties.get(name)
             if names is None:

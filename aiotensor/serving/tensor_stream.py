@@ -92,7 +92,7 @@ _PARTS = attrgetter("parts")
 
 def _why(e: BaseException, what: str) -> str:
     """Why a stream closed part way: ``what`` was cancelled, or failed with ``e``."""
-    if isinstance(e, anyio.get_cancelled_exc_class()) or isinstance(e, (KeyboardInterrupt, SystemExit)):
+    if isinstance(e, (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit)):
         return f"{what} was cancelled"
     return f"{what} failed: {type(e).__name__}"
 
