@@ -15,6 +15,7 @@ under a save).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -260,18 +262,31 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
         report["traceback"] = traceback.format_exc()[-3000:]
         raise
     finally:
+        if mode != "kill" and dist.is_initialized():
+            from aiotensor.store.distributed import _SIDES
+
+            sides = [weakref.ref(side._group()) for side in _SIDES.values() if side._group() is not None]
+            dist.destroy_process_group()
+            gc.collect()
+            report["side_groups_left"] = sum(ref() is not None for ref in sides)  # freed with torch's registry
         with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
             json.dump(report, f)
-        if mode != "kill" and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _run_rank(rank: int, world: int, path: str, port: int, mode: str, out: str) -> None:
+    """One rank; it leaves with ``os._exit``: importing torch.distributed.checkpoint keeps 10 more
+    references to the default group (torch's, not aiotensor's), so its gloo threads live on into the
+    interpreter's exit, where a rank now and then aborted ("terminate called without an active
+    exception", pytorch/pytorch#179291) after it had done and reported everything."""
+    code = 0
     try:
         rank_main(rank, world, path, port, mode, out)
     except BaseException:
         traceback.print_exc()
-        sys.exit(1)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def test_a_store_under_a_process_group_saves_sharded_state_and_3_ranks_load_what
     assert r.returncode == 0, r.stderr[-3000:]
     for rep in _reports(tmp_path / "two", 2):  # 3 saves with keep_last=2; sharded and whole loads
         assert rep == {
-            "rank": rep["rank"], "steps": [2, 3], "loaded_ok": True, "whole_ok": True, "strict_lacking": True, "partial_ok": True
+            "rank": rep["rank"], "steps": [2, 3], "loaded_ok": True, "whole_ok": True, "strict_lacking": True, "partial_ok": True,
+            "side_groups_left": 0,  # the store's gloo group freed by destroy_process_group(), not at the exit
         }  # fmt: skip
     names = sorted(os.listdir(root))
     assert names == [".aiotensor.lock", "latest", "step-000000000002", "step-000000000003"]

@@ -12,6 +12,7 @@ import functools
 import os
 import threading
 import warnings
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -186,8 +187,12 @@ class Group:
         return gone
 
     def close(self) -> None:
+        """Let go of aiotensor's group: torch's registry keeps it while it lives, and
+        ``destroy_process_group()`` frees it (kept here, its gloo threads ran on into the
+        interpreter's exit, where a rank may abort: "terminate called without an active exception")."""
         if self.saver is not None:
             self.saver.close()
+        self.saver = self._group = None
 
 
 class Side:
@@ -200,7 +205,7 @@ class Side:
 
     def __init__(self, ranks: tuple[int, ...] = (), timeout: Any = None) -> None:
         self.ranks, self.timeout = ranks, timeout
-        self.group: Any = None  # made by the first store that opens on these ranks (:meth:`joined`)
+        self._group: Callable[[], Any] = lambda: None  # a weak reference to the group :meth:`joined` made
         self._turns = threading.Condition()
         self._next = 0  # the next ticket
         self._serving = 0  # the ticket whose turn it is
@@ -214,10 +219,13 @@ class Side:
     def joined(self) -> Any:
         """aiotensor's gloo group over these ranks, made where there is none (or the one there was
         destroyed with ``destroy_process_group()``); blocking, a collective of the ranks: called in
-        an open's turn, so that every rank makes it at the same place of its order."""
-        if self.group is None or not _alive(self.group):
-            self.group = dist.new_group(list(self.ranks), timeout=self.timeout, backend="gloo", use_local_synchronization=True)
-        return self.group
+        an open's turn, so that every rank makes it at the same place of its order. Held weakly: torch's
+        registry keeps it alive until ``destroy_process_group()``, which frees it (see :meth:`Group.close`)."""
+        group = self._group()
+        if group is None or not _alive(group):
+            group = dist.new_group(list(self.ranks), timeout=self.timeout, backend="gloo", use_local_synchronization=True)
+            self._group = weakref.ref(group)
+        return group
 
     def wait(self, ticket: int) -> None:
         """Block until ``ticket``'s turn."""
