@@ -46,7 +46,7 @@ from torch.futures import Future
 from . import commit, errors, sources
 from . import root as _root
 from ._io.assemble import read
-from ._io.tensors import assign
+from ._io.tensors import assign, check_fillable
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .engines import Engine
 from .engines.posix import PosixEngine
@@ -497,9 +497,10 @@ def _fill(planner: LoadPlanner, req: Any, t: torch.Tensor) -> None:
     for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
         t = t.narrow(dim, start, length)
     target = planner.resolve_tensor(req).detach()
+    fqn = req.storage_index.fqn
     if target.size() != t.size():
-        fqn = req.storage_index.fqn
         raise errors.MismatchError(f"{fqn}: the checkpoint has {list(t.size())}, the target {list(target.size())}")
+    check_fillable(target, f"the tensor loaded into for {fqn!r}")  # (copy_ into an as_strided one mixed values)
     assign(target, t)
     planner.commit_tensor(req, target)
 

@@ -496,6 +496,34 @@ def test_a_distributed_store_in_one_rank_saves_loads_and_snapshots_without_skipp
         TensorStore(tmp_path / "root", readonly=True, distributed=True)
 
 
+def test_a_load_into_a_tensor_whose_elements_share_memory_is_refused(tmp_path: Any, one_rank_group: Any) -> None:
+    """A target whose elements share memory (as_strided, expand) cannot hold a stored tensor: DCP's
+    copy into an as_strided one mixed the values without a word, into an expanded one it raised
+    torch's bare RuntimeError. Now a MismatchError naming the tensor, through DCP and a store."""
+    path = tmp_path / "step-000000000001"
+    w = torch.arange(12.0).view(3, 4)
+    dcp.save({"w": w}, storage_writer=AiotensorWriter(path))
+    for target, why in [
+        (torch.zeros(6).as_strided((3, 4), (1, 1)), "one memory location"),
+        (torch.zeros(4).expand(3, 4), "expanded"),
+    ]:
+        before = target.clone()
+        with pytest.raises(CheckpointException, match=f"MismatchError: the tensor loaded into for 'w' .*{why}"):
+            dcp.load({"w": target}, storage_reader=AiotensorReader(path))
+        assert torch.equal(target, before)
+
+    async def main() -> None:
+        async with TensorStore(tmp_path / "root", distributed=True) as store:
+            await store.save(1, {"w": w})
+            with pytest.raises(MismatchError, match="'w' has strides .* one memory location"):
+                await store.load(into={"w": torch.zeros(6).as_strided((3, 4), (1, 1))})
+            into = {"w": torch.zeros(3, 4)}
+            await store.load(into=into)
+            assert torch.equal(into["w"], w)
+
+    anyio.run(main)
+
+
 def test_a_distributed_store_saves_again_where_dcps_stager_closes_itself(
     tmp_path: Any, one_rank_group: Any, monkeypatch: Any
 ) -> None:
