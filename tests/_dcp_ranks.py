@@ -124,10 +124,11 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
 
                 import numpy as np
 
-                await store.save(1, sharded(1) | {"best": np.float64(0.25), "sched": {"last_epoch": 7}})
-                into = sharded(0) | {"best": 0.0}
+                await store.save(1, sharded(1) | {"best": np.float64(0.25), "seen": np.int64(5), "sched": {"last_epoch": 7}})
+                into = sharded(0) | {"best": 0.0, "seen": 0}
                 await store.load(into=into)
                 report["best"] = [into["best"], type(into["best"]).__name__]
+                report["seen"] = [into["seen"], type(into["seen"]).__name__]
                 lacking = {"w": sharded(0)["w"], "b": torch.zeros(3), "sched": {}}  # a fresh scheduler's {}
                 await store.load(1, into=lacking)  # strict: the saved values it lacks are put there
                 report["added"] = [lacking.get("step"), lacking.get("best"), lacking["sched"]]

@@ -285,6 +285,7 @@ def test_a_distributed_save_keeps_values_as_a_store_does_and_refuses_what_it_can
     assert r.returncode == 0, r.stderr[-3000:]
     for rep in _reports(tmp_path / "out", 2):
         assert rep["best"] == [0.25, "float"], rep
+        assert rep["seen"] == [5, "int"], rep  # a numpy int64: its value (DCP would pickle numpy's)
         assert rep["added"] == [1, 0.25, {"last_epoch": 7}], rep  # a strict load puts what into lacks, as in one process
         assert rep["error"].startswith("StateError: cannot save argparse.Namespace at 'args'"), rep
         assert rep["named_twice"].startswith("StateError: under distributed=True a state is saved by DCP's dotted names"), rep

@@ -180,6 +180,26 @@ def test_tree_keeps_types_exactly() -> None:
     assert back == {**state, "t": back["t"]} and back["a"][5] == (3, 4) and back["t"] is state["t"]
 
 
+def test_numpy_scalars_come_back_as_their_numpy_type_and_hostile_ones_are_refused() -> None:
+    """A metric or a loader's index is often a numpy scalar (``np.float32``, ``np.int64``): a save
+    refused them ("convert it"), numpy's float64 came back a float. Now each comes back as its
+    own numpy type and value, nan and inf too; what JSON cannot hold exactly is still refused."""
+    import numpy as np
+
+    values = [np.float32(0.1), np.float16(-1.5), np.float64(2.0), np.int8(-7), np.uint64(2**64 - 1), np.bool_(False)]
+    values += [np.float32("nan"), np.float64("-inf")]
+    tree, _ = flatten({"v": values})
+    back = unflatten(json.loads(json.dumps(tree, allow_nan=False)), lambda k: None)["v"]
+    assert [type(b) for b in back] == [type(v) for v in values]
+    assert all(b == v or (np.isnan(b) and np.isnan(v)) for b, v in zip(back, values, strict=True))
+    for refused in (np.complex64(1j), np.longdouble(1), np.datetime64("2020"), np.arange(3)):
+        with pytest.raises(StateError, match=f"cannot save numpy.{type(refused).__name__} at 'x'"):
+            flatten({"x": refused})
+    for bad in (["int8", 300], ["int8", 1.0], ["float32", "x"], ["f4", 1.0], ["object", 1], ["complex64", 1.0], ["nope", 1]):
+        with pytest.raises(ManifestError, match="numpy scalar"):
+            unflatten({"numpy": bad}, lambda k: None)
+
+
 def test_tree_rejects_unknown_leaves_with_key_path() -> None:
     class Thing:
         pass

@@ -23,6 +23,7 @@ from .._runtime.native import native
 from ..errors import FormatError, HeaderError, StateError
 from ..knobs import JSON_CHUNK_VALUES
 from .dtypes import ITEMSIZE, PACKED, nbytes_of, packing_problem
+from .tree import TAGS
 
 ALIGN = 4096
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
@@ -175,7 +176,7 @@ def first_leaf(obj: Any, test: Callable[[Any], bool], key: Any = None) -> tuple[
         for k, v in obj.items():
             if test(k):
                 return key, k, True
-            got = first_leaf(v, test, key if len(obj) == 1 and k in _TAGS else k)
+            got = first_leaf(v, test, key if len(obj) == 1 and k in TAGS else k)
             if got is not None:
                 return got
     elif isinstance(obj, (list, tuple)):
@@ -190,9 +191,6 @@ def first_leaf(obj: Any, test: Callable[[Any], bool], key: Any = None) -> tuple[
 
 def _not_unicode(x: Any) -> bool:
     return isinstance(x, str) and not _encodes(x)
-
-
-_TAGS = frozenset({"dict", "list", "tuple", "items", "odict", "counter", "tensor", "dtype", "float"})  # (tree.py's)
 
 
 def _encodes(name: str) -> bool:

@@ -6,7 +6,9 @@ Nothing is ever pickled: a leaf JSON cannot hold is refused, naming its key path
 Encoding: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are stored as themselves;
 ``{"float": "nan" | "inf" | "-inf"}``, ``{"list": [...]}``, ``{"tuple": [...]}``,
 ``{"dict": {str: ...}}`` (all keys strings) or ``{"items": [[key, value], ...]}`` (other keys),
-``{"dtype": "float32"}`` for a ``torch.dtype``, ``{"tensor": key}``, and
+``{"dtype": "float32"}`` for a ``torch.dtype``, ``{"numpy": ["float32", 0.5]}`` for a numpy bool,
+integer or float scalar of up to 64 bits (a metric, a loader's index: it comes back as that numpy
+type), ``{"tensor": key}``, and
 ``{"odict": [mapping, metadata]}`` for an ``OrderedDict`` (what ``state_dict()`` returns), whose
 ``_metadata`` attribute (the module versions ``load_state_dict`` reads) is kept too, and
 ``{"counter": mapping}`` for a ``collections.Counter`` (``MultiStepLR``'s milestones: as a dict,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping
 from itertools import chain, compress, repeat
@@ -30,6 +33,7 @@ from .._runtime import gil
 from ..errors import ManifestError, StateChangedError, StateError
 
 Path = tuple[Any, ...]
+TAGS = frozenset({"dict", "list", "tuple", "items", "odict", "counter", "tensor", "dtype", "float", "numpy"})  # a node's
 _SCALARS = (type(None), bool, int, str)
 _KEYS = (*_SCALARS, float)  # what a dict's keys may be (instances of)
 _KEY_TYPES, _STR = frozenset(_KEYS), frozenset([str])
@@ -113,7 +117,7 @@ class _Flatten:
         if isinstance(obj, _SCALARS):
             return obj
         if isinstance(obj, float):
-            return _float(obj)
+            return _float(obj) if type(obj) is float else numpy_node(obj) or _float(obj)  # (numpy's float64: one)
         if isinstance(obj, torch.dtype):
             return {"dtype": str(obj).removeprefix("torch.")}
         if type(obj) is Counter:
@@ -132,11 +136,26 @@ class _Flatten:
         if isinstance(obj, (list, tuple)):
             items = [self.walk(v, (*path, i)) for i, v in enumerate(obj)]
             return {"tuple" if isinstance(obj, tuple) else "list": items}
+        if (node := numpy_node(obj)) is not None:
+            return node
         raise StateError(
             f"cannot save {type(obj).__module__}.{type(obj).__qualname__} at {key_path(path)!r}: "
-            "only tensors, dicts, lists, tuples, str, int, float, bool, None and torch.dtype are stored "
-            "(aiotensor never pickles); convert it, for example to a tensor or a string"
+            "only tensors, dicts, lists, tuples, str, int, float, bool, None, torch.dtype and numpy's bool, integer "
+            "and float scalars are stored (aiotensor never pickles); convert it, for example to a tensor or a string"
         )
+
+
+def numpy_node(obj: Any) -> dict[str, list[Any]] | None:
+    """``{"numpy": [dtype name, value]}`` for a numpy bool, integer or float scalar of up to 64
+    bits; None for anything else (numpy's complex, longdouble, datetime64 scalars, arrays)."""
+    np = sys.modules.get("numpy")
+    if np is None or not isinstance(obj, np.generic) or obj.dtype.kind not in _NUMPY_KINDS or obj.dtype.itemsize > 8:
+        return None
+    value = obj.item()
+    return {"numpy": [obj.dtype.name, _float(value) if isinstance(value, float) else value]}
+
+
+_NUMPY_KINDS = {"b": bool, "i": int, "u": int, "f": float}  # numpy's dtype kinds stored, by the value's type
 
 
 def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
@@ -275,7 +294,24 @@ class _Unflatten:
             if not isinstance(dt, torch.dtype):
                 raise self.bad(f"unknown dtype {val!r}")
             return dt
+        if tag == "numpy" and isinstance(val, list) and len(val) == 2 and isinstance(val[0], str):
+            return self.numpy(val[0], self.scalar(val[1]))
         return self.scalar(node)
+
+    def numpy(self, name: str, value: Any) -> Any:
+        """The numpy scalar ``{"numpy": [name, value]}`` stands for (:func:`numpy_node`)."""
+        import numpy as np
+
+        try:
+            dt = np.dtype(name)
+        except TypeError:
+            dt = None
+        if dt is None or dt.name != name or _NUMPY_KINDS.get(dt.kind) is not type(value) or dt.itemsize > 8:
+            raise self.bad(f"unexpected numpy scalar {name!r}: {str(value)[:40]!r}")
+        try:
+            return dt.type(value)
+        except OverflowError:
+            raise self.bad(f"numpy scalar {value!r} out of range for {name}") from None
 
 
 def _tensor_keys(nodes: Collection[Any]) -> list[str] | None:

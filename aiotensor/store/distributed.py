@@ -374,8 +374,9 @@ class Saver:
 
 def plain(state: Any, path: tuple[Any, ...] = ()) -> Any:
     """``state`` with each value as a store keeps it: a subclass of ``float``, ``int``, ``str`` or
-    ``bool`` (numpy's ``float64``) made the plain one, since DCP pickles values and every loader
-    refuses a pickle of numpy's (a step committed that no resume could read: helper-31); what a
+    ``bool`` (numpy's ``float64``) made the plain one, and a numpy scalar its Python value (a store in
+    one process keeps its numpy type), since DCP pickles values and every loader refuses a pickle of
+    numpy's (a step committed that no resume could read: helper-31); what a
     store cannot save is refused here as in one process (:func:`aiotensor.formats.tree.flatten`).
     Tensors (DTensor), ShardedTensors and containers are kept; the containers are new ones.
 
@@ -390,6 +391,8 @@ def plain(state: Any, path: tuple[Any, ...] = ()) -> Any:
             return obj if type(obj) is base else base(obj)
     if obj is None or isinstance(obj, torch.dtype):
         return obj
+    if tree.numpy_node(obj) is not None:  # a numpy scalar: its Python value (DCP would pickle numpy's)
+        return obj.item()
     if isinstance(obj, Mapping):
         out = {k: plain(v, (*path, k)) for k, v in obj.items()}
         return OrderedDict(out) if isinstance(obj, OrderedDict) else out
