@@ -309,6 +309,29 @@ async def test_a_stream_of_a_store_outlives_the_retirement_of_its_step(tmp_path:
         assert len(got) == 64 and all(float(t[0]) == 0.0 and float(t[-1]) == 0.0 for t in got.values())
 
 
+async def test_a_stream_whose_reader_stops_early_raises_and_never_ends_as_if_done(tmp_path: Any, monkeypatch: Any) -> None:
+    """helper-67: a shard gone, and the check of whether its step was damaged or retired failing
+    too (an object store's HEAD timing out), ended the stream's reader with that error unseen: the
+    consumer's `async for` ended normally with none of the 8 tensors. Now it gets the read's error,
+    the failed check noted."""
+    from aiotensor import commit
+
+    root = tmp_path / "store"
+    async with TensorStore(root, shard_bytes=1 << 20) as store:
+        await store.save(1, {f"t{i}": torch.randn(1 << 16) for i in range(8)})
+    os.remove(sorted((root / "step-000000000001").glob("*.safetensors"))[-1])
+
+    def failing(*args: Any) -> Any:
+        raise TimeoutError("the HEAD timed out")
+
+    monkeypatch.setattr(commit, "has_records", failing)
+    got = []
+    with pytest.raises(FileNotFoundError) as e:
+        async for name, _ in stream(root):
+            got.append(name)
+    assert got == [] and "is damaged or was retired is unknown: TimeoutError: the HEAD timed out" in e.value.__notes__[0]
+
+
 async def test_many_small_tensors_are_read_in_batches_and_other_tasks_run_meanwhile(tmp_path: Any) -> None:
     n = 3000
     w = {f"t{i}": torch.full((4,), float(i)) for i in range(n)}

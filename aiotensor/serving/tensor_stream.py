@@ -171,6 +171,7 @@ class _Stream:
         self._run: list[tuple[str, torch.Tensor]] = []  # what is left of the batch taken, reversed
         self._run_bytes = 0  # the window's bytes that batch gives back once it is all taken
         self._failed = False
+        self._error: Exception | None = None  # what ended the reader before a batch could say it
         self._ahead = 0  # bytes in _ready and in flight
         self._flying = 0  # tensors in flight
         self._changed = anyio.Event()  # set, and replaced, when something changed that a waiter wants
@@ -211,9 +212,14 @@ class _Stream:
             self._batches, self._hold, self._step, self._checks = plan.batches, plan.hold, plan.step, plan.checks
             self._start_reader()
         while self._next not in self._ready:
-            if self._next >= len(self._batches) or (self._reader_done is not None and self._reader_done.is_set()):
+            if self._next >= len(self._batches):
                 await self._close()
                 raise StopAsyncIteration
+            if self._reader_done is not None and self._reader_done.is_set():  # it stopped before the end
+                why = self._error or StreamClosedError(f"the stream of {self.source} stopped before its end")
+                self._cut = _why(why, "its reader")
+                await self._close()
+                raise why  # (ending as if done handed out part of the tensors without a word, helper-67)
             await self._wait()
         got = self._ready.pop(self._next)
         if isinstance(got, BaseException):
@@ -297,6 +303,8 @@ class _Stream:
                         self._ahead += nbytes
                         self._flying += len(entries)
                         tg.start_soon(self._read_batch, batch, entries, names, nbytes, fds, slots)
+        except Exception as e:  # (the consumer gets it where the batches it waits for stop)
+            self._failed, self._error = True, e
         finally:
             try:
                 await close(self.scheduler, *fds.values())
@@ -311,9 +319,13 @@ class _Stream:
             return e
         folder = os.path.dirname(e.filename) if isinstance(e.filename, str) else ""
         if folder:
-            broken = await self.scheduler.call(
-                commit.damaged, self.scheduler.engine, folder, self._step, e, priority=Priority.LOAD
-            )
+            try:
+                broken = await self.scheduler.call(
+                    commit.damaged, self.scheduler.engine, folder, self._step, e, priority=Priority.LOAD
+                )
+            except Exception as failed:  # (an object store's HEAD timing out): the read's own error
+                e.add_note(f"whether step {self._step} is damaged or was retired is unknown: {type(failed).__name__}: {failed}")
+                return e
             if broken is not None:
                 return broken
         return CheckpointNotFoundError(
