@@ -1197,6 +1197,15 @@ async def test_load_into_refuses_a_module_tensor_whose_elements_overlap(tmp_path
     m.weight.data = torch.zeros(4, 4).t()
     await aiotensor.load_into(m, tmp_path / "m.safetensors")
     assert torch.equal(m.weight, w) and torch.equal(m.bias, b)
+    # helper-67: one too big to count (2M rows; 0 here) was taken as not overlapping, and filled
+    from unittest import mock
+
+    from aiotensor._io import tensors as tensors_module
+
+    m.weight.data = torch.zeros(32).as_strided((4, 4), (2, 4))  # [2][0] is [0][1]: found by counting only
+    with mock.patch.object(tensors_module, "_COUNTED", 0), pytest.raises(MismatchError, match="'weight' has strides"):
+        await aiotensor.load_into(m, tmp_path / "m.safetensors")
+    assert not m.weight.any()
 
 
 async def test_a_stream_cut_short_by_a_cancelled_wait_says_so_when_asked_again(tmp_path: Any) -> None:

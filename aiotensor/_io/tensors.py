@@ -243,26 +243,35 @@ _COUNTED = 1 << 22  # elements whose offsets overlaps() counts (32 MB of int64s,
 
 def check_fillable(t: torch.Tensor, what: str) -> None:
     """A MismatchError where two elements of ``t`` (``what``, in the message) are one memory
-    location: no load can fill it (torch's ``copy_`` mixes the values without a word)."""
+    location, or may be (:func:`overlaps`): no load can fill it (torch's ``copy_`` mixes the values
+    without a word)."""
     if t.is_contiguous():  # (nothing to look at: 50,000 tensors of a state cost 60 ms, helper-66)
         return
     strides = t.stride()
     if 0 in strides and t.numel() > 1 and any(n > 1 for st_, n in zip(strides, t.shape, strict=True) if st_ == 0):
         raise MismatchError(f"{what} is expanded (a stride of 0): its elements share memory, not fillable")
-    if overlaps(t):
+    shared = overlaps(t)
+    if shared is None:
+        raise MismatchError(
+            f"{what} has strides {list(strides)} for its shape {list(t.shape)}, which do not show that each of its "
+            f"elements has a memory location of its own, and at over {_COUNTED:,} elements they are not counted: "
+            "load into a contiguous tensor (or a transpose or slice of one)"
+        )
+    if shared:
         raise MismatchError(
             f"{what} has strides {list(strides)} for its shape {list(t.shape)}: some of its elements are one memory "
             "location (as_strided), so no load can fill it"
         )
 
 
-def overlaps(t: torch.Tensor) -> bool:
+def overlaps(t: torch.Tensor) -> bool | None:
     """Do two elements of ``t`` lie at one memory location (an ``as_strided`` view of overlapping
-    strides)? Each dimension's stride, smallest first, must pass every offset the smaller ones reach
-    (a contiguous tensor, a transpose, a slice: ~1 us). Where it does not: more elements than
-    locations they span overlap (a sliding window, ``unfold``); else, up to :data:`_COUNTED`
-    elements, their offsets are counted (a layout no ordinary view has); beyond, taken as not
-    overlapping (counting them took seconds and gigabytes, helper-66)."""
+    strides)? None: it cannot tell. Each dimension's stride, smallest first, must pass every offset
+    the smaller ones reach (a contiguous tensor, a transpose, a slice: ~1 us). Where it does not:
+    more elements than locations they span overlap (a sliding window, ``unfold``); else, up to
+    :data:`_COUNTED` elements, their offsets are counted (a layout no ordinary view has); beyond,
+    None (counting them took seconds and gigabytes, helper-66; taken as not overlapping, a load
+    into one of 2M rows mixed its values without a word, helper-67)."""
     if t.numel() <= 1:
         return False
     dims = sorted((st_, n) for st_, n in zip(t.stride(), t.shape, strict=True) if n > 1)
@@ -277,7 +286,7 @@ def overlaps(t: torch.Tensor) -> bool:
     if t.numel() > span:
         return True
     if t.numel() > _COUNTED:
-        return False
+        return None
     offsets = torch.zeros((), dtype=torch.int64)
     for stride, n in dims:
         offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)

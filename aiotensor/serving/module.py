@@ -385,7 +385,7 @@ def _in_place_at_once(
         return None
     have: list[torch.Tensor] = dsts  # type: ignore[assignment]  # (None is none of them now)
     odd = gil.listed(compress(have, map(not_, map(_IS_CONTIGUOUS, have))))
-    if any(map(overlaps, odd)):  # (the loop names it)
+    if not all(map(is_, map(overlaps, odd), repeat(False))):  # (overlapping, or maybe: the loop names it)
         return None
     chosen = set(names)
     return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
