@@ -1090,6 +1090,41 @@ async def test_a_tensor_changed_in_place_before_it_was_copied_out_fails_the_save
         assert_state_equal((await store.load(9))["frozen"], frozen)
 
 
+@pytest.mark.parametrize("small", [False, True])
+async def test_a_tensor_replaced_before_it_was_copied_out_or_without_memory_is_refused(
+    tmp_path: Any, monkeypatch: Any, small: bool
+) -> None:
+    """helper-67, two crashes of the process: a tensor whose data another thread replaced by a
+    smaller one between save() and its copy was copied by the plan's size, past the end of its
+    memory (or past its place in the staging memory, for a bigger one); a ZeroTensor (zeros without
+    memory) was copied from address 0. Now a StateChangedError and a StateError naming the tensor,
+    nothing committed, the store usable. ``small``: among many small tensors (copied in bulk)."""
+    from aiotensor.errors import StateChangedError
+    from aiotensor.store import saving
+
+    p = torch.nn.Parameter(torch.randn(16 if small else 1 << 20))
+    others = {f"t{i}": torch.ones(4) for i in range(3000 if small else 1)}
+    real = saving.stage
+
+    async def replaced_first(*args: Any, **kwargs: Any) -> Any:
+        p.data = torch.empty(0) if not small else torch.randn(1 << 16)  # smaller; among small ones, bigger
+        return await real(*args, **kwargs)
+
+    async with TensorStore(tmp_path) as store:
+        monkeypatch.setattr(saving, "stage", replaced_first)
+        with pytest.raises(StateChangedError, match="tensor 'p' is not the size it was when save"):
+            await store.save(1, {"p": p, **others})
+        monkeypatch.setattr(saving, "stage", real)
+        zero = torch._efficientzerotensor((4096,))
+        with pytest.raises(StateError, match="tensor 'z' is a ZeroTensor"):
+            await store.save(1, {"z": zero, **others})
+        with pytest.raises(StateError, match="tensor 'z' is a ZeroTensor"):
+            await aiotensor.save_file({"z": zero}, tmp_path / "z.safetensors")
+        assert store.steps() == []
+        await store.save(1, {"p": p, **others})
+        assert_state_equal((await store.load(1))["p"], p.detach())
+
+
 async def test_a_second_writer_in_the_same_process_is_told_to_close_the_first(tmp_path: Any) -> None:
     """A notebook cell that opens a store, run again while Out[n] or a Snapshotter keeps the first
     open: the error said to pass lock_timeout=, which waits for ever on a store nobody closes

@@ -19,7 +19,7 @@ from .._runtime.buffers import round_up
 from ..formats import safetensors as st
 from ..formats.dtypes import ITEMSIZE, PACKED, file_shape
 from ..formats.tree import flatten
-from .tensors import check_tensors
+from .tensors import check_tensor, check_tensors
 
 SHARD_METADATA = {"format": "pt"}  # a shard's header ``__metadata__`` (as safetensors' torch writer)
 
@@ -104,6 +104,8 @@ def plan_save(
     # only tensors whose first element lies where another's does can be the same view: their
     # identities are the ones compared (each one cost 1-2 us; 20,000 data pointers, one C loop each)
     ptrs = gil.listed(map(_DATA_PTR, gil.listed(map(_SECOND, tensors))))
+    for key, t in compress(tensors, map(not_, ptrs)) if 0 in ptrs else ():  # at address 0: empty, or a ZeroTensor
+        check_tensor(key, t, devices)
     shared = {p for p, n in Counter(ptrs).items() if n > 1} if len(set(ptrs)) < len(ptrs) else set()
     seen: dict[Any, str] = {}
     aliases: dict[str, str] = {}

@@ -16,6 +16,7 @@ from .. import knobs
 from .._runtime import cuda
 from .._runtime.buffers import HostBuffer, copy_spans, move, same_bytes
 from .._runtime.scheduler import Scheduler, run_concurrently
+from ..errors import StateChangedError
 from ..formats import checksum
 from ..formats import safetensors as st
 from .plan import SavePlan
@@ -157,6 +158,12 @@ def _stage_units(
             srcs = list(map(sources.__getitem__, keys))
             at = list(map(base.__add__, map(_OFFSET, some)))
             sizes = list(map(_NBYTES, some))
+            if list(map(_NBYTES, srcs)) != sizes:  # (copied by the plan's sizes: past the end of its memory, helper-67)
+                key = next(k for k, t, n in zip(keys, srcs, sizes, strict=True) if t.nbytes != n)
+                raise StateChangedError(
+                    f"tensor {key!r} is not the size it was when save() was called (another thread replaced it, or "
+                    "its .data): nothing was saved. Change the state only once `await handle.staged` returns"
+                )
             if max(sizes, default=0) <= chunk and all_direct(srcs):
                 pieces += st.rows(_StageUnit, keys, repeat(_NO_SOURCE), at, sizes, repeat(False))
                 cpu += _spans(srcs, at, sizes, chunk)

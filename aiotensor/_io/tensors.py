@@ -38,6 +38,8 @@ def check_tensor(key: str, t: torch.Tensor, devices: tuple[str, ...] = ("cpu",),
         raise StateError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored (use .to_dense())")
     if t.is_quantized:
         raise StateError(f"tensor {key!r} is quantized; store t.int_repr(), t.q_scale() and t.q_zero_point() instead")
+    if t._is_zerotensor():  # (its memory is none: a copy of its bytes read address 0, helper-67)
+        raise StateError(f"tensor {key!r} is a ZeroTensor (zeros without memory); save torch.zeros_like(t) instead")
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         raise StateError(
             f"tensor {key!r} is a {type(t).__name__}, a tensor subclass that is not plain memory "
