@@ -127,11 +127,20 @@ addresses(PyObject *list, Py_ssize_t n, uintptr_t *out)
 static PyObject *
 copy_spans(PyObject *self, PyObject *args)
 {
-    unsigned long long base;
-    PyObject *starts, *sources, *sizes;
+    PyObject *where, *starts, *sources, *sizes;
     int compare;
-    if (!PyArg_ParseTuple(args, "KO!O!O!p", &base, &PyList_Type, &starts, &PyList_Type, &sources, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "OO!O!O!p", &where, &PyList_Type, &starts, &PyList_Type, &sources, &PyList_Type,
                           &sizes, &compare))
+        return NULL;
+    uintptr_t base; /* checked as every address is ("K" took -1 as 2**64 - 1 without a word) */
+    PyObject *one = PyList_New(1);
+    if (one == NULL)
+        return NULL;
+    Py_INCREF(where);
+    PyList_SET_ITEM(one, 0, where);
+    int ok = addresses(one, 1, &base);
+    Py_DECREF(one);
+    if (!ok)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(starts);
     if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(sizes) != n) {
@@ -145,6 +154,13 @@ copy_spans(PyObject *self, PyObject *args)
     if (!addresses(starts, n, at) || !addresses(sources, n, from) || !addresses(sizes, n, len)) {
         PyMem_Free(at);
         return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (at[i] > UINTPTR_MAX - base || len[i] > UINTPTR_MAX - (base + at[i]) || len[i] > UINTPTR_MAX - from[i]) {
+            PyMem_Free(at);
+            PyErr_SetString(PyExc_OverflowError, "copy_spans: a span past the address space");
+            return NULL;
+        }
     }
     int copied = !compare;
     Py_BEGIN_ALLOW_THREADS

@@ -554,6 +554,13 @@ def test_copy_spans_copies_each_span_and_compares_where_asked(helper: str, monke
     assert buffers.copy_spans(base, starts, sources, sizes, compare=True) is True
     assert torch.equal(dst, want)
     assert buffers.copy_spans(base, [], [], [], compare=True) is False
+    # helper-67: a base past the address space was taken modulo 2**64, a start added to it wrapped,
+    # and the Python code handed ctypes a negative address (a write before the buffer)
+    for args in [(2**64 + base, [4], [at], [2]), (2**63, [2**63 + base], [at], [2]), (-1, [base + 1], [at], [1]),
+                 (base, [-1], [at], [1]), (base, [0], [at], [2**64 - 1])]:  # fmt: skip
+        with pytest.raises(OverflowError):
+            buffers.copy_spans(*args)
+    assert torch.equal(dst, want)
 
 
 @needs_native

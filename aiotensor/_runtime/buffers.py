@@ -76,6 +76,10 @@ def copy_spans(base: int, starts: list[int], sources: list[int], sizes: list[int
     holds its bytes already is not copied; returns whether any span was (without: True)."""
     if _copy_spans is not None:
         return bool(_copy_spans(base, starts, sources, sizes, compare))
+    top = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
+    for start, src, n in zip(starts, sources, sizes, strict=True):  # (the C helper's checks: ctypes wraps)
+        if min(base, start, src, n) < 0 or max(base + start + n, src + n) > top:
+            raise OverflowError("copy_spans: a span past the address space")
     copied = not compare
     for start, src, n in zip(starts, sources, sizes, strict=True):
         if not (compare and same_bytes(base + start, src, n)):
