@@ -785,6 +785,26 @@ def test_overlaps_says_what_the_offsets_say(dims: list[tuple[int, int]]) -> None
         assert overlaps(t) in (None, len(set(offsets)) < len(offsets))
 
 
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 12), hs.integers(0, 6)), min_size=0, max_size=6))
+def test_check_apart_refuses_exactly_the_views_that_share_part_of_their_memory(views: list[tuple[int, int]]) -> None:
+    """check_apart: two views of one buffer that share an element but are not the same view are
+    refused; disjoint ones, empty ones and the same view twice (a tie) pass, as comparing every
+    pair of views' element ranges says."""
+    from aiotensor._io.tensors import check_apart
+
+    base = torch.zeros(20)
+    tensors = [base[a : a + n] for a, n in views]
+    ranges = [(a, a + n) for a, n in views if n]
+    clash = any(r != q and r[0] < q[1] and q[0] < r[1] for i, r in enumerate(ranges) for q in ranges[i + 1 :])
+    names = [f"t{i}" for i in range(len(tensors))]
+    if clash:
+        with pytest.raises(MismatchError, match="share part of their memory"):
+            check_apart(names, tensors, "x")
+    else:
+        check_apart(names, tensors, "x")
+
+
 def test_a_sliding_window_destination_is_refused_at_once() -> None:
     """unfold's windows: more elements than the locations they span, refused without counting
     their offsets (it took 13 s and 6.7 GB for 12 MB of windows, helper-66); a layout too big to

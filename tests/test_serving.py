@@ -1208,6 +1208,39 @@ async def test_load_into_refuses_a_module_tensor_whose_elements_overlap(tmp_path
     assert not m.weight.any()
 
 
+async def test_load_into_refuses_two_tensors_that_share_part_of_their_memory(tmp_path: Any) -> None:
+    """helper-67: two parameters that are overlapping views of one buffer were each read in turn,
+    the shared bytes left holding whichever came last; now a MismatchError naming both, before
+    anything is read (store.load(into=) and load_file(into=) too). Views of one buffer that do not
+    overlap (a flat parameter's) and a tie (one tensor under two names) still load."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    await save_file({"a.weight": a, "b.weight": b}, tmp_path / "m.safetensors")
+    flat = torch.zeros(24)
+    m = torch.nn.Module()
+    m.a, m.b = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+    m.a.weight = torch.nn.Parameter(flat[0:16].view(4, 4))
+    m.b.weight = torch.nn.Parameter(flat[8:24].view(4, 4))
+    for tied in (False, True):  # (a tie elsewhere in the module: the plan's loop, not its columns)
+        if tied:
+            m.c, m.d = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
+            m.d.weight = m.c.weight
+        with pytest.raises(MismatchError, match="'a.weight' and 'b.weight' of the module share part of their memory"):
+            await load_into(m, tmp_path / "m.safetensors", strict=False)
+        assert not flat.any()
+    into = {"a.weight": flat[0:16].view(4, 4), "b.weight": flat[8:24].view(4, 4)}
+    with pytest.raises(MismatchError, match="of `into` share part of their memory"):
+        await aiotensor.load_file(tmp_path / "m.safetensors", into=into)
+    assert not flat.any()
+    flat = torch.zeros(32)
+    m.a.weight, m.b.weight = torch.nn.Parameter(flat[0:16].view(4, 4)), torch.nn.Parameter(flat[16:32].view(4, 4))
+    await load_into(m, tmp_path / "m.safetensors", strict=False)
+    assert torch.equal(flat, torch.cat([a.reshape(-1), b.reshape(-1)]))
+    m.b.weight = m.a.weight  # a tie: one tensor, filled by whichever name the file has
+    await save_file({"a.weight": b}, tmp_path / "tied.safetensors")
+    await load_into(m, tmp_path / "tied.safetensors", strict=False)
+    assert torch.equal(m.b.weight, b)
+
+
 async def test_a_stream_cut_short_by_a_cancelled_wait_says_so_when_asked_again(tmp_path: Any) -> None:
     """A per-tensor timeout (``wait_for(anext(s), t)``) cancels the wait and closes the stream; a
     consumer that went on got StopAsyncIteration, as if the file had no more tensors, and kept

@@ -82,6 +82,7 @@ def check_tensors(tensors: list[tuple[str, torch.Tensor]], devices: tuple[str, .
 
 
 _CHECKED = 1024
+_DATA_PTR, _NBYTES_OF = torch.Tensor.data_ptr, attrgetter("nbytes")
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _DTYPE, _LAYOUT, _IS_NESTED = attrgetter("dtype"), attrgetter("layout"), attrgetter("is_nested")
 
@@ -237,7 +238,38 @@ def check_into(
         if tuple(t.shape) != shape or t.dtype != want:
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
         check_fillable(t, f"tensor {k!r} of `into`")
+    read = [k for k in given if k in specs]
+    check_apart(read, [given[k] for k in read], "`into`")
     return missing, unexpected
+
+
+def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str) -> None:
+    """A MismatchError where two of ``tensors`` (``names``, of ``what``) share part of their memory
+    without being one view of it (a tied weight: both get the same bytes): a load fills the shared
+    bytes with whichever came last, mixing the two (helper-67: two slices of one buffer, each read
+    in turn). Contiguous ones are compared (C loops, numpy's sort): a strided view's span may
+    interleave another's without sharing an element."""
+    if len(tensors) < 2:
+        return
+    at = np.array(gil.listed(map(_DATA_PTR, tensors)), np.int64)  # (a slice per C loop: the GIL changes hands)
+    size = np.array(gil.listed(map(_NBYTES_OF, tensors)), np.int64)
+    keep = np.flatnonzero((size > 0) & np.array(gil.listed(map(torch.Tensor.is_contiguous, tensors)), bool))
+    if keep.size < 2:
+        return
+    order = keep[np.lexsort((size[keep], at[keep]))]
+    lo, hi = at[order], at[order] + size[order]
+    same = (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])  # one view under two names: a tie
+    order, lo, hi = order[np.r_[True, ~same]], lo[np.r_[True, ~same]], hi[np.r_[True, ~same]]
+    top = np.maximum.accumulate(hi)
+    clash = np.flatnonzero(top[:-1] > lo[1:])
+    if clash.size:
+        j = int(clash[0]) + 1
+        i = int(order[:j][np.flatnonzero(hi[:j] > lo[j])[0]])
+        a, b = names[i], names[int(order[j])]
+        raise MismatchError(
+            f"tensors {a!r} and {b!r} of {what} share part of their memory (views of one buffer that overlap): a load "
+            "would fill the shared bytes with whichever came last; give each its own memory, or make them one tensor (a tie)"
+        )
 
 
 _COUNTED = 1 << 22  # elements whose offsets overlaps() counts (32 MB of int64s, ~0.3 s)

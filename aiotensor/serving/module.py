@@ -22,7 +22,7 @@ import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import assign, check_fillable, load_device, mismatch, modified, overlaps, writing
+from .._io.tensors import assign, check_apart, check_fillable, load_device, mismatch, modified, overlaps, writing
 from .._runtime import cuda, gil, threads
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
@@ -361,6 +361,9 @@ def _plan(
             batch, size = ([], [], []), 0
     if batch[0]:
         batches.append(batch)
+    if place is _itself:  # (read straight into the module's tensors)
+        pairs = [(e.names[0], d) for b in batches for e, d in zip(b[0], b[1], strict=True) if d is not None]
+        check_apart([n for n, _ in pairs], [d for _, d in pairs], "the module")
     return batches, list(left), unexpected
 
 
@@ -387,6 +390,7 @@ def _in_place_at_once(
     odd = gil.listed(compress(have, map(not_, map(_IS_CONTIGUOUS, have))))
     if not all(map(is_, map(overlaps, odd), repeat(False))):  # (overlapping, or maybe: the loop names it)
         return None
+    check_apart(names, have, "the module")
     chosen = set(names)
     return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
 
