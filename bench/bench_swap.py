@@ -14,7 +14,11 @@ ours in the same repetition (> 1: we are faster); the others end elsewhere (``pr
 a second copy in fresh memory, so that the module serves whole versions only; ``load_file`` and
 ``stream`` return new tensors). The idle loop's lag is the floor.
 
-    python bench/bench_swap.py [--layers 6] [--reps 5]
+    python bench/bench_swap.py [--layers 6] [--reps 5] [--swaps 8]
+
+Then the resident memory after each of ``--swaps`` whole-model swaps, each tool in a process of its
+own: ``prepare_swap`` + ``apply()`` against safetensors' ``pread`` load switched in with
+``load_state_dict(assign=True)`` (what glibc keeps of the weights switched out shows here).
 """
 
 from __future__ import annotations
@@ -105,6 +109,47 @@ async def run(layers: int, reps: int, folder: str) -> dict[str, Any]:
     return {"bytes": os.path.getsize(path), "rows": rows}
 
 
+MEMORY_CHILD = r"""
+import asyncio, gc, sys, time, psutil, torch
+sys.path.insert(0, sys.argv[4])
+from safetensors.torch import load_file as st_load
+import aiotensor, bench_swap
+tool, path, swaps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+m = bench_swap.model(int(sys.argv[5]))
+rss = []
+
+async def main():
+    for _ in range(swaps):
+        if tool == "ours":
+            (await aiotensor.prepare_swap(m, path)).apply()
+        else:  # new tensors switched in, as a peer's user swaps whole weights
+            m.load_state_dict(st_load(path, backend="pread"), assign=True)
+        gc.collect()
+        await asyncio.sleep(0.3)  # (ours frees the old weights in a worker thread)
+        rss.append(psutil.Process().memory_info().rss)
+
+asyncio.run(main())
+print(" ".join(str(r >> 20) for r in rss))
+"""
+
+
+def memory(path: str, layers: int, swaps: int) -> dict[str, list[int]]:
+    """Resident memory (MiB) after each of ``swaps`` swaps of a whole model, each tool in a
+    process of its own: ours (``prepare_swap`` + ``apply``) and safetensors' ``pread`` load switched
+    in with ``load_state_dict(assign=True)``."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = {}
+    for tool in ("ours", "safetensors pread + load_state_dict(assign=True)"):
+        got = subprocess.run(
+            [sys.executable, "-c", MEMORY_CHILD, "ours" if tool == "ours" else "peer", path, str(swaps), here, str(layers)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        out[tool] = [int(x) for x in got.stdout.split()]
+    return out
+
+
 def table(res: dict[str, Any]) -> str:
     rows = res["rows"]
     best = [min(a["s"], b["s"]) for a, b in zip(*(v for k, v in rows.items() if k.startswith("safetensors")), strict=True)]
@@ -120,15 +165,22 @@ def table(res: dict[str, Any]) -> str:
             f"| {name} | {1e3 * statistics.median(r['s'] for r in runs):.0f} | {'' if ratio is None else f'{ratio:.2f}'} | "
             f"{statistics.median(r['worst_ms'] for r in runs):.1f} | {statistics.median(r['p99_ms'] for r in runs):.1f} |"
         )
+    if res.get("memory"):
+        out += ["", "Resident memory (MiB) after each swap of the whole model, each tool in a process of its own:", ""]
+        out += ["| tool | " + " | ".join(f"swap {i + 1}" for i in range(len(next(iter(res["memory"].values()))))) + " |"]
+        out += ["|---|" + "---|" * len(next(iter(res["memory"].values())))]
+        out += [f"| {tool} | " + " | ".join(map(str, rss)) + " |" for tool, rss in res["memory"].items()]
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     p = parser(__doc__, "swap")
     p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--swaps", type=int, default=8, help="swaps per process in the memory section")
     a = p.parse_args()
     a.reps = max(a.reps, 1)
     res = asyncio.run(run(a.layers, a.reps, a.dir))
+    res["memory"] = memory(os.path.join(a.dir, f"model-{VOCAB}-{a.layers}x{D}.safetensors"), a.layers, a.swaps)
     text = table(res)
     print(text)
     write_results(a.out, "swap", text, res)

@@ -24,6 +24,7 @@ from .. import knobs, sources
 from .._io.assemble import Entry, read
 from .._io.tensors import assign, check_apart, check_fillable, load_device, mismatch, modified, overlaps, writing
 from .._runtime import cuda, gil, threads
+from .._runtime.buffers import give_back_freed
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
 from ..errors import MismatchError
 from ..location import engine_for, local_path
@@ -591,7 +592,15 @@ class Swap:
                 p.data = new
         modified(now)  # a graph made from the old weights refuses backward() (helper-49), as after load_into
         old = [d for d in old if d.is_cpu]  # (CUDA memory back to torch's cache at once)
-        threads.in_worker(old.clear)
+        threads.in_worker(functools.partial(_let_go, old))
+
+
+def _let_go(old: list[torch.Tensor]) -> None:
+    """Free the weights a swap switched out, and give the memory back to the system (kept by the C
+    library, a server's memory grew with each swap: :func:`~aiotensor._runtime.buffers.give_back_freed`)."""
+    if old:
+        old.clear()
+        give_back_freed()
 
 
 _KIND, _DATA, _PTR = attrgetter("dtype", "shape", "device"), attrgetter("data"), torch.Tensor.data_ptr
