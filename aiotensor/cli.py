@@ -26,6 +26,7 @@ from .commit import Publication
 from .engines import Engine, default_engine
 from .errors import CheckpointNotFoundError
 from .files import save_file, write_safetensors
+from .formats import tree
 from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
 from .location import absolute, engine_for, is_folder, local_path
 from .serving import save_torch
@@ -420,8 +421,8 @@ async def convert(
                 await save_file(got, dst, scheduler=sched)
             else:
                 state = info.state(got.__getitem__) if info.state is not None else got
-                if to == "torch":
-                    await save_torch(state, dst, scheduler=sched)
+                if to == "torch":  # (numpy scalars as Python values: torch.load(weights_only=True) refuses numpy's)
+                    await save_torch(tree.python_values(state), dst, scheduler=sched)
                 else:
                     async with TensorStore(dst, engine=sched.engine) as store:
                         await store.save(step if step is not None else info.step or 0, state)  # a step keeps its number

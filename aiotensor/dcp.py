@@ -46,7 +46,7 @@ from torch.futures import Future
 from . import commit, errors, sources
 from . import root as _root
 from ._io.assemble import read
-from ._io.tensors import assign, check_fillable
+from ._io.tensors import assign, check_apart, check_fillable
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .engines import Engine
 from .engines.posix import PosixEngine
@@ -435,14 +435,18 @@ class AiotensorReader(_MetadataOnce, StorageReader):
         planner = _SafeBytes(planner, self.path)  # type: ignore[assignment]
         per_file: dict[str, list[Any]] = {}
         direct: dict[str, dict[str, tuple[Any, torch.Tensor]]] = {}  # file -> key -> (request, target)
+        written: list[tuple[str, torch.Tensor]] = []  # every tensor this rank's reads fill
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            if info["file"] and req.type == LoadItemType.TENSOR:
+            if req.type == LoadItemType.TENSOR:
                 target = planner.resolve_tensor(req).detach()
-                if self._whole(req, target) and info["key"] not in direct.get(info["file"], {}):
+                written.append((req.storage_index.fqn, target))
+                if info["file"] and self._whole(req, target) and info["key"] not in direct.get(info["file"], {}):
                     direct.setdefault(info["file"], {})[info["key"]] = (req, target)
                     continue
             per_file.setdefault(info["file"], []).append(req)
+        # (two overlapping views of one buffer were filled in turn, mixed: helper-68)
+        check_apart([n for n, _ in written], [t for _, t in written], "the state loaded into")
 
         async def read_all(sched: Scheduler) -> None:
             """All of this rank's reads, a file at a time: whole items straight into their targets
@@ -529,7 +533,8 @@ def _store_metadata(m: mf.Manifest) -> md.Metadata:
         key = stand_in.get(id(value)) if isinstance(value, torch.Tensor) else None
         if key is None:
             sdm[fqn] = md.BytesStorageMetadata()
-            storage[md.MetadataIndex(fqn)] = {"file": "", "key": fqn, "value": value}
+            # (a numpy scalar as its Python value: DCP hands values over pickled, helper-68)
+            storage[md.MetadataIndex(fqn)] = {"file": "", "key": fqn, "value": tree.python_values(value)}
             continue
         spec = m.entries[m.aliases.get(key, key)].spec
         shape = torch.Size(torch_shape(spec.dtype, spec.shape))

@@ -512,6 +512,14 @@ def test_a_load_into_a_tensor_whose_elements_share_memory_is_refused(tmp_path: A
         with pytest.raises(CheckpointException, match=f"MismatchError: the tensor loaded into for 'w' .*{why}"):
             dcp.load({"w": target}, storage_reader=AiotensorReader(path))
         assert torch.equal(target, before)
+    # two overlapping views of one buffer (helper-68: each filled in turn, mixed)
+    dcp.save({"a": torch.arange(8.0), "b": torch.arange(8.0) + 100}, storage_writer=AiotensorWriter(tmp_path / "two"))
+    buf = torch.zeros(16)
+    with pytest.raises(CheckpointException, match="MismatchError: tensors 'a' and 'b' of the state loaded into share part"):
+        dcp.load({"a": buf[:8], "b": buf[4:12]}, storage_reader=AiotensorReader(tmp_path / "two"))
+    assert not buf.any()
+    tied = torch.zeros(8)  # one tensor under two names: filled by both, as it was
+    dcp.load({"a": tied, "b": tied}, storage_reader=AiotensorReader(tmp_path / "two"))
 
     async def main() -> None:
         async with TensorStore(tmp_path / "root", distributed=True) as store:
@@ -523,6 +531,30 @@ def test_a_load_into_a_tensor_whose_elements_share_memory_is_refused(tmp_path: A
             assert torch.equal(into["w"], w)
 
     anyio.run(main)
+
+
+def test_numpy_scalars_of_a_one_process_step_read_through_dcp_and_converted(tmp_path: Any, one_rank_group: Any) -> None:
+    """helper-68: a one-process step holding numpy scalars (kept as numpy's since 3d103f6) could not
+    be read through DCP (its values go pickled, and numpy's is refused) nor converted to a torch.save
+    file that torch.load(weights_only=True) reads. Both now have the Python values."""
+    import numpy as np
+
+    async def save() -> None:
+        async with TensorStore(tmp_path / "root") as store:
+            await store.save(1, {"w": torch.ones(3), "loss": np.float64(0.5), "seen": [np.int64(3)]})
+
+    anyio.run(save)
+    step = tmp_path / "root" / "step-000000000001"
+    into: dict[str, Any] = {"w": torch.zeros(3), "loss": 0.0, "seen": [0]}
+    dcp.load(into, storage_reader=AiotensorReader(step))
+    assert into["loss"] == 0.5 and type(into["loss"]) is float and into["seen"] == [3] and torch.equal(into["w"], torch.ones(3))
+    out = tmp_path / "o.pt"
+    r = subprocess.run(
+        [sys.executable, "-m", "aiotensor", "convert", str(step), str(out), "--to", "torch"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    got = torch.load(out, weights_only=True)
+    assert got["loss"] == 0.5 and got["seen"] == [3]
 
 
 def test_a_distributed_store_saves_again_where_dcps_stager_closes_itself(

@@ -584,7 +584,7 @@ async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_p
     in_worker = threads.in_worker
 
     def spy(fn: Any) -> None:
-        items = fn.__self__  # old.clear: the list of the weights switched out
+        items = fn.args[0]  # _let_go(old): the list of the weights switched out
         given.append({t.data_ptr() for t in items})
         for t in items:
             weakref.finalize(t, lambda: freed_in.append(threading.current_thread().name))
@@ -1230,6 +1230,15 @@ async def test_load_into_refuses_two_tensors_that_share_part_of_their_memory(tmp
     into = {"a.weight": flat[0:16].view(4, 4), "b.weight": flat[8:24].view(4, 4)}
     with pytest.raises(MismatchError, match="of `into` share part of their memory"):
         await aiotensor.load_file(tmp_path / "m.safetensors", into=into)
+    # helper-68: a strided view beside another (a transpose, a column slice) went unchecked
+    for into in ({"a.weight": flat[0:16].view(4, 4), "b.weight": flat[0:16].view(4, 4).t()},
+                 {"a.weight": flat[0:16].view(4, 4), "b.weight": flat[0:24].view(4, 6)[:, 1:5]}):  # fmt: skip
+        with pytest.raises(MismatchError, match="of `into` share part of their memory"):
+            await aiotensor.load_file(tmp_path / "m.safetensors", into=into)
+    # and a module's tensors filled after a conversion (a float16 file)
+    await save_file({"a.weight": a.half(), "b.weight": b.half()}, tmp_path / "half.safetensors")
+    with pytest.raises(MismatchError, match="'a.weight' and 'b.weight' of the module share part of their memory"):
+        await load_into(m, tmp_path / "half.safetensors", strict=False)
     assert not flat.any()
     flat = torch.zeros(32)
     m.a.weight, m.b.weight = torch.nn.Parameter(flat[0:16].view(4, 4)), torch.nn.Parameter(flat[16:32].view(4, 4))

@@ -247,29 +247,78 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     """A MismatchError where two of ``tensors`` (``names``, of ``what``) share part of their memory
     without being one view of it (a tied weight: both get the same bytes): a load fills the shared
     bytes with whichever came last, mixing the two (helper-67: two slices of one buffer, each read
-    in turn). Contiguous ones are compared (C loops, numpy's sort): a strided view's span may
-    interleave another's without sharing an element."""
+    in turn). The spans are compared by C loops (numpy's sort); where a strided view's span meets
+    another's (a transpose, a column slice: they may interleave without sharing an element), their
+    elements' addresses are (helper-68: a column slice and a row slice of one buffer, mixed)."""
     if len(tensors) < 2:
         return
     at = np.array(gil.listed(map(_DATA_PTR, tensors)), np.int64)  # (a slice per C loop: the GIL changes hands)
-    size = np.array(gil.listed(map(_NBYTES_OF, tensors)), np.int64)
-    keep = np.flatnonzero((size > 0) & np.array(gil.listed(map(torch.Tensor.is_contiguous, tensors)), bool))
+    span = np.array(gil.listed(map(_NBYTES_OF, tensors)), np.int64)
+    plain = np.array(gil.listed(map(torch.Tensor.is_contiguous, tensors)), bool)
+    keep = np.flatnonzero(span > 0)
+    for i in keep[~plain[keep]]:  # (few: from the first byte to past the last element)
+        t = tensors[i]
+        span[i] = (sum((n - 1) * st_ for n, st_ in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
     if keep.size < 2:
         return
-    order = keep[np.lexsort((size[keep], at[keep]))]
-    lo, hi = at[order], at[order] + size[order]
-    same = (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])  # one view under two names: a tie
-    order, lo, hi = order[np.r_[True, ~same]], lo[np.r_[True, ~same]], hi[np.r_[True, ~same]]
+    order = keep[np.lexsort((span[keep], at[keep]))]
+    lo, hi = at[order], at[order] + span[order]
+    tie = np.r_[False, (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])]  # one span under two names
+    for k in np.flatnonzero(tie & ~(plain[order] & np.r_[True, plain[order[:-1]]])):  # a strided one among them
+        a, b = tensors[int(order[k - 1])], tensors[int(order[k])]
+        tie[k] = (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)  # one view, else apart or not below
+    order, lo, hi = order[~tie], lo[~tie], hi[~tie]
+    top = np.maximum.accumulate(hi)
+    meets = top[:-1] > lo[1:]  # a span meets one before it
+    if not meets.any():
+        return
+    group = np.r_[0, np.cumsum(~meets)]  # spans that meet, chained
+    for g in np.unique(group[1:][meets]):
+        members = order[group == g]
+        if plain[members].all():  # contiguous spans that meet share bytes
+            _shared(names, what, int(members[0]), int(members[1]))
+        _apart_elements(names, tensors, what, [int(i) for i in members])
+
+
+def _apart_elements(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str, members: list[int]) -> None:
+    """:func:`check_apart` for tensors whose spans meet, one of them strided: by each element's bytes
+    (at most :data:`_COUNTED` elements; beyond, refused as not shown apart)."""
+    if sum(tensors[i].numel() for i in members if not tensors[i].is_contiguous()) > _COUNTED:
+        a, b = names[members[0]], names[members[1]]
+        raise MismatchError(
+            f"tensors {a!r} and {b!r} of {what} are views of one buffer too big to tell apart element by element: "
+            "give each its own memory"
+        )
+    starts, ends, owner = [], [], []
+    for i in members:
+        t = tensors[i]
+        if t.is_contiguous():
+            first = np.array([t.data_ptr()], np.int64)
+            size = t.nbytes
+        else:
+            offsets = torch.zeros((), dtype=torch.int64)
+            for n, st_ in zip(t.shape, t.stride(), strict=True):
+                offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st_).reshape(-1)
+            first, size = t.data_ptr() + offsets.numpy() * t.element_size(), t.element_size()
+        starts.append(first)
+        ends.append(first + size)
+        owner.append(np.full(first.size, i))
+    lo, hi, who = np.concatenate(starts), np.concatenate(ends), np.concatenate(owner)
+    order = np.argsort(lo, kind="stable")
+    lo, hi, who = lo[order], hi[order], who[order]
     top = np.maximum.accumulate(hi)
     clash = np.flatnonzero(top[:-1] > lo[1:])
     if clash.size:
         j = int(clash[0]) + 1
-        i = int(order[:j][np.flatnonzero(hi[:j] > lo[j])[0]])
-        a, b = names[i], names[int(order[j])]
-        raise MismatchError(
-            f"tensors {a!r} and {b!r} of {what} share part of their memory (views of one buffer that overlap): a load "
-            "would fill the shared bytes with whichever came last; give each its own memory, or make them one tensor (a tie)"
-        )
+        _shared(names, what, int(who[np.flatnonzero(hi[:j] > lo[j])[0]]), int(who[j]))
+
+
+def _shared(names: Sequence[str], what: str, i: int, j: int) -> None:
+    raise MismatchError(
+        f"tensors {names[i]!r} and {names[j]!r} of {what} share part of their memory (views of one buffer that overlap): "
+        "a load would fill the shared bytes with whichever came last; give each its own memory, or make them one "
+        "tensor (a tie)"
+    )
 
 
 _COUNTED = 1 << 22  # elements whose offsets overlaps() counts (32 MB of int64s, ~0.3 s)

@@ -156,6 +156,31 @@ def numpy_node(obj: Any) -> dict[str, list[Any]] | None:
 
 
 _NUMPY_KINDS = {"b": bool, "i": int, "u": int, "f": float}  # numpy's dtype kinds stored, by the value's type
+# the names numpy_node writes, and the type of the value stored with each
+_NUMPY_NAMES = {"bool": bool, "float16": float, "float32": float, "float64": float} | {
+    f"{sign}int{bits}": int for sign in ("", "u") for bits in (8, 16, 32, 64)
+}
+
+
+def python_values(obj: Any) -> Any:
+    """``obj`` with each numpy scalar :func:`flatten` keeps made its Python value (``.item()``),
+    for a writer that pickles values: ``torch.load(weights_only=True)`` refuses numpy's (helper-68:
+    a step read through DCP, or converted to a torch.save file, could not be loaded). Containers
+    holding none are returned as they are."""
+    if numpy_node(obj) is not None:
+        return obj.item()
+    if type(obj) in (dict, OrderedDict, Counter):
+        new = {k: python_values(v) for k, v in obj.items()}
+        if all(map(is_, new.values(), obj.values())):
+            return obj
+        out = type(obj)(new)
+        if type(obj) is OrderedDict and hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if type(obj) in (list, tuple):
+        items = [python_values(v) for v in obj]
+        return obj if all(map(is_, items, obj)) else type(obj)(items)
+    return obj
 
 
 def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
@@ -302,16 +327,16 @@ class _Unflatten:
         """The numpy scalar ``{"numpy": [name, value]}`` stands for (:func:`numpy_node`)."""
         import numpy as np
 
-        try:
-            dt = np.dtype(name)
-        except TypeError:
-            dt = None
-        if dt is None or dt.name != name or _NUMPY_KINDS.get(dt.kind) is not type(value) or dt.itemsize > 8:
+        if _NUMPY_NAMES.get(name) is not type(value):  # (np.dtype() of a hostile name: SyntaxError, helper-68)
             raise self.bad(f"unexpected numpy scalar {name!r}: {str(value)[:40]!r}")
         try:
-            return dt.type(value)
+            with np.errstate(all="ignore"):
+                out = np.dtype(name).type(value)
         except OverflowError:
-            raise self.bad(f"numpy scalar {value!r} out of range for {name}") from None
+            out = None
+        if out is None or (type(value) is float and float(out) != value and value == value):  # (a float out of range: inf, 0)
+            raise self.bad(f"numpy scalar {value!r} is not a {name}")
+        return out
 
 
 def _tensor_keys(nodes: Collection[Any]) -> list[str] | None:

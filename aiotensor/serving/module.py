@@ -316,6 +316,7 @@ def _plan(
         return at_once
     left = dict.fromkeys(known)
     unexpected: list[str] = []
+    written: list[tuple[str, torch.Tensor]] = []  # the module's tensors a load writes (load_into's)
     batches: list[_Batch] = []
     batch: _Batch = ([], [], [])
     size = 0
@@ -349,6 +350,8 @@ def _plan(
             if filled and any(f is dst for f in filled):  # a name tied to one already filled
                 continue
             filled.append(dst)
+            if place is _itself and not dst.is_meta:  # (written: in place, or converted after the read)
+                written.append((name, dst))
             if dest is None:
                 dest = place(names, dst, e)
                 batch[0].append(e)
@@ -362,9 +365,7 @@ def _plan(
             batch, size = ([], [], []), 0
     if batch[0]:
         batches.append(batch)
-    if place is _itself:  # (read straight into the module's tensors)
-        pairs = [(e.names[0], d) for b in batches for e, d in zip(b[0], b[1], strict=True) if d is not None]
-        check_apart([n for n, _ in pairs], [d for _, d in pairs], "the module")
+    check_apart([n for n, _ in written], [d for _, d in written], "the module")
     return batches, list(left), unexpected
 
 
