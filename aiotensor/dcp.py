@@ -435,18 +435,22 @@ class AiotensorReader(_MetadataOnce, StorageReader):
         planner = _SafeBytes(planner, self.path)  # type: ignore[assignment]
         per_file: dict[str, list[Any]] = {}
         direct: dict[str, dict[str, tuple[Any, torch.Tensor]]] = {}  # file -> key -> (request, target)
-        written: list[tuple[str, torch.Tensor]] = []  # every tensor this rank's reads fill
+        # every tensor this rank's reads fill: the state's own (DefaultLoadPlanner's lookup_tensor),
+        # not the pieces of one that each read fills (a column-sharded one's: disjoint by DCP's plan)
+        written: dict[int, tuple[str, torch.Tensor]] = {}
+        lookup = getattr(planner, "lookup_tensor", None)
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             if req.type == LoadItemType.TENSOR:
                 target = planner.resolve_tensor(req).detach()
-                written.append((req.storage_index.fqn, target))
+                whole = lookup(req.dest_index) if lookup is not None else target
+                written.setdefault(id(whole), (req.dest_index.fqn, whole))
                 if info["file"] and self._whole(req, target) and info["key"] not in direct.get(info["file"], {}):
                     direct.setdefault(info["file"], {})[info["key"]] = (req, target)
                     continue
             per_file.setdefault(info["file"], []).append(req)
         # (two overlapping views of one buffer were filled in turn, mixed: helper-68)
-        check_apart([n for n, _ in written], [t for _, t in written], "the state loaded into")
+        check_apart([n for n, _ in written.values()], [t for _, t in written.values()], "the state loaded into")
 
         async def read_all(sched: Scheduler) -> None:
             """All of this rank's reads, a file at a time: whole items straight into their targets

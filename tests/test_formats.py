@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -207,6 +208,9 @@ def test_numpy_scalars_come_back_as_their_numpy_type_and_hostile_ones_are_refuse
     state = {"a": [np.float32(1.5), 2], "b": (np.int8(3),), "t": torch.ones(1)}
     assert python_values(state) == {"a": [1.5, 2], "b": (3,), "t": state["t"]}
     assert type(python_values(state)["a"][0]) is float and python_values({"x": [1]})["x"] is not None
+    od: Any = collections.OrderedDict(w=1)
+    od._metadata = {"": {"version": np.int64(2)}}  # (helper-69: an OrderedDict's _metadata was left as it was)
+    assert type(python_values({"m": od})["m"]._metadata[""]["version"]) is int
 
 
 def test_tree_rejects_unknown_leaves_with_key_path() -> None:
@@ -809,8 +813,9 @@ def test_check_apart_refuses_exactly_the_views_that_share_part_of_their_memory(v
         t = base[a : a + n * step : step]
         tensors.append(t.view(n, 1).t() if as_matrix and n else t)
         t = tensors[-1]
-        elements.append((tuple(range(a, a + n * step, step)), t.is_contiguous() or (t.shape, t.stride())))
-    # one view (a tie): the same bytes, contiguous in both, or the same shape and strides
+        key = t.is_contiguous() or tuple((k, st_) for k, st_ in zip(t.shape, t.stride(), strict=True) if k != 1)
+        elements.append((tuple(range(a, a + n * step, step)), key))
+    # one view (a tie): the same bytes, contiguous in both, or the same sizes and strides (size-1 dims aside)
     clash = any(set(x[0]) & set(y[0]) and x != y for i, x in enumerate(elements) for y in elements[i + 1 :])
     names = [f"t{i}" for i in range(len(tensors))]
     if clash:
@@ -818,6 +823,24 @@ def test_check_apart_refuses_exactly_the_views_that_share_part_of_their_memory(v
             check_apart(names, tensors, "x")
     else:
         check_apart(names, tensors, "x")
+
+
+def test_check_apart_tells_big_column_slices_and_odd_views_of_one_column_apart() -> None:
+    """helper-69: two disjoint column halves of a 2048 x 4096 matrix (what DCP's reads of a
+    column-sharded tensor are) were refused as too big to tell apart, element by element; one
+    column seen through a size-1 dimension of another stride, or as int32, was not one view."""
+    from aiotensor._io.tensors import check_apart
+
+    big = torch.zeros(2048, 4096)
+    check_apart(["a", "b"], [big[:, :2048], big[:, 2048:]], "x")  # a run per row: 4,096 runs
+    with pytest.raises(MismatchError, match="share part of their memory"):
+        check_apart(["a", "b"], [big[:, :2049], big[:, 2048:]], "x")
+    buf = torch.zeros(4, 4)
+    col = buf[:, 0]
+    for other in (col.unsqueeze(1), col.as_strided((4, 1), (4, 7)), buf[:, 0:1], col.view(torch.int32)):
+        check_apart(["a", "b"], [col, other], "x")
+    with pytest.raises(MismatchError, match="share part of their memory"):
+        check_apart(["a", "b"], [buf, buf.t()], "x")  # the same bytes in another order
 
 
 def test_a_sliding_window_destination_is_refused_at_once() -> None:

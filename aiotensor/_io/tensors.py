@@ -8,6 +8,7 @@ copy is done) and run in worker threads.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -247,9 +248,10 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     """A MismatchError where two of ``tensors`` (``names``, of ``what``) share part of their memory
     without being one view of it (a tied weight: both get the same bytes): a load fills the shared
     bytes with whichever came last, mixing the two (helper-67: two slices of one buffer, each read
-    in turn). The spans are compared by C loops (numpy's sort); where a strided view's span meets
-    another's (a transpose, a column slice: they may interleave without sharing an element), their
-    elements' addresses are (helper-68: a column slice and a row slice of one buffer, mixed)."""
+    in turn). The spans are compared by C loops (numpy's sort); two that begin at one byte share it
+    unless they are one view (:func:`_view`); where a strided view's span meets another's (a
+    transpose, a column slice: they may interleave without sharing an element), their bytes are
+    compared (helper-68: a column slice and a row slice of one buffer, mixed)."""
     if len(tensors) < 2:
         return
     at = np.array(gil.listed(map(_DATA_PTR, tensors)), np.int64)  # (a slice per C loop: the GIL changes hands)
@@ -262,12 +264,15 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     if keep.size < 2:
         return
     order = keep[np.lexsort((span[keep], at[keep]))]
+    lo = at[order]
+    tie = np.zeros(order.size, bool)
+    for k in np.flatnonzero(lo[1:] == lo[:-1]) + 1:  # two that begin at one byte: one view, or they share it
+        i, j = int(order[k - 1]), int(order[k])
+        if _view(tensors[i]) != _view(tensors[j]):
+            _shared(names, what, i, j)
+        tie[k] = True
+    order = order[~tie]
     lo, hi = at[order], at[order] + span[order]
-    tie = np.r_[False, (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])]  # one span under two names
-    for k in np.flatnonzero(tie & ~(plain[order] & np.r_[True, plain[order[:-1]]])):  # a strided one among them
-        a, b = tensors[int(order[k - 1])], tensors[int(order[k])]
-        tie[k] = (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)  # one view, else apart or not below
-    order, lo, hi = order[~tie], lo[~tie], hi[~tie]
     top = np.maximum.accumulate(hi)
     meets = top[:-1] > lo[1:]  # a span meets one before it
     if not meets.any():
@@ -277,31 +282,47 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
         members = order[group == g]
         if plain[members].all():  # contiguous spans that meet share bytes
             _shared(names, what, int(members[0]), int(members[1]))
-        _apart_elements(names, tensors, what, [int(i) for i in members])
+        _apart_runs(names, tensors, what, [int(i) for i in members])
 
 
-def _apart_elements(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str, members: list[int]) -> None:
-    """:func:`check_apart` for tensors whose spans meet, one of them strided: by each element's bytes
-    (at most :data:`_COUNTED` elements; beyond, refused as not shown apart)."""
-    if sum(tensors[i].numel() for i in members if not tensors[i].is_contiguous()) > _COUNTED:
-        a, b = names[members[0]], names[members[1]]
-        raise MismatchError(
-            f"tensors {a!r} and {b!r} of {what} are views of one buffer too big to tell apart element by element: "
-            "give each its own memory"
-        )
-    starts, ends, owner = [], [], []
+def _view(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors that begin at one byte one view of it (the same bytes, in the same
+    order): a contiguous one, its bytes; a strided one, its dimensions of more than one element
+    (size, byte stride) and its element's size (a size-1 dimension's stride is no part of it)."""
+    if t.is_contiguous():
+        return ("contiguous", t.nbytes)
+    size = t.element_size()
+    return ("strided", size, tuple((n, st_ * size) for n, st_ in zip(t.shape, t.stride(), strict=True) if n != 1))
+
+
+def _apart_runs(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str, members: list[int]) -> None:
+    """:func:`check_apart` for tensors whose spans meet, one of them strided: by their runs of
+    consecutive bytes (a strided view's innermost dimension of stride 1 is one run: a column slice of
+    a row-major matrix is a run per row), at most :data:`_COUNTED` runs; beyond, refused as not shown
+    apart."""
+    runs: list[tuple[int, list[tuple[int, int]]]] = []  # each one's run length, and its other dimensions
     for i in members:
         t = tensors[i]
         if t.is_contiguous():
-            first = np.array([t.data_ptr()], np.int64)
-            size = t.nbytes
-        else:
-            offsets = torch.zeros((), dtype=torch.int64)
-            for n, st_ in zip(t.shape, t.stride(), strict=True):
-                offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st_).reshape(-1)
-            first, size = t.data_ptr() + offsets.numpy() * t.element_size(), t.element_size()
+            runs.append((t.nbytes, []))
+            continue
+        dims = [(n, st_) for n, st_ in zip(t.shape, t.stride(), strict=True) if n > 1]
+        inner = next(((n, st_) for n, st_ in dims if st_ == 1), None)  # a run of elements
+        runs.append(((inner[0] if inner else 1) * t.element_size(), [d for d in dims if d != inner]))
+    if sum(math.prod(n for n, _ in outer) for _, outer in runs) > _COUNTED:
+        raise MismatchError(
+            f"tensors {names[members[0]]!r} and {names[members[1]]!r} of {what} are views of one buffer too big to tell "
+            "apart run by run: give each its own memory"
+        )
+    starts, ends, owner = [], [], []
+    for i, (length, outer) in zip(members, runs, strict=True):
+        t = tensors[i]
+        offsets = torch.zeros(1, dtype=torch.int64)
+        for n, st_ in outer:
+            offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st_).reshape(-1)
+        first = t.data_ptr() + offsets.numpy() * t.element_size()
         starts.append(first)
-        ends.append(first + size)
+        ends.append(first + length)
         owner.append(np.full(first.size, i))
     lo, hi, who = np.concatenate(starts), np.concatenate(ends), np.concatenate(owner)
     order = np.argsort(lo, kind="stable")

@@ -171,11 +171,13 @@ def python_values(obj: Any) -> Any:
         return obj.item()
     if type(obj) in (dict, OrderedDict, Counter):
         new = {k: python_values(v) for k, v in obj.items()}
-        if all(map(is_, new.values(), obj.values())):
+        meta = getattr(obj, "_metadata", None)
+        kept = python_values(meta)  # (an OrderedDict's, which flatten keeps too: helper-69)
+        if all(map(is_, new.values(), obj.values())) and kept is meta:
             return obj
         out = type(obj)(new)
-        if type(obj) is OrderedDict and hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        if meta is not None:
+            out._metadata = kept  # type: ignore[attr-defined]
         return out
     if type(obj) in (list, tuple):
         items = [python_values(v) for v in obj]
