@@ -109,17 +109,25 @@ fail:
 /* ---- memory ----------------------------------------------------------------------------------- */
 
 static int
+address(PyObject *number, uintptr_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(number);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    if (v > UINTPTR_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "copy_spans: a number past the address space");
+        return 0;
+    }
+    *out = (uintptr_t)v;
+    return 1;
+}
+
+static int
 addresses(PyObject *list, Py_ssize_t n, uintptr_t *out)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long v = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(list, i));
-        if (v == (unsigned long long)-1 && PyErr_Occurred())
+        if (!address(PyList_GET_ITEM(list, i), &out[i]))
             return 0;
-        if (v > UINTPTR_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "copy_spans: a number past the address space");
-            return 0;
-        }
-        out[i] = (uintptr_t)v;
     }
     return 1;
 }
@@ -133,14 +141,7 @@ copy_spans(PyObject *self, PyObject *args)
                           &sizes, &compare))
         return NULL;
     uintptr_t base; /* checked as every address is ("K" took -1 as 2**64 - 1 without a word) */
-    PyObject *one = PyList_New(1);
-    if (one == NULL)
-        return NULL;
-    Py_INCREF(where);
-    PyList_SET_ITEM(one, 0, where);
-    int ok = addresses(one, 1, &base);
-    Py_DECREF(one);
-    if (!ok)
+    if (!address(where, &base))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(starts);
     if (PyList_GET_SIZE(sources) != n || PyList_GET_SIZE(sizes) != n) {

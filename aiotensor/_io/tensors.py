@@ -317,10 +317,7 @@ def _apart_runs(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     starts, ends, owner = [], [], []
     for i, (length, outer) in zip(members, runs, strict=True):
         t = tensors[i]
-        offsets = torch.zeros(1, dtype=torch.int64)
-        for n, st_ in outer:
-            offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st_).reshape(-1)
-        first = t.data_ptr() + offsets.numpy() * t.element_size()
+        first = t.data_ptr() + _offsets(outer).numpy() * t.element_size()
         starts.append(first)
         ends.append(first + length)
         owner.append(np.full(first.size, i))
@@ -342,7 +339,7 @@ def _shared(names: Sequence[str], what: str, i: int, j: int) -> None:
     )
 
 
-_COUNTED = 1 << 22  # elements whose offsets overlaps() counts (32 MB of int64s, ~0.3 s)
+_COUNTED = 1 << 22  # offsets overlaps() and _apart_runs() count at most (32 MB of int64s, ~0.3 s)
 
 
 def check_fillable(t: torch.Tensor, what: str) -> None:
@@ -391,10 +388,15 @@ def overlaps(t: torch.Tensor) -> bool | None:
         return True
     if t.numel() > _COUNTED:
         return None
-    offsets = torch.zeros((), dtype=torch.int64)
-    for stride, n in dims:
+    return int(torch.unique(_offsets([(n, stride) for stride, n in dims])).numel()) < t.numel()
+
+
+def _offsets(dims: Iterable[tuple[int, int]]) -> torch.Tensor:
+    """The offset of every index of dimensions ``(size, stride)``, in elements (int64)."""
+    offsets = torch.zeros(1, dtype=torch.int64)
+    for n, stride in dims:
         offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
-    return int(torch.unique(offsets).numel()) < t.numel()
+    return offsets
 
 
 def mismatch(missing: list[str], unexpected: list[str], side: str) -> str:

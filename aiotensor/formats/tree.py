@@ -149,14 +149,13 @@ def numpy_node(obj: Any) -> dict[str, list[Any]] | None:
     """``{"numpy": [dtype name, value]}`` for a numpy bool, integer or float scalar of up to 64
     bits; None for anything else (numpy's complex, longdouble, datetime64 scalars, arrays)."""
     np = sys.modules.get("numpy")
-    if np is None or not isinstance(obj, np.generic) or obj.dtype.kind not in _NUMPY_KINDS or obj.dtype.itemsize > 8:
+    if np is None or not isinstance(obj, np.generic) or obj.dtype.name not in _NUMPY_NAMES:
         return None
     value = obj.item()
     return {"numpy": [obj.dtype.name, _float(value) if isinstance(value, float) else value]}
 
 
-_NUMPY_KINDS = {"b": bool, "i": int, "u": int, "f": float}  # numpy's dtype kinds stored, by the value's type
-# the names numpy_node writes, and the type of the value stored with each
+# the numpy scalars stored, by their dtype's name, and the type of the value stored with each
 _NUMPY_NAMES = {"bool": bool, "float16": float, "float32": float, "float64": float} | {
     f"{sign}int{bits}": int for sign in ("", "u") for bits in (8, 16, 32, 64)
 }
