@@ -19,6 +19,7 @@ as those (a ``torch.Size`` as a tuple, a named tuple as a tuple, a ``defaultdict
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 from collections import Counter, OrderedDict
@@ -326,18 +327,25 @@ class _Unflatten:
 
     def numpy(self, name: str, value: Any) -> Any:
         """The numpy scalar ``{"numpy": [name, value]}`` stands for (:func:`numpy_node`)."""
-        import numpy as np
-
         if _NUMPY_NAMES.get(name) is not type(value):  # (np.dtype() of a hostile name: SyntaxError, helper-68)
             raise self.bad(f"unexpected numpy scalar {name!r}: {str(value)[:40]!r}")
-        try:
-            with np.errstate(all="ignore"):
-                out = np.dtype(name).type(value)
+        make, top = _numpy_type(name)
+        try:  # (a finite float past the type's largest would be inf, with numpy's RuntimeWarning)
+            out = None if top is not None and top < abs(value) < math.inf else make(value)
         except OverflowError:
             out = None
-        if out is None or (type(value) is float and float(out) != value and value == value):  # (a float out of range: inf, 0)
+        if out is None or (type(value) is float and float(out) != value and value == value):  # (out of range: 0)
             raise self.bad(f"numpy scalar {value!r} is not a {name}")
         return out
+
+
+@functools.cache
+def _numpy_type(name: str) -> tuple[Any, float | None]:
+    """The numpy scalar type of one of :data:`_NUMPY_NAMES`, and its largest finite value (a float type's)."""
+    import numpy as np
+
+    dtype = np.dtype(name)
+    return dtype.type, float(np.finfo(dtype).max) if dtype.kind == "f" else None
 
 
 def _tensor_keys(nodes: Collection[Any]) -> list[str] | None:
