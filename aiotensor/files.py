@@ -400,9 +400,13 @@ def _targets(
         dest = gil.filled({}, zip(names, tensors, strict=True))
     else:
         specs = {s.key: s for s in layout.tensors}
-        check_into(into, specs, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
+        *_, shadowed = check_into(into, specs, sched.devices, f"the file {path}", missing_ok=ok[0], unexpected_ok=ok[1])
         dest = dict(into)
-        targets = [Target(s, dest[s.key], None if crcs is None else crcs[s.key]) for s in layout.tensors if s.key in dest]
+        targets = [
+            Target(s, dest[s.key], None if crcs is None else crcs[s.key])
+            for s in layout.tensors
+            if s.key in dest and s.key not in shadowed
+        ]
     return dest, targets, sum(t.spec.nbytes for t in targets)
 
 

@@ -3,6 +3,7 @@ metadata, and DCP's own FileSystemWriter checkpoints read without running their 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -85,6 +86,24 @@ def test_dcp_save_and_load_through_aiotensor_in_one_process(tmp_path: Any) -> No
     assert into["step"] == 3 and into["names"] == ["a", "b"]
     with pytest.raises(CheckpointException, match="exists already"):  # DCP wraps errors in a BaseException
         dcp.save(s, storage_writer=AiotensorWriter(path))
+
+
+def test_a_tie_of_into_that_a_dcp_step_stores_under_each_key_gets_its_last_keys_value(tmp_path: Any) -> None:
+    """helper-72 (as for a store's own steps, test_serving): `into` holding one tensor under two keys
+    that a DCP step stores each on its own had both read into it (parallel pieces: a mix); now its
+    last key's value, the other read aside."""
+    n = 3 << 20  # 12 MB each: read in pieces
+    dcp.save({"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)}, storage_writer=AiotensorWriter(tmp_path / "step-000000000001"))
+
+    async def main() -> None:
+        async with TensorStore(tmp_path, readonly=True) as store:
+            for order, value in ((("a", "b"), 2.0), (("b", "a"), 1.0)):
+                t = torch.zeros(n)
+                into = {k: t for k in order}
+                assert await store.load(1, into=into) is into
+                assert into["a"] is into["b"] is t and t.eq(value).all(), order
+
+    asyncio.run(main())
 
 
 def test_a_corrupt_item_is_named(tmp_path: Any) -> None:

@@ -567,6 +567,42 @@ async def test_keys_name_either_name_of_a_tied_weight(tmp_path: Any) -> None:
             assert m.lm_head.weight is m.wte.weight and m.wte.weight.eq(value).all(), (keys, load)
 
 
+@pytest.mark.parametrize("rows", [10, 3 << 20])  # (12 MB: read in parallel pieces)
+async def test_a_tie_the_file_stores_under_each_name_gets_one_of_them_whole(tmp_path: Any, rows: int) -> None:
+    """helper-72: a tie (lm_head.weight = wte.weight) whose file stores both names with other
+    bytes got both read into its memory, in parallel pieces: a mix of the two, or a ChecksumError
+    of a sound file. Now only one is read: a module's last name in its own order (load_state_dict
+    leaves that one), an `into` dict's last key in its order."""
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Parameter(torch.zeros(rows, 1))
+            self.lm_head = self.wte  # the module's order: wte, lm_head (the file's: lm_head, wte)
+
+    both = {"wte": torch.full((rows, 1), 1.0), "lm_head": torch.full((rows, 1), 2.0)}
+    await save_file(both, tmp_path / "both.safetensors")  # with crc32c
+    st_save(both, str(tmp_path / "plain.safetensors"))
+    ref = Tied()
+    ref.load_state_dict(both)
+    assert ref.wte.eq(2.0).all()
+    for name in ("both", "plain"):
+        m = Tied()
+        assert await load_into(m, tmp_path / f"{name}.safetensors") == ([], [])
+        assert m.lm_head is m.wte and m.wte.eq(2.0).all(), name
+        for order, value in ((("wte", "lm_head"), 2.0), (("lm_head", "wte"), 1.0)):
+            t = torch.zeros(rows, 1)
+            into = {k: t for k in order}
+            await aiotensor.load_file(tmp_path / f"{name}.safetensors", into=into)
+            assert t.eq(value).all(), (name, order)
+    async with TensorStore(tmp_path / "store") as store:
+        for step, order in enumerate((("a", "b"), ("b", "a"))):
+            await store.save(step, {"a": both["wte"], "b": both["lm_head"]})
+            t = torch.zeros(rows, 1)
+            into = {k: t for k in order}
+            assert await store.load(step, into=into) is into
+            assert t.eq(2.0 if order[-1] == "b" else 1.0).all() and into["a"] is into["b"] is t
+
+
 async def test_a_swap_frees_the_weights_it_switched_out_in_a_worker_thread(tmp_path: Any, monkeypatch: Any) -> None:
     """The old weights' last references went on the caller's thread, the event loop's: unmapping
     them took 31 ms for 0.47 GB (70 ms a GB) there, every task stalled. Now a worker drops them."""

@@ -179,10 +179,15 @@ def modified(tensors: Iterable[torch.Tensor | None]) -> None:
     """Tell autograd that a load wrote ``tensors`` in place (their version counters move, as a
     ``copy_`` moves them): a graph made from their old values then refuses ``backward()``, as
     after torch's ``load_state_dict``, instead of using the new ones (helper-47). None is passed
-    over, and so are inference tensors (they keep no counter)."""
-    ts = [t for t in tensors if t is not None and not t.is_inference()]
-    if ts:
+    over, and so are inference tensors (they keep no counter: torch passes over them, ~2.5 ms
+    per 20,000 tensors less than asking each; where it refuses them, they are left out here)."""
+    ts = [t for t in tensors if t is not None]
+    if not ts:
+        return
+    try:
         torch.autograd.graph.increment_version(ts)
+    except RuntimeError:  # (inference tensors, where torch refuses them; a counter moved twice is harmless)
+        torch.autograd.graph.increment_version([t for t in ts if not t.is_inference()])
 
 
 def copy_tensor(sched: Scheduler, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -211,13 +216,17 @@ def check_into(
     missing_ok: bool = False,
     unexpected_ok: bool = False,
     new: Collection[str] = (),
-) -> tuple[list[str], list[str]]:
+    stored: Collection[str] | None = None,
+) -> tuple[list[str], list[str], set[str]]:
     """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
     and shape on a device this machine handles; else MismatchError (StateError for the device).
     The words are ``load_state_dict``'s, ``into`` in the module's place: a key of ``into`` that
     ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
     is unexpected (``unexpected_ok``: not read), unless it is one of ``new`` (read into a new
-    tensor). Returns the missing and unexpected keys let pass."""
+    tensor). Returns the missing and unexpected keys let pass, and the keys not to read into: a
+    tie's (one tensor under several keys, each stored on its own: among ``stored``, the keys read
+    on their own, where not all are) but its last in ``given``'s order, whose stored value the
+    tensor gets (:func:`check_apart`)."""
     odd = [k for k, t in given.items() if k in specs and not isinstance(t, torch.Tensor)]
     if odd:  # (elsewhere a module's _extra_state, say: a missing key, as load_state_dict has it)
         raise MismatchError(f"`into` holds {type(given[odd[0]]).__name__} at {odd[0]!r} where a tensor is read: {odd[:5]}")
@@ -240,20 +249,28 @@ def check_into(
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
         check_fillable(t, f"tensor {k!r} of `into`")
     read = [k for k in given if k in specs]
-    check_apart(read, [given[k] for k in read], "`into`")
-    return missing, unexpected
+    shadowed = check_apart(read, [given[k] for k in read], "`into`")
+    if not shadowed or stored is None:
+        return missing, unexpected, {read[i] for i in shadowed}
+    own = [k for k in read if k in stored]  # (a tie of a stored tensor and its alias is one read)
+    return missing, unexpected, {own[i] for i in check_apart(own, [given[k] for k in own], "`into`")}
 
 
-def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str) -> None:
+def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str) -> list[int]:
     """A MismatchError where two of ``tensors`` (``names``, of ``what``) share part of their memory
     without being one view of it (a tied weight: both get the same bytes): a load fills the shared
     bytes with whichever came last, mixing the two (helper-67: two slices of one buffer, each read
     in turn). The spans are compared by C loops (numpy's sort); two that begin at one byte share it
     unless they are one view (:func:`_view`); where a strided view's span meets another's (a
     transpose, a column slice: they may interleave without sharing an element), their bytes are
-    compared (helper-68: a column slice and a row slice of one buffer, mixed)."""
+    compared (helper-68: a column slice and a row slice of one buffer, mixed).
+
+    Returns the positions of those that a later one of ``tensors`` is one view of (a tie under
+    several names: each but its last), in order: a load reads only the last, as
+    ``load_state_dict`` leaves a tie with the value of its last name; read both, their bytes were
+    written over each other in parallel pieces, a mix of the two (helper-72)."""
     if len(tensors) < 2:
-        return
+        return []
     at = np.array(gil.listed(map(_DATA_PTR, tensors)), np.int64)  # (a slice per C loop: the GIL changes hands)
     span = np.array(gil.listed(map(_NBYTES_OF, tensors)), np.int64)
     plain = np.array(gil.listed(map(torch.Tensor.is_contiguous, tensors)), bool)
@@ -262,27 +279,29 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
         t = tensors[i]
         span[i] = (sum((n - 1) * st_ for n, st_ in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
     if keep.size < 2:
-        return
-    order = keep[np.lexsort((span[keep], at[keep]))]
+        return []
+    order = keep[np.lexsort((keep, span[keep], at[keep]))]  # (a tie's names in their order)
     lo = at[order]
     tie = np.zeros(order.size, bool)
     for k in np.flatnonzero(lo[1:] == lo[:-1]) + 1:  # two that begin at one byte: one view, or they share it
         i, j = int(order[k - 1]), int(order[k])
         if _view(tensors[i]) != _view(tensors[j]):
             _shared(names, what, i, j)
-        tie[k] = True
+        tie[k - 1] = True  # (the last of a tie stays)
+    shadowed = sorted(order[tie].tolist())
     order = order[~tie]
     lo, hi = at[order], at[order] + span[order]
     top = np.maximum.accumulate(hi)
     meets = top[:-1] > lo[1:]  # a span meets one before it
     if not meets.any():
-        return
+        return shadowed
     group = np.r_[0, np.cumsum(~meets)]  # spans that meet, chained
     for g in np.unique(group[1:][meets]):
         members = order[group == g]
         if plain[members].all():  # contiguous spans that meet share bytes
             _shared(names, what, int(members[0]), int(members[1]))
         _apart_runs(names, tensors, what, [int(i) for i in members])
+    return shadowed
 
 
 def _view(t: torch.Tensor) -> tuple[Any, ...]:

@@ -316,7 +316,7 @@ def _plan(
         return at_once
     left = dict.fromkeys(known)
     unexpected: list[str] = []
-    written: list[tuple[str, torch.Tensor]] = []  # the module's tensors a load writes (load_into's)
+    written: list[tuple[str, torch.Tensor, Entry]] = []  # the module's tensors a load writes (load_into's), by entry
     batches: list[_Batch] = []
     batch: _Batch = ([], [], [])
     size = 0
@@ -351,7 +351,7 @@ def _plan(
                 continue
             filled.append(dst)
             if place is _itself and not dst.is_meta:  # (written: in place, or converted after the read)
-                written.append((name, dst))
+                written.append((name, dst, e))
             if dest is None:
                 dest = place(names, dst, e)
                 batch[0].append(e)
@@ -365,8 +365,22 @@ def _plan(
             batch, size = ([], [], []), 0
     if batch[0]:
         batches.append(batch)
-    check_apart([n for n, _ in written], [d for _, d in written], "the module")
-    return batches, list(left), unexpected
+    if check_apart([w[0] for w in written], [w[1] for w in written], "the module"):
+        # a tie whose names the file stores each on its own: the last name in the module's order is
+        # read (load_state_dict copies them in that order: the last stays), the others not at all
+        at = {k: i for i, k in enumerate(known)}
+        written.sort(key=lambda w: at[w[0]])
+        unread = {id(written[i][2]) for i in check_apart([w[0] for w in written], [w[1] for w in written], "the module")}
+        batches = [_without(b, unread) for b in batches]
+    return [b for b in batches if b[0]], list(left), unexpected
+
+
+def _without(batch: _Batch, unread: set[int]) -> _Batch:
+    """``batch`` without the entries whose ids are in ``unread`` (and their fills)."""
+    kept = [k for k, e in enumerate(batch[0]) if id(e) not in unread]
+    new = {old: k for k, old in enumerate(kept)}
+    fills = [(names, dst, new[i]) for names, dst, i in batch[2] if i in new]
+    return [batch[0][k] for k in kept], [batch[1][k] for k in kept], fills
 
 
 def _in_place_at_once(
@@ -392,7 +406,8 @@ def _in_place_at_once(
     odd = gil.listed(compress(have, map(not_, map(_IS_CONTIGUOUS, have))))
     if not all(map(is_, map(overlaps, odd), repeat(False))):  # (overlapping, or maybe: the loop names it)
         return None
-    check_apart(names, have, "the module")
+    if check_apart(names, have, "the module"):  # a tie stored under each of its names: the loop picks one
+        return None
     chosen = set(names)
     return [(list(entries), dsts, [])] if entries else [], [k for k in known if k not in chosen], []
 

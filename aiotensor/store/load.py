@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from itertools import chain, islice, repeat
 from operator import attrgetter
@@ -257,14 +257,15 @@ def _dests(
     _, targets = flatten(into)
     given = dict(targets)
     specs = {where[n]: sources.spec_for(n, e.dtype, e.shape) for e in src.entries for n in e.names}
-    new = _checked(folder, lambda: saved, into, given, specs, devices, strict, where.__getitem__)
+    new, shadowed = _checked(folder, lambda: saved, into, given, specs, devices, strict, where.__getitem__)
     entries: list[sources.Entry] = []
     dests: list[torch.Tensor | None] = []
     for e in src.entries:  # (not strict: the entries `into` has a tensor for, or a new one)
         t = next((given[where[n]] for n in e.names if where[n] in given), None)
         if t is not None or any(where[n] in new for n in e.names):
             entries.append(e)
-            dests.append(t)
+            # a tie's name but its last: read aside (update() leaves `into`'s tensor, which has the last one's)
+            dests.append(None if t is not None and all(where[n] in shadowed for n in e.names) else t)
     return entries, dests
 
 
@@ -277,7 +278,8 @@ def _checked(
     devices: tuple[str, ...],
     strict: bool,
     key: Callable[[str], str],
-) -> set[str]:
+    stored: Collection[str] | None = None,
+) -> tuple[set[str], set[str]]:
     """``into``'s tensors (``given``) checked against the checkpoint's (``specs``: keys, dtypes,
     shapes; not ``strict``: a warning names what either lacks); returns, ``strict``, the saved
     tensors ``into`` lacks that lie under a dict it holds empty (a fresh optimizer's ``state``,
@@ -285,13 +287,16 @@ def _checked(
     tensor and put there, as the saved values beside it are. Not with ``strict=False``, which
     keeps ``into``'s lists of another length: an optimizer's ``param_groups`` after the model
     changed, whose saved moments would land on other parameters by their index. ``saved()``: the
-    saved state with :class:`_Leaf` leaves (``key(leaf.name)``: its key), made only where needed."""
+    saved state with :class:`_Leaf` leaves (``key(leaf.name)``: its key), made only where needed.
+    Also returns the keys of a tie not to read into (:func:`~aiotensor._io.tensors.check_into`)."""
     new = set()
     if strict and not specs.keys() <= given.keys():
         new = {key(leaf.name) for leaf in under_empty(saved, into, _is_leaf)} - given.keys()
-    left = check_into(given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new)
-    _partial(folder, left)
-    return new
+    missing, unexpected, shadowed = check_into(
+        given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new, stored=stored
+    )
+    _partial(folder, (missing, unexpected))
+    return new, shadowed
 
 
 def _is_leaf(x: Any) -> bool:
@@ -415,9 +420,13 @@ def _targets(
             tensors, targets[shard] = carved_targets(specs, crcs, repeat("crc32c"), device)
             gil.filled(dest, zip(map(_KEY, specs), tensors, strict=True))
     else:
-        dest, wanted = _destinations(m, into, device, devices, strict, folder)
+        dest, wanted, shadowed = _destinations(m, into, device, devices, strict, folder)
         targets = {
-            shard: [Target(e.spec, dest[e.spec.key], e.crc32c if verify else None) for e in entries if e.spec.key in dest]
+            shard: [
+                Target(e.spec, dest[e.spec.key], e.crc32c if verify else None)
+                for e in entries
+                if e.spec.key in dest and e.spec.key not in shadowed
+            ]
             for shard, entries in by_shard.items()
         }
         targets = {shard: ts for shard, ts in targets.items() if ts}
@@ -490,22 +499,23 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _destinations(
     m: mf.Manifest, into: Any, device: torch.device, devices: tuple[str, ...], strict: bool = True, folder: str = ""
-) -> tuple[dict[str, torch.Tensor], set[str] | None]:
+) -> tuple[dict[str, torch.Tensor], set[str] | None, set[str]]:
     """``into``'s tensors to read into, checked against the manifest, and new ones on ``device``
     where ``into`` holds an empty dict (:func:`_checked`); not ``strict``: those both have (and their
     keys), a tied name ``into`` has read from the stored tensor it names where ``into`` lacks that
-    one (under that one's key, which the state rebuilt then leaves out)."""
+    one (under that one's key, which the state rebuilt then leaves out); and the stored tensors not
+    to read, a tie's of ``into`` but its last (:func:`~aiotensor._io.tensors.check_into`)."""
     given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-    new = _checked(folder, lambda: unflatten(m.tree, _Leaf), into, given, specs, devices, strict, str)
+    new, shadowed = _checked(folder, lambda: unflatten(m.tree, _Leaf), into, given, specs, devices, strict, str, m.entries)
     # a tied name among them reads the stored tensor it names, new too where `into` lacks that one
     stored = {m.aliases.get(k, k) for k in new} - given.keys()
     made = {k: new_tensor(m.entries[k].spec, device) for k in stored}
     if strict:
-        return given | made, None
+        return given | made, None, shadowed
     shared = {k: t for k, t in given.items() if k in specs} | made
     wanted = set(shared) | {a for a in new if m.aliases.get(a) in shared}
     for alias, target in m.aliases.items():
         if alias in wanted and target not in shared:
             shared[target] = shared[alias]
-    return shared, wanted
+    return shared, wanted, shadowed
