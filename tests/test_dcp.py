@@ -93,7 +93,9 @@ def test_a_tie_of_into_that_a_dcp_step_stores_under_each_key_gets_its_last_keys_
     that a DCP step stores each on its own had both read into it (parallel pieces: a mix); now its
     last key's value, the other read aside."""
     n = 3 << 20  # 12 MB each: read in pieces
-    dcp.save({"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)}, storage_writer=AiotensorWriter(tmp_path / "step-000000000001"))
+    dcp.save(
+        {"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)}, storage_writer=AiotensorWriter(tmp_path / "step-000000000001")
+    )
 
     async def main() -> None:
         async with TensorStore(tmp_path, readonly=True) as store:

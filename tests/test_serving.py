@@ -573,6 +573,7 @@ async def test_a_tie_the_file_stores_under_each_name_gets_one_of_them_whole(tmp_
     bytes got both read into its memory, in parallel pieces: a mix of the two, or a ChecksumError
     of a sound file. Now only one is read: a module's last name in its own order (load_state_dict
     leaves that one), an `into` dict's last key in its order."""
+
     class Tied(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
