@@ -140,7 +140,7 @@ def dumps_metadata(m: md.Metadata) -> bytes:
         "planner_data": {k: list(v) for k, v in planner.items()},
         "storage_data": [{"index": _index(k), **v} for k, v in (m.storage_data or {}).items()],
     }
-    return mf.seal(doc)
+    return mf.checked(mf.seal(doc), "DCP metadata")
 
 
 def loads_metadata(data: bytes, path: str) -> md.Metadata:

@@ -32,7 +32,7 @@ from ._io.tensors import (
 )
 from ._io.write import crcs_of, write_file
 from ._runtime import cuda, gil
-from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, own_scheduler, reporting
+from ._runtime.scheduler import Priority, ProgressCallback, Scheduler, check_progress, own_scheduler, reporting
 from .commit import Publication
 from .engines import Engine
 from .errors import MismatchError, StateError, UnsafePathError, annotate_oserror
@@ -292,6 +292,7 @@ async def load_file(
     a mix of old and new values, their version counters moved (as when a load fails partway).
     """
     path = local_path(path, objects=True)
+    check_progress(progress)
     keys = sources.fixed(keys)
     if keys is not None and (into is not None or mmap):
         raise ValueError("keys= chooses what a load into new tensors reads: not with into= (its names choose) or mmap=True")

@@ -38,10 +38,14 @@ def local_path(path: str | os.PathLike[str], what: str = "path", *, objects: boo
     Raises:
         UnsupportedLocationError: ``path`` is a URL (the message names its scheme).
         TypeError: ``path`` is not a str or path-like of str.
+        ValueError: ``path`` is empty (it named the working folder: save_file wrote into its
+            parent, helper-71).
     """
     p = os.fspath(path)
     if not isinstance(p, str):
         raise TypeError(f"{what} must be a str or os.PathLike[str], got {type(p).__name__}")
+    if not p:
+        raise ValueError(f"{what} is empty: name a file or folder (. for the working folder)")
     m = _URL.match(p)
     served = "local paths and s3:// URLs" if objects else "local paths"
     if m is not None and not (objects and is_object(p)):

@@ -1415,3 +1415,78 @@ async def test_a_stream_of_a_root_whose_newest_step_goes_while_it_resolves_says_
         async with aiotensor.stream(tmp_path) as s:
             async for _ in s:
                 pass
+
+
+async def test_a_state_no_reader_takes_is_refused_at_save_and_the_last_good_step_is_kept(tmp_path: Any) -> None:
+    """helper-71: what the readers refuse was committed: plain values denser than the density rule
+    (a list of 150,000 small ints), a string of many commas (counted as values), a tensor of 65
+    dimensions. Each step was listed, never loaded, and keep_last retired the good one before it.
+    Now the rule counts values outside strings and lets a million through, and a save that a
+    reader would refuse fails with a StateError before anything is committed."""
+    async with TensorStore(tmp_path / "store", keep_last=1) as store:
+        await store.save(1, {"w": torch.ones(3)})
+        for bad in ({"visits": [0] * 1_100_000}, {"t": torch.zeros([1] * 65)}):
+            with pytest.raises(StateError, match="denser than aiotensor reads|more than the 64 dimensions"):
+                await store.save(2, bad)
+            assert store.steps() == [1] and torch.equal((await store.load())["w"], torch.ones(3))
+        fine = {"visits": [i % 3 for i in range(150_000)], "labels": ",".join("a" * 1_200_000), "w": torch.ones(3)}
+        await store.save(2, fine)
+        got = await store.load(2)
+        assert got["visits"] == fine["visits"] and got["labels"] == fine["labels"] and store.steps() == [2]
+    await aiotensor.save_file({"w": torch.ones(1)}, tmp_path / "m.safetensors", metadata={"labels": fine["labels"]})
+    assert (await aiotensor.read_header(tmp_path / "m.safetensors")).metadata["labels"] == fine["labels"]
+    with pytest.raises(StateError, match="more than the 64 dimensions"):
+        await aiotensor.save_file({"t": torch.zeros([1] * 65)}, tmp_path / "d.safetensors")
+    assert not (tmp_path / "d.safetensors").exists()
+
+
+async def test_a_store_starts_a_new_shard_at_the_tensor_count_a_reader_takes(tmp_path: Any, monkeypatch: Any) -> None:
+    """helper-71: a shard of 270,000 tensors (over MAX_TENSORS) loaded through the store, which
+    skips parsing a header whose crc it knows, and was refused by load_file; save_file wrote such
+    files too. Now a shard holds at most MAX_TENSORS, and save_file refuses more."""
+    from aiotensor.formats import safetensors as st
+
+    monkeypatch.setattr(st, "MAX_TENSORS", 100)
+    state = {f"t{i}": torch.full((2,), float(i)) for i in range(250)}
+    async with TensorStore(tmp_path / "store") as store:
+        await store.save(1, state)
+        assert_state_equal(await store.load(1), state)
+    shards = sorted((tmp_path / "store" / "step-000000000001").glob("*.safetensors"))
+    assert len(shards) == 3
+    got: dict[str, torch.Tensor] = {}
+    for f in shards:
+        got |= await aiotensor.load_file(f)
+    assert_state_equal(got, state)
+    with pytest.raises(StateError, match="250 tensors in one safetensors file"):
+        await aiotensor.save_file(state, tmp_path / "many.safetensors")
+
+
+async def test_a_progress_that_cannot_report_and_an_empty_path_are_refused_at_the_call(tmp_path: Any) -> None:
+    """helper-71: progress="..." failed the save after its copy with a bare TypeError; an async def
+    progress was never awaited (the save 'succeeded', no progress came); save_file("") wrote a
+    temporary file into the working folder's parent. Each is now a TypeError or ValueError at the
+    call, before anything is written."""
+
+    async def later(done: int, total: int) -> None:
+        pass
+
+    class Later:
+        async def __call__(self, done: int, total: int) -> None:
+            pass
+
+    async with TensorStore(tmp_path / "store") as store:
+        for bad in ("nope", later, Later()):
+            with pytest.raises(TypeError, match="progress"):
+                store.save(1, {"w": torch.ones(2)}, progress=bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="progress"):
+                await aiotensor.load_file(tmp_path / "none.safetensors", progress=bad)  # type: ignore[arg-type]
+        await store.save(1, {"w": torch.ones(2)}, progress=lambda done, total: None)
+        with pytest.raises(TypeError, match="progress"):
+            await store.load(1, progress=later)  # type: ignore[arg-type]
+        assert store.steps() == [1]
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match="path is empty"):
+        await aiotensor.save_file({"w": torch.ones(2)}, "")
+    with pytest.raises(ValueError, match="path is empty"):
+        await aiotensor.load_file("")
+    assert sorted(os.listdir(tmp_path)) == before

@@ -243,14 +243,16 @@ def _by_itemsize(group: list[tuple[str, str, torch.Tensor]]) -> None:
 
 
 def _fill(items: list[tuple[str, str, torch.Tensor]], most: int) -> list[list[tuple[str, str, torch.Tensor]]]:
-    """``items`` in groups of at most ``most`` bytes (a bigger tensor alone), in order."""
+    """``items`` in groups of at most ``most`` bytes (a bigger tensor alone) and of at most
+    :data:`~aiotensor.formats.safetensors.MAX_TENSORS` tensors (what a reader of one file takes:
+    helper-71, a shard of 270,000 that ``load_file`` refused), in order."""
     sizes = _nbytes(items)
-    if sum(sizes) <= most:  # one group (their bytes counted in C loops: 20,000 tensors, a loop each cost ~10 ms)
+    if sum(sizes) <= most and len(items) <= st.MAX_TENSORS:  # one group (bytes counted in C loops: ~10 ms a loop per 20,000)
         return [items] if items else []
     groups: list[list[tuple[str, str, torch.Tensor]]] = []
     size = 0
     for item, n in zip(items, sizes, strict=True):
-        if not groups or (groups[-1] and size + n > most):
+        if not groups or (groups[-1] and size + n > most) or len(groups[-1]) == st.MAX_TENSORS:
             groups.append([])
             size = 0
         groups[-1].append(item)

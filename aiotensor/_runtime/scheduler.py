@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import heapq
+import inspect
 import itertools
 import os
 import threading
@@ -110,6 +111,21 @@ class _Gate:
 
 
 ProgressCallback = Callable[[int, int], object]
+
+
+def check_progress(callback: ProgressCallback | None) -> None:
+    """A TypeError at the call for a ``progress=`` that cannot report: not callable (it failed the
+    save after its copy, helper-71), or a coroutine function (never awaited: no progress came, a
+    RuntimeWarning at most)."""
+    if callback is None:
+        return
+    if not callable(callback):
+        raise TypeError(f"progress must be a function of (done, total), got {type(callback).__name__}")
+    if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(type(callback).__call__):
+        raise TypeError(
+            "progress is called on the event loop's thread as bytes move, and never awaited: give a plain function "
+            "(one that starts a task, if it must await)"
+        )
 
 
 class _Progress:

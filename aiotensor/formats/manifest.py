@@ -29,6 +29,7 @@ from .safetensors import (
     MAX_DIMS,
     NESTED,
     TensorSpec,
+    check_written,
     columns,
     counts,
     first_leaf,
@@ -96,7 +97,14 @@ def dumps(m: Manifest) -> bytes:
         "aliases": dict(m.aliases),
         "tree": m.tree,
     }
-    return seal(doc)
+    return checked(seal(doc), "manifest")
+
+
+def checked(raw: bytes, what: str) -> bytes:
+    """``raw``, a sealed document (``what``: a manifest, DCP metadata) about to be committed, if
+    its readers take it (:func:`~aiotensor.formats.safetensors.check_written`), else StateError."""
+    check_written(raw, what, MAX_MANIFEST_BYTES)
+    return raw
 
 
 # version 3's table, as dumps writes it: the keys a JSON list, each other column one string of
@@ -142,7 +150,11 @@ def _shard_doc(m: Manifest, file: str, size: int) -> dict[str, Any]:
 
 @gil.quiet_gc
 def seal(doc: dict[str, Any]) -> bytes:
-    """Serialize a manifest document and append its checksum."""
+    """Serialize a manifest document and append its checksum (what a writer writes is checked
+    against what its readers take by :func:`checked`).
+
+    Raises:
+        StateError: an int too long for Python's text."""
     doc = {k: v for k, v in doc.items() if k != "checksum"} | {"checksum": "crc32c:" + _ZEROS.decode()}
     try:
         text = gil.dumps(doc)

@@ -30,8 +30,11 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap safetensors itself uses
 MAX_TENSORS = 1 << 18
 MAX_DIMS = 64
 METADATA_KEY = "__metadata__"  # the header member that is not a tensor
-_DENSE_FREE = 100_000  # values any JSON may have before its density is checked
-_MIN_BYTES_PER_VALUE = 6  # real headers and manifests: 15-25 bytes of text per JSON value
+# values any JSON may have before its density is checked (a state's list of a million small ints:
+# ~60 MB of Python objects at most, [{}, {}, ...]); beyond, real headers and manifests have 15-25
+# bytes of text per JSON value
+_DENSE_FREE = 1_000_000
+_MIN_BYTES_PER_VALUE = 6
 
 
 class TensorSpec(NamedTuple):
@@ -112,6 +115,14 @@ def header_bytes(
         text = utf8("{" + ",".join(parts) + "}", keys)
     total = 8 + len(text)
     padded = len(text) + (-total) % ALIGN
+    if max(map(len, shapes), default=0) > MAX_DIMS:  # (torch makes up to 64 in one call, and more by reshape)
+        key = next(k for k, shape in zip(keys, shapes, strict=True) if len(shape) > MAX_DIMS)
+        raise StateError(f"tensor {key!r} has more than the {MAX_DIMS} dimensions that a safetensors reader takes: reshape it")
+    if len(sizes) > MAX_TENSORS:  # (a store's shards hold fewer: _io.plan)
+        raise StateError(
+            f"{len(sizes)} tensors in one safetensors file, over the {MAX_TENSORS} that aiotensor reads: save fewer per file"
+        )
+    check_written(text, "safetensors header", MAX_HEADER_BYTES - (padded - len(text)))
     return struct.pack("<Q", padded) + text + b" " * (padded - len(text)), sizes
 
 
@@ -569,11 +580,49 @@ def _text(text: bytes, path: object, what: str, error: type[FormatError]) -> str
 
 
 def _text_density(text: bytes, path: object, what: str, error: type[FormatError]) -> None:
-    """Refuse a JSON document far denser than real headers and manifests (Python objects take 20 to
-    50 times the bytes of ``[1,1,1,...]`` or ``[{},{},...]``)."""
-    values = text.count(b",") + text.count(b"[") + text.count(b"{")
-    if values > _DENSE_FREE and len(text) < _MIN_BYTES_PER_VALUE * values:
+    """Refuse a JSON document far denser than real headers and manifests (:func:`dense`)."""
+    values = dense(text)
+    if values is not None:
         raise error(f"{what} holds {values} JSON values in {len(text)} bytes: far denser than any real {what}", path)
+
+
+def dense(text: bytes) -> int | None:
+    """The JSON values of ``text`` (its ``,``, ``[`` and ``{`` outside strings) where they are far
+    more than real headers and manifests hold for their bytes (over :data:`_DENSE_FREE`, fewer
+    than :data:`_MIN_BYTES_PER_VALUE` bytes each: Python objects take 20 to 50 times the bytes of
+    ``[1,1,1,...]`` or ``[{},{},...]``); else None. The bytes are counted first; only where they
+    say dense are the strings taken out (helper-71: a string of 120,000 commas, labels as CSV,
+    counted as as many values)."""
+    values = text.count(b",") + text.count(b"[") + text.count(b"{")
+    if values <= _DENSE_FREE or len(text) >= _MIN_BYTES_PER_VALUE * values:
+        return None
+    bare = _STRING.sub(b'""', text)  # (as JSON splits it: a quote begins a string, the next unescaped one ends it)
+    values = bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+    return values if values > _DENSE_FREE and len(text) < _MIN_BYTES_PER_VALUE * values else None
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def check_written(text: bytes, what: str, most: int) -> None:
+    """Refuse to write a JSON document (``what``) that the readers refuse: over ``most`` bytes, or
+    :func:`dense`. A step committed with it was listed, and never loaded, and retention retired the
+    good steps before it (helper-71).
+
+    Raises:
+        StateError: saying what to do."""
+    if len(text) > most:
+        raise StateError(
+            f"the {what} would be {len(text)} bytes, over the {most} that aiotensor reads: the state's plain values "
+            "(lists, dicts, strings, numbers) are too big; hold big lists of numbers in tensors"
+        )
+    values = dense(text)
+    if values is not None:
+        raise StateError(
+            f"the {what} would hold {values} JSON values in {len(text)} bytes, denser than aiotensor reads (over "
+            f"{_DENSE_FREE} values, under {_MIN_BYTES_PER_VALUE} bytes each): hold long lists of small numbers, "
+            "booleans or empty containers in tensors (torch.tensor(values))"
+        )
 
 
 def is_count(x: object) -> bool:

@@ -25,7 +25,7 @@ from .. import commit, knobs, sources
 from .. import root as _root
 from .._runtime import cuda, gil, threads
 from .._runtime.buffers import StagingPool
-from .._runtime.scheduler import Priority, ProgressCallback, Scheduler
+from .._runtime.scheduler import Priority, ProgressCallback, Scheduler, check_progress
 from ..engines import Engine
 from ..errors import (
     CheckpointExistsError,
@@ -555,6 +555,7 @@ class TensorStore:
         """
         self._check_writable()
         check_step(step)
+        check_progress(progress)
         self._raise_unobserved()
         committed = step in self._steps.committed or step in self._mirrored()
         if committed or step in self._in_flight:
@@ -947,6 +948,7 @@ class TensorStore:
         set at the end.
         """
         self._check_open()
+        check_progress(progress)
         tier = self._tier
         if tier is not None and (self.latest() if step is None else step) in tier._steps.committed - self._steps.committed:
             return await tier.load(
