@@ -35,6 +35,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import root as _root
@@ -297,9 +298,32 @@ def _indexed_states(tree: Any) -> None:
 
 
 def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:
-    """The chunks of a tensor fill it exactly (counted in elements: overlaps or holes are refused)."""
+    """The chunks of a tensor (each inside it: :mod:`~aiotensor.formats.dcp_metadata`) fill it
+    exactly: as many elements as it has, none of two chunks in common (a count alone let two that
+    overlapped leave a hole, the memory of a new tensor there as it was: helper-72). Chunks sorted
+    by their first dimension's start, each against those that begin before it ends there (a
+    tensor split along one dimension: none; a grid: its row's); at most :data:`_PAIRS` such pairs."""
     if sum(math.prod(c.sizes) for c in t.chunks) != math.prod(t.size):
         raise ManifestError(f"item {fqn!r}: its chunks do not cover {list(t.size)} exactly", where)
+    if len(t.chunks) < 2 or not t.size:
+        return
+    lo = np.array([c.offsets for c in t.chunks], np.int64)
+    hi = lo + np.array([c.sizes for c in t.chunks], np.int64)
+    full = (hi > lo).all(axis=1)  # (an empty chunk holds nothing)
+    lo, hi = lo[full], hi[full]
+    order = np.argsort(lo[:, 0], kind="stable")
+    lo, hi = lo[order], hi[order]
+    ends = np.searchsorted(lo[:, 0], hi[:, 0], side="left")  # chunk i meets only those of i+1 .. ends[i]-1 in dim 0
+    own = np.arange(len(lo)) + 1
+    if int((ends - own).clip(0).sum()) > _PAIRS:
+        raise ManifestError(f"item {fqn!r}: its {len(t.chunks)} chunks are too many, too entangled, to check apart", where)
+    for i in np.flatnonzero(ends > own):
+        others = slice(i + 1, ends[i])
+        if ((lo[others] < hi[i]) & (hi[others] > lo[i])).all(axis=1).any():
+            raise ManifestError(f"item {fqn!r}: two of its chunks overlap (and leave a hole in {list(t.size)})", where)
+
+
+_PAIRS = 1 << 24  # chunk pairs _check_cover compares at most (~0.1 s a million)
 
 
 def _value(

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import aiotensor
 from aiotensor import TensorStore
 from aiotensor.dcp import AiotensorReader, AiotensorWriter, SafeFileSystemReader
-from aiotensor.errors import CheckpointNotFoundError, MismatchError, UnsafeFileError
+from aiotensor.errors import CheckpointNotFoundError, ManifestError, MismatchError, UnsafeFileError
 
 from ._dcp_ranks import full
 from .conftest import assert_state_equal
@@ -1105,3 +1105,43 @@ def test_load_full_of_no_folder_is_a_checkpoint_not_found(tmp_path: Any) -> None
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(CheckpointNotFoundError, match="is a file"):
         load_full(tmp_path / "file")
+
+
+def test_chunks_that_overlap_and_leave_a_hole_are_refused(tmp_path: Any) -> None:
+    """helper-72: a tensor's chunks were counted, not checked apart: [0, N) and [N/2, 3N/2) of 2N
+    add up, and the new tensor's [3N/2, 2N) kept whatever memory it was given. Now refused; a grid
+    of chunks (a tensor split along two dimensions) still loads."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint import metadata as md
+
+    from aiotensor.sources import _check_cover
+
+    n = 4096
+    path = tmp_path / "hole"
+    dcp.save({"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)}, checkpoint_id=path)
+    m = pickle.loads((path / ".metadata").read_bytes())
+    info = {idx.fqn: v for idx, v in m.storage_data.items()}
+    props = m.state_dict_metadata["a"].properties
+    chunks = [md.ChunkStorageMetadata(torch.Size([0]), torch.Size([n])), md.ChunkStorageMetadata(torch.Size([n // 2]), torch.Size([n]))]
+    m.state_dict_metadata = {"w": md.TensorStorageMetadata(props, torch.Size([2 * n]), chunks)}
+    m.storage_data = {md.MetadataIndex("w", torch.Size([0])): info["a"], md.MetadataIndex("w", torch.Size([n // 2])): info["b"]}
+    m.planner_data = {"w": ("w",)}
+    (path / ".metadata").write_bytes(pickle.dumps(m))
+
+    async def main() -> None:
+        with pytest.raises(ManifestError, match="two of its chunks overlap"):
+            async with aiotensor.stream(path) as s:
+                [x async for x in s]
+
+    asyncio.run(main())
+
+    def tensor(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> Any:
+        return SimpleNamespace(size=size, chunks=[SimpleNamespace(offsets=o, sizes=z) for o, z in boxes])
+
+    grid = [([r, c], [2, 3]) for r in range(0, 8, 2) for c in range(0, 12, 3)]
+    _check_cover("g", tensor([8, 12], grid), "m")  # 16 chunks, apart
+    _check_cover("e", tensor([4], [([0], [4]), ([2], [0])]), "m")  # an empty chunk inside another: holds nothing
+    moved = [*grid[:5], ([1, 3], [2, 3]), *grid[6:]]  # one chunk a row down: overlaps one, leaves a hole
+    with pytest.raises(ManifestError, match="overlap"):
+        _check_cover("g", tensor([8, 12], moved), "m")
