@@ -1123,7 +1123,10 @@ def test_chunks_that_overlap_and_leave_a_hole_are_refused(tmp_path: Any) -> None
     m = pickle.loads((path / ".metadata").read_bytes())
     info = {idx.fqn: v for idx, v in m.storage_data.items()}
     props = m.state_dict_metadata["a"].properties
-    chunks = [md.ChunkStorageMetadata(torch.Size([0]), torch.Size([n])), md.ChunkStorageMetadata(torch.Size([n // 2]), torch.Size([n]))]
+    chunks = [
+        md.ChunkStorageMetadata(torch.Size([0]), torch.Size([n])),
+        md.ChunkStorageMetadata(torch.Size([n // 2]), torch.Size([n])),
+    ]
     m.state_dict_metadata = {"w": md.TensorStorageMetadata(props, torch.Size([2 * n]), chunks)}
     m.storage_data = {md.MetadataIndex("w", torch.Size([0])): info["a"], md.MetadataIndex("w", torch.Size([n // 2])): info["b"]}
     m.planner_data = {"w": ("w",)}

@@ -456,3 +456,21 @@ async def test_a_big_endian_torch_save_file_is_refused_not_read_byte_swapped(tmp
             z.writestr(i.filename, b"little" + b" " * 100 if i.filename.endswith("/byteorder") else zin.read(i.filename))
     with pytest.raises(UnsafeFileError, match="neither little nor big"):
         await load_torch(odd)
+
+
+async def test_stream_dtype_keeps_a_negated_or_conjugated_view_s_values(tmp_path: Any) -> None:
+    """helper-72: stream(dtype=) converted a view's whole storage and viewed the result, dropping
+    torch's lazy neg and conj bits: z.conj().imag (a neg view) came back with its signs flipped."""
+    z = torch.tensor([1 + 2j, 3 + 4j, 5 + 6j, 7 + 8j], dtype=torch.complex64)
+    state = {
+        "imag_of_conj": z.clone().conj().imag[:3],
+        "neg": torch._neg_view(torch.arange(1.0, 9.0)[2:5]),
+        "conj": z.clone()[1:3].conj(),
+    }
+    torch.save(state, tmp_path / "v.pt")
+    want = {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
+    for rule in (torch.float64, lambda name, d: torch.complex128 if d == torch.complex64 else torch.float64):
+        async with stream(tmp_path / "v.pt", dtype=rule) as s:
+            got = {k: t async for k, t in s}
+        for k, v in want.items():
+            assert torch.equal(got[k].resolve_conj().resolve_neg(), v.to(got[k].dtype)), (k, rule)

@@ -227,10 +227,12 @@ def _converted(
     t: torch.Tensor, want: torch.dtype, done: dict[tuple[int, torch.dtype, torch.dtype], torch.Tensor]
 ) -> torch.Tensor:
     """``t`` as ``want``: a tensor that is not its storage's bytes in order (a view) is converted by
-    converting its storage, so that it stays a view (an expanded view is never materialized)."""
+    converting its storage, so that it stays a view (an expanded view is never materialized); a
+    lazily negated or conjugated view by its values (converting its storage dropped the bit: sign-
+    flipped values, helper-72)."""
     storage = t.untyped_storage()
     whole = storage.nbytes() // t.element_size()
-    if (t.is_contiguous() and t.numel() == whole) or storage.nbytes() % t.element_size():
+    if (t.is_contiguous() and t.numel() == whole) or storage.nbytes() % t.element_size() or t.is_neg() or t.is_conj():
         return t.to(want)
     key = (storage.data_ptr(), t.dtype, want)
     conv = done.get(key)
