@@ -1322,3 +1322,28 @@ async def test_a_stream_cut_short_by_a_cancelled_wait_says_so_when_asked_again(t
         await s.aclose()
         with pytest.raises(StopAsyncIteration):
             await anext(s)
+
+
+async def test_a_swap_refuses_a_module_that_keeps_a_view_of_a_weight_it_replaces(tmp_path: Any) -> None:
+    """helper-72: a non-persistent buffer that is a view of a parameter (a fused weight's slice)
+    kept the old weights after apply(), where load_into and load_state_dict fill it. Now
+    prepare_swap refuses such a module (nothing switched); one whose buffers have memory of
+    their own, and keys= leaving out a parameter of its own memory, still swap."""
+
+    class Fused(torch.nn.Module):
+        def __init__(self, view: bool) -> None:
+            super().__init__()
+            self.qkv, self.out = torch.nn.Parameter(torch.zeros(6, 4)), torch.nn.Parameter(torch.zeros(4))
+            self.register_buffer("q", self.qkv.data[:2] if view else torch.zeros(2, 4), persistent=False)
+
+    await save_file({"qkv": torch.ones(6, 4), "out": torch.ones(4)}, tmp_path / "w.safetensors")
+    m = Fused(view=True)
+    with pytest.raises(MismatchError, match="'q' shares memory with 'qkv'"):
+        await prepare_swap(m, tmp_path / "w.safetensors")
+    assert m.qkv.eq(0).all()
+    await load_into(m, tmp_path / "w.safetensors")
+    assert m.q.eq(1).all()
+    for keys in (None, "out"):
+        m = Fused(view=keys is not None)
+        (await prepare_swap(m, tmp_path / "w.safetensors", keys=keys)).apply()
+        assert m.out.eq(1).all() and (m.qkv.eq(1).all() if keys is None else m.qkv.eq(0).all())

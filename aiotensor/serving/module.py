@@ -18,6 +18,7 @@ from itertools import compress, repeat
 from operator import attrgetter, is_, itemgetter, not_
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import knobs, sources
@@ -696,4 +697,48 @@ async def prepare_swap(
         swap=True,
     )
     _raise_if(strict, f"prepare_swap {source}", got)
+    await threads.run_sync(_check_kept_apart, module, was)
     return Swap(module, new, got, ties, was)
+
+
+def _check_kept_apart(module: torch.nn.Module, was: Mapping[str, torch.Tensor]) -> None:
+    """A MismatchError where a parameter or buffer of ``module`` that a swap keeps (a non-persistent
+    buffer, one ``keys`` leaves out) shares memory with one it replaces (``was``): a view of a fused
+    weight (``q = qkv[:2]``) kept serving the old weights after ``apply()``, where ``load_into``
+    fills it (helper-72). Their byte spans compared by numpy: each kept one against the replaced
+    ones that begin before it ends."""
+    swapped = set(map(id, was.values()))
+    kept = [
+        (n, t)
+        for n, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+        if id(t) not in swapped and not t.is_meta and t.numel()
+    ]
+    if not kept or not was:
+        return
+    names, replaced = list(was), list(was.values())
+    lo, hi = _spans(replaced)
+    order = np.argsort(lo, kind="stable")
+    lo, reach = lo[order], np.maximum.accumulate(hi[order])  # the furthest a replaced one reaches, from the first
+    k_lo, k_hi = _spans([t for _, t in kept])
+    before = np.searchsorted(lo, k_hi, side="left")  # the replaced ones that begin before each kept one ends
+    meets = np.flatnonzero((before > 0) & (reach[np.maximum(before - 1, 0)] > k_lo))
+    if meets.size:
+        i = int(meets[0])
+        j = next(
+            j for j in map(int, order[: before[i]]) if _spans([replaced[j]])[1][0] > k_lo[i]
+        )  # (one of them: the message names it)
+        raise MismatchError(
+            f"the module's {kept[i][0]!r} shares memory with {names[j]!r}, which the swap replaces, and is not "
+            "replaced itself (a view of it, or it of that): after apply() it would keep the old weights. Load this "
+            "module with load_into, or load a second module and switch to it"
+        )
+
+
+def _spans(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Each tensor's first byte and one past its last (a strided one's: from its first element to its last)."""
+    lo = np.array(list(map(torch.Tensor.data_ptr, tensors)), np.int64)
+    size = np.array(
+        [(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size() for t in tensors],
+        np.int64,
+    )
+    return lo, lo + size
