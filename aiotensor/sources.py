@@ -655,7 +655,8 @@ def with_rows(e: Entry, rows: tuple[int, int], path: str = "") -> Entry:
         raise MismatchError(f"{path}: rows {rows} of {e.names[0]!r}: it is {how}; load it whole and slice it")
     s = span.spec
     row = s.nbytes // e.shape[0] if e.shape[0] else 0
-    spec = st.TensorSpec(s.key, s.dtype, (b - a, *s.shape[1:]), s.offset + a * row, (b - a) * row)
+    # (in the file's units: a 1-D packed tensor's one dimension counts its values, helper-72)
+    spec = st.TensorSpec(s.key, s.dtype, file_shape(s.dtype, (b - a, *e.shape[1:])), s.offset + a * row, (b - a) * row)
     return Entry(e.names[:1], e.dtype, (b - a, *e.shape[1:]), (Part(Span(span.path, spec, None)),), e.requires_grad)
 
 

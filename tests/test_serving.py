@@ -781,6 +781,24 @@ async def test_row_slices_read_only_those_rows(tmp_path: Any) -> None:
         await collect(stream(tmp_path / "m.safetensors", rows={"a": (90, 101)}))
 
 
+async def test_row_slices_of_a_packed_tensor_are_specified_in_the_file_s_units(tmp_path: Any) -> None:
+    """helper-72: rows of a 1-D float4_e2m1fn_x2 tensor (two values a byte; the file's shape counts
+    values) were specified with the torch shape: a new tensor of half the length where the spec
+    made one (CUDA); a CPU read counted bytes and was right."""
+    from aiotensor import sources
+
+    w = {"v": torch.randint(0, 255, (16,), dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+         "m": torch.randint(0, 255, (6, 4), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}  # fmt: skip
+    await save_file(w, tmp_path / "f4.safetensors")
+    src = sources.resolve(aiotensor.PosixEngine(), str(tmp_path / "f4.safetensors"))
+    for e in src.entries:
+        part = sources.with_rows(e, (2, 5)).parts[0].span.spec
+        assert part.shape == ((6,) if e.names == ("v",) else (3, 8)) and part.nbytes == 3 * (1 if e.names == ("v",) else 4)
+    got = await collect(stream(tmp_path / "f4.safetensors", rows={"v": (2, 5), "m": (2, 5)}))
+    for k, v in w.items():
+        assert torch.equal(got[k].view(torch.uint8), v[2:5].view(torch.uint8)), k
+
+
 async def test_row_slices_of_torch_save_files_and_dcp_checkpoints(tmp_path: Any) -> None:
     """helper-39: rows= of a torch.save file or a DCP checkpoint raised a ValueError whose message
     was false ("need one stored tensor and 0 <= a <= b"); a tensor in one piece of its file (a
