@@ -590,6 +590,9 @@ async def test_a_tie_the_file_stores_under_each_name_gets_one_of_them_whole(tmp_
         m = Tied()
         assert await load_into(m, tmp_path / f"{name}.safetensors") == ([], [])
         assert m.lm_head is m.wte and m.wte.eq(2.0).all(), name
+        m = Tied()
+        (await prepare_swap(m, tmp_path / f"{name}.safetensors")).apply()  # (it took the file's last: wte)
+        assert m.lm_head is m.wte and m.wte.eq(2.0).all(), name
         for order, value in ((("wte", "lm_head"), 2.0), (("lm_head", "wte"), 1.0)):
             t = torch.zeros(rows, 1)
             into = {k: t for k in order}

@@ -321,7 +321,12 @@ def _plan(
     batches: list[_Batch] = []
     batch: _Batch = ([], [], [])
     size = 0
+    skip = _tie_losers(entries, known, ties) if ties else set()
     for e in entries:
+        if id(e) in skip:  # (its names are filled by the tie's entry that is read)
+            for n in e.names:
+                left.pop(n, None)
+            continue
         dest: torch.Tensor | None = None
         filled: list[torch.Tensor] = []  # (a tensor has one name, or a few)
         for name in e.names:
@@ -367,13 +372,36 @@ def _plan(
     if batch[0]:
         batches.append(batch)
     if check_apart([w[0] for w in written], [w[1] for w in written], "the module"):
-        # a tie whose names the file stores each on its own: the last name in the module's order is
-        # read (load_state_dict copies them in that order: the last stays), the others not at all
+        # one view under names that are not one tensor (two Parameters over one memory), each
+        # stored: as _tie_losers (the destinations are the module's own: nothing was made for them)
         at = {k: i for i, k in enumerate(known)}
         written.sort(key=lambda w: at[w[0]])
         unread = {id(written[i][2]) for i in check_apart([w[0] for w in written], [w[1] for w in written], "the module")}
         batches = [_without(b, unread) for b in batches]
     return [b for b in batches if b[0]], list(left), unexpected
+
+
+def _tie_losers(entries: tuple[Entry, ...], known: dict[str, torch.Tensor], ties: dict[str, tuple[str, ...]]) -> set[int]:
+    """The entries (ids) not to read: a tied tensor whose names the file stores each on its own (a
+    head untied by a fine-tune) is read from the entry of its last name in the module's order, as
+    ``load_state_dict`` copies them in that order and the last stays; read from each, its bytes
+    were a mix of the two (parallel pieces, helper-72), and a swap took the file's last. An entry
+    with a name outside the tie is read (then as the check of the module's destinations finds it)."""
+    groups: dict[int, list[tuple[str, Entry]]] = {}
+    for e in entries:
+        for n in e.names:
+            if n in ties and n in known:
+                groups.setdefault(id(known[n]), []).append((n, e))
+    groups = {k: g for k, g in groups.items() if len({id(e) for _, e in g}) > 1}
+    if not groups:
+        return set()
+    at = {k: i for i, k in enumerate(known)}
+    losers: set[int] = set()
+    for group in groups.values():
+        last = max(group, key=lambda ne: at[ne[0]])[1]
+        tied = set(ties[group[0][0]])
+        losers |= {id(e) for _, e in group if e is not last and tied.issuperset(e.names)}
+    return losers
 
 
 def _without(batch: _Batch, unread: set[int]) -> _Batch:
