@@ -106,7 +106,7 @@ async def test_a_relative_root_stays_where_it_was_when_the_working_folder_change
     async with TensorStore("link/../ck2") as s:
         await s.save(1, {"w": torch.ones(1)})
     assert (tmp_path / "real" / "ck2" / "latest").exists() and not (tmp_path / "a" / "ck2").exists()
-    with pytest.raises(ValueError, match="root is empty"):  # an unset variable: not the working folder
+    with pytest.raises(ValueError, match="TensorStore root is empty"):  # an unset variable: not the working folder
         TensorStore(os.environ.get("AIOTENSOR_NO_SUCH_VARIABLE", ""))
 
 

@@ -67,9 +67,7 @@ def _absolute(root: str | os.PathLike[str]) -> str:
     not move the store), against the working folder without rewriting it (``link/../ck`` is where
     the system finds it, not where ``os.path.abspath`` would put it); an empty root (an unset
     variable) is a ValueError, not the working folder."""
-    path = local_path(root, objects=True)
-    if not path:
-        raise ValueError("TensorStore root is empty: name a folder (or s3://bucket/prefix)")
+    path = local_path(root, "TensorStore root", objects=True)  # (empty: a ValueError)
     return path if is_object(path) or os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
 
