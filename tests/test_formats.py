@@ -1458,3 +1458,17 @@ def test_a_header_that_lists_an_empty_tensor_after_another_at_its_offset_parses(
         with mock.patch.object(st, "native", native):
             layout = st.parse(header, 8 + len(header) + 8, "f")
         assert [s.key for s in layout.tensors] == ["a", "b"]
+
+
+def test_the_density_rule_counts_values_outside_strings_in_one_pass() -> None:
+    """helper-71: commas in a string (labels as CSV) counted as JSON values, and a state holding
+    150,000 small ints was refused on load after its commit. helper-73: the first fix's regex,
+    on a hostile header with a string left open, restarted at every later quote (hours for a
+    1 MB header, the GIL held). The values outside strings are counted; an unterminated string
+    runs to the end; the values before it still count."""
+    many = 1_100_000
+    assert st.dense(json.dumps({"labels": "," * many}).encode()) is None
+    assert st.dense(json.dumps([0] * 150_000).encode()) is None
+    assert st.dense(json.dumps([0] * many).encode()) == many + 0  # (its commas and its bracket)
+    assert st.dense(b'["' + b'\\"' * 200_000 + b"," * many) is None  # open to the end: one string
+    assert st.dense(b"[" + b"1," * many + b'"' + b'\\"' * 200_000) == many + 1

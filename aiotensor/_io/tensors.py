@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter, itemgetter, le
@@ -216,17 +216,15 @@ def check_into(
     missing_ok: bool = False,
     unexpected_ok: bool = False,
     new: Collection[str] = (),
-    stored: Collection[str] | None = None,
+    source: Callable[[str], str] | None = None,
 ) -> tuple[list[str], list[str], set[str]]:
     """``given`` (``into``'s tensors) has exactly ``specs``' keys, each a tensor of its spec's dtype
     and shape on a device this machine handles; else MismatchError (StateError for the device).
     The words are ``load_state_dict``'s, ``into`` in the module's place: a key of ``into`` that
     ``where`` lacks is missing (``missing_ok``: left alone), a key of ``where`` that ``into`` lacks
     is unexpected (``unexpected_ok``: not read), unless it is one of ``new`` (read into a new
-    tensor). Returns the missing and unexpected keys let pass, and the keys not to read into: a
-    tie's (one tensor under several keys, each stored on its own: among ``stored``, the keys read
-    on their own, where not all are) but its last in ``given``'s order, whose stored value the
-    tensor gets (:func:`check_apart`)."""
+    tensor). Returns the missing and unexpected keys let pass, and the stored tensors not to read
+    (:func:`tie_skips`; ``source(key)``: the stored key a key of ``into`` reads, an alias's)."""
     odd = [k for k, t in given.items() if k in specs and not isinstance(t, torch.Tensor)]
     if odd:  # (elsewhere a module's _extra_state, say: a missing key, as load_state_dict has it)
         raise MismatchError(f"`into` holds {type(given[odd[0]]).__name__} at {odd[0]!r} where a tensor is read: {odd[:5]}")
@@ -249,14 +247,36 @@ def check_into(
             raise MismatchError(f"tensor {k!r}: {where} has {want} {list(shape)}, `into` has {t.dtype} {list(t.shape)}")
         check_fillable(t, f"tensor {k!r} of `into`")
     read = [k for k in given if k in specs]
-    shadowed = check_apart(read, [given[k] for k in read], "`into`")
-    if not shadowed or stored is None:
-        return missing, unexpected, {read[i] for i in shadowed}
-    own = [k for k in read if k in stored]  # (a tie of a stored tensor and its alias is one read)
-    return missing, unexpected, {own[i] for i in check_apart(own, [given[k] for k in own], "`into`")}
+    return missing, unexpected, tie_skips(read, check_apart(read, [given[k] for k in read], "`into`"), source)
 
 
-def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str) -> list[int]:
+def tie_skips(keys: Sequence[str], ties: list[list[int]], source: Callable[[str], str] | None = None) -> set[str]:
+    """The stored tensors not to read for ``ties`` (:func:`check_apart`'s groups of ``keys``: one
+    tensor of ``into`` under several keys), each key reading ``source(key)`` (itself by default):
+    a tie gets the stored tensor its last key reads, as ``load_state_dict`` leaves a tie with its
+    last name's value; read from each, the bytes were a mix of the two (helper-72).
+
+    Raises:
+        MismatchError: a stored tensor a tie does not read is read for a key of ``into`` outside
+            that tie (an alias of it that is another tensor: it would get the tie's value)."""
+    src = source or str
+    skip: dict[str, int] = {}  # stored key -> the tie that does not read it
+    for g, tie in enumerate(ties):
+        names = [keys[i] for i in tie]
+        skip |= dict.fromkeys({src(n) for n in names} - {src(names[-1])}, g)
+    if skip:
+        group = {keys[i]: g for g, tie in enumerate(ties) for i in tie}
+        for k in keys:
+            lost = skip.get(src(k))
+            if lost is not None and group.get(k) != lost:
+                raise MismatchError(
+                    f"`into` holds one tensor under {[keys[i] for i in ties[lost]]}, stored as different tensors, and "
+                    f"{k!r} reads {src(k)!r} too into other memory: load into a state without the tie, or untie it"
+                )
+    return set(skip)
+
+
+def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str) -> list[list[int]]:
     """A MismatchError where two of ``tensors`` (``names``, of ``what``) share part of their memory
     without being one view of it (a tied weight: both get the same bytes): a load fills the shared
     bytes with whichever came last, mixing the two (helper-67: two slices of one buffer, each read
@@ -265,10 +285,10 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     transpose, a column slice: they may interleave without sharing an element), their bytes are
     compared (helper-68: a column slice and a row slice of one buffer, mixed).
 
-    Returns the positions of those that a later one of ``tensors`` is one view of (a tie under
-    several names: each but its last), in order: a load reads only the last, as
-    ``load_state_dict`` leaves a tie with the value of its last name; read both, their bytes were
-    written over each other in parallel pieces, a mix of the two (helper-72)."""
+    Returns the ties: the positions of each group of ``tensors`` that are one view (one tensor
+    under several names), in order, a group of two or more each. A load reads one stored tensor
+    into each (:func:`tie_reads`): read from each name, their bytes were written over each other
+    in parallel pieces, a mix of the two (helper-72)."""
     if len(tensors) < 2:
         return []
     at = np.array(gil.listed(map(_DATA_PTR, tensors)), np.int64)  # (a slice per C loop: the GIL changes hands)
@@ -283,25 +303,29 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     order = keep[np.lexsort((keep, span[keep], at[keep]))]  # (a tie's names in their order)
     lo = at[order]
     tie = np.zeros(order.size, bool)
+    ties: list[list[int]] = []
     for k in np.flatnonzero(lo[1:] == lo[:-1]) + 1:  # two that begin at one byte: one view, or they share it
         i, j = int(order[k - 1]), int(order[k])
         if _view(tensors[i]) != _view(tensors[j]):
             _shared(names, what, i, j)
-        tie[k - 1] = True  # (the last of a tie stays)
-    shadowed = sorted(order[tie].tolist())
+        if tie[k - 1]:  # (the group goes on)
+            ties[-1].append(j)
+        else:
+            ties.append([i, j])
+        tie[k] = True
     order = order[~tie]
     lo, hi = at[order], at[order] + span[order]
     top = np.maximum.accumulate(hi)
     meets = top[:-1] > lo[1:]  # a span meets one before it
     if not meets.any():
-        return shadowed
+        return ties
     group = np.r_[0, np.cumsum(~meets)]  # spans that meet, chained
     for g in np.unique(group[1:][meets]):
         members = order[group == g]
         if plain[members].all():  # contiguous spans that meet share bytes
             _shared(names, what, int(members[0]), int(members[1]))
         _apart_runs(names, tensors, what, [int(i) for i in members])
-    return shadowed
+    return ties
 
 
 def _view(t: torch.Tensor) -> tuple[Any, ...]:

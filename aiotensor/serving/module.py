@@ -317,19 +317,17 @@ def _plan(
         return at_once
     left = dict.fromkeys(known)
     unexpected: list[str] = []
-    written: list[tuple[str, torch.Tensor, Entry]] = []  # the module's tensors a load writes (load_into's), by entry
     batches: list[_Batch] = []
     batch: _Batch = ([], [], [])
     size = 0
-    skip = _tie_losers(entries, known, ties) if ties else set()
+    skip = _tied_elsewhere(entries, known, ties, place)
     for e in entries:
-        if id(e) in skip:  # (its names are filled by the tie's entry that is read)
-            for n in e.names:
-                left.pop(n, None)
-            continue
         dest: torch.Tensor | None = None
         filled: list[torch.Tensor] = []  # (a tensor has one name, or a few)
         for name in e.names:
+            if (id(e), name) in skip:  # (filled from the tie's entry that is read)
+                left.pop(name, None)
+                continue
             dst = known.get(name)
             if dst is None:
                 if strict:
@@ -356,8 +354,6 @@ def _plan(
             if filled and any(f is dst for f in filled):  # a name tied to one already filled
                 continue
             filled.append(dst)
-            if place is _itself and not dst.is_meta:  # (written: in place, or converted after the read)
-                written.append((name, dst, e))
             if dest is None:
                 dest = place(names, dst, e)
                 batch[0].append(e)
@@ -371,45 +367,39 @@ def _plan(
             batch, size = ([], [], []), 0
     if batch[0]:
         batches.append(batch)
-    if check_apart([w[0] for w in written], [w[1] for w in written], "the module"):
-        # one view under names that are not one tensor (two Parameters over one memory), each
-        # stored: as _tie_losers (the destinations are the module's own: nothing was made for them)
-        at = {k: i for i, k in enumerate(known)}
-        written.sort(key=lambda w: at[w[0]])
-        unread = {id(written[i][2]) for i in check_apart([w[0] for w in written], [w[1] for w in written], "the module")}
-        batches = [_without(b, unread) for b in batches]
-    return [b for b in batches if b[0]], list(left), unexpected
+    return batches, list(left), unexpected
 
 
-def _tie_losers(entries: tuple[Entry, ...], known: dict[str, torch.Tensor], ties: dict[str, tuple[str, ...]]) -> set[int]:
-    """The entries (ids) not to read: a tied tensor whose names the file stores each on its own (a
-    head untied by a fine-tune) is read from the entry of its last name in the module's order, as
-    ``load_state_dict`` copies them in that order and the last stays; read from each, its bytes
-    were a mix of the two (parallel pieces, helper-72), and a swap took the file's last. An entry
-    with a name outside the tie is read (then as the check of the module's destinations finds it)."""
-    groups: dict[int, list[tuple[str, Entry]]] = {}
-    for e in entries:
-        for n in e.names:
-            if n in ties and n in known:
-                groups.setdefault(id(known[n]), []).append((n, e))
-    groups = {k: g for k, g in groups.items() if len({id(e) for _, e in g}) > 1}
-    if not groups:
+def _tied_elsewhere(
+    entries: tuple[Entry, ...], known: dict[str, torch.Tensor], ties: dict[str, tuple[str, ...]], place: Place
+) -> set[tuple[int, str]]:
+    """The (entry id, name) pairs not to fill: a tensor of the module under several names whose
+    names the file stores in several entries (a head untied by a fine-tune) is filled from one,
+    the entry of its last name in the module's order, as ``load_state_dict`` copies in that order
+    and the last stays (read from each, its bytes were a mix of the two in parallel pieces, and a
+    swap took the file's last, helper-72/73). For ``load_into`` (filled in place) the module's
+    tensors are checked apart first (:func:`~aiotensor._io.tensors.check_apart`: two overlapping
+    views refused, two parameters over one memory a tie); for a swap, its ties are its tensors
+    under several names."""
+    pairs = [(n, known[n], e) for e in entries for n in e.names if n in known and not known[n].is_meta]
+    if place is _itself:
+        groups = check_apart([p[0] for p in pairs], [p[1] for p in pairs], "the module")
+    elif ties:
+        by_tensor: dict[int, list[int]] = {}
+        for i, (n, t, _) in enumerate(pairs):
+            if n in ties:
+                by_tensor.setdefault(id(t), []).append(i)
+        groups = [g for g in by_tensor.values() if len(g) > 1]
+    else:
+        return set()
+    if not any(len({id(pairs[i][2]) for i in g}) > 1 for g in groups):  # (each tie stored once)
         return set()
     at = {k: i for i, k in enumerate(known)}
-    losers: set[int] = set()
-    for group in groups.values():
-        last = max(group, key=lambda ne: at[ne[0]])[1]
-        tied = set(ties[group[0][0]])
-        losers |= {id(e) for _, e in group if e is not last and tied.issuperset(e.names)}
-    return losers
-
-
-def _without(batch: _Batch, unread: set[int]) -> _Batch:
-    """``batch`` without the entries whose ids are in ``unread`` (and their fills)."""
-    kept = [k for k, e in enumerate(batch[0]) if id(e) not in unread]
-    new = {old: k for k, old in enumerate(kept)}
-    fills = [(names, dst, new[i]) for names, dst, i in batch[2] if i in new]
-    return [batch[0][k] for k in kept], [batch[1][k] for k in kept], fills
+    skip: set[tuple[int, str]] = set()
+    for g in groups:
+        last = max((pairs[i] for i in g), key=lambda p: at[p[0]])[2]
+        skip |= {(id(pairs[i][2]), pairs[i][0]) for i in g if pairs[i][2] is not last}
+    return skip
 
 
 def _in_place_at_once(
@@ -739,11 +729,12 @@ def _check_kept_apart(module: torch.nn.Module, was: Mapping[str, torch.Tensor]) 
     kept = [
         (n, t)
         for n, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
-        if id(t) not in swapped and not t.is_meta and t.numel()
+        if id(t) not in swapped and _plain_memory(t)
     ]
-    if not kept or not was:
+    replaced_by_name = {n: t for n, t in was.items() if _plain_memory(t)}
+    if not kept or not replaced_by_name:
         return
-    names, replaced = list(was), list(was.values())
+    names, replaced = list(replaced_by_name), list(replaced_by_name.values())
     lo, hi = _spans(replaced)
     order = np.argsort(lo, kind="stable")
     lo, reach = lo[order], np.maximum.accumulate(hi[order])  # the furthest a replaced one reaches, from the first
@@ -760,6 +751,18 @@ def _check_kept_apart(module: torch.nn.Module, was: Mapping[str, torch.Tensor]) 
             "replaced itself (a view of it, or it of that): after apply() it would keep the old weights. Load this "
             "module with load_into, or load a second module and switch to it"
         )
+
+
+def _plain_memory(t: torch.Tensor) -> bool:
+    """Does ``t`` have bytes of its own to compare (a sparse, nested, meta or empty tensor, or a
+    wrapper subclass, has none: its data pointer is an error, helper-73)?"""
+    return (
+        t.layout == torch.strided
+        and not t.is_nested
+        and not t.is_meta
+        and t.numel() > 0
+        and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+    )
 
 
 def _spans(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import chain, islice, repeat
 from operator import attrgetter
@@ -278,7 +278,7 @@ def _checked(
     devices: tuple[str, ...],
     strict: bool,
     key: Callable[[str], str],
-    stored: Collection[str] | None = None,
+    source: Callable[[str], str] | None = None,
 ) -> tuple[set[str], set[str]]:
     """``into``'s tensors (``given``) checked against the checkpoint's (``specs``: keys, dtypes,
     shapes; not ``strict``: a warning names what either lacks); returns, ``strict``, the saved
@@ -293,7 +293,7 @@ def _checked(
     if strict and not specs.keys() <= given.keys():
         new = {key(leaf.name) for leaf in under_empty(saved, into, _is_leaf)} - given.keys()
     missing, unexpected, shadowed = check_into(
-        given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new, stored=stored
+        given, specs, devices, "the checkpoint", missing_ok=not strict, unexpected_ok=not strict, new=new, source=source
     )
     _partial(folder, (missing, unexpected))
     return new, shadowed
@@ -507,7 +507,8 @@ def _destinations(
     to read, a tie's of ``into`` but its last (:func:`~aiotensor._io.tensors.check_into`)."""
     given = matched(m.tree, chain(m.entries, m.aliases), into)
     specs = {k: e.spec for k, e in m.entries.items()} | {a: m.entries[t].spec for a, t in m.aliases.items()}
-    new, shadowed = _checked(folder, lambda: unflatten(m.tree, _Leaf), into, given, specs, devices, strict, str, m.entries)
+    source = lambda k: m.aliases.get(k, k)  # noqa: E731  (the stored tensor a key reads)
+    new, shadowed = _checked(folder, lambda: unflatten(m.tree, _Leaf), into, given, specs, devices, strict, str, source)
     # a tied name among them reads the stored tensor it names, new too where `into` lacks that one
     stored = {m.aliases.get(k, k) for k in new} - given.keys()
     made = {k: new_tensor(m.entries[k].spec, device) for k in stored}
