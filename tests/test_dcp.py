@@ -1148,3 +1148,10 @@ def test_chunks_that_overlap_and_leave_a_hole_are_refused(tmp_path: Any) -> None
     moved = [*grid[:5], ([1, 3], [2, 3]), *grid[6:]]  # one chunk a row down: overlaps one, leaves a hole
     with pytest.raises(ManifestError, match="overlap"):
         _check_cover("g", tensor([8, 12], moved), "m")
+    # helper-73: 5,794 column chunks of [8, n] (every chunk's rows the same) were refused as too
+    # entangled; not a grid (two splits of the rows), checked pairwise along the columns
+    _check_cover("c", tensor([8, 6000], [([0, c], [8, 1]) for c in range(6000)]), "m")
+    rows = [([0, c], [4, 2]) for c in range(0, 12, 2)] + [([4, c], [4, 3]) for c in range(0, 12, 3)]
+    _check_cover("r", tensor([8, 12], rows), "m")
+    with pytest.raises(ManifestError, match="overlap"):
+        _check_cover("r", tensor([8, 12], [*rows[:-1], ([3, 9], [4, 3])]), "m")
