@@ -24,7 +24,7 @@ from . import root as _root
 from ._runtime.scheduler import Scheduler, own_scheduler
 from .commit import Publication
 from .engines import Engine, default_engine
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, annotate_oserror
 from .files import save_file, write_safetensors
 from .formats import tree
 from .formats.dcp_metadata import JSON_NAME, PICKLE_NAME
@@ -165,7 +165,10 @@ def _values(src: sources.Source) -> list[str]:
 
 def cmd_ls(a: argparse.Namespace) -> int:
     engine = _engine(a.root)
-    names = engine.listdir(a.root)
+    try:
+        names = engine.listdir(a.root)
+    except OSError as e:  # (an object store's answer names its request, not the URL: helper-74)
+        raise annotate_oserror(e, f"listing {a.root}") from None
     if not _root.is_store(names):
         raise CheckpointNotFoundError(
             f"{a.root}: not a store root (no committed step, latest or lock; `aiotensor inspect` reads other folders)"

@@ -105,6 +105,8 @@ def resolve(engine: Engine, path: str) -> Source:
         mode = mode_of(engine, real)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
+    except OSError as e:  # (an object store's answer names its request, not the URL: helper-74)
+        raise annotate_oserror(e, f"looking at {path}") from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
     name = os.path.basename(path)

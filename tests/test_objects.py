@@ -639,12 +639,21 @@ async def test_the_server_killed_mid_upload_loses_nothing(tmp_path: Any, monkeyp
 
 
 async def test_wrong_credentials_are_a_clear_error_without_the_secret(s3: Any, run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """helper-74: wrong keys were an OSError of EIO (no keys at all: PermissionError), and the
+    command line's ls and inspect named the server's request, not the URL."""
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + SECRET)
-    with pytest.raises(OSError) as e:
+    with pytest.raises(PermissionError) as e:
         async with aiotensor.TensorStore(f"s3://bucket/{run}creds"):
             pass
     text = str(e.value)
     assert "s3://bucket/" in text and SECRET not in text and "\n" not in text and ("403" in text or "Forbidden" in text), text
+    with pytest.raises(PermissionError, match=f"s3://bucket/{run}w.safetensors"):
+        await aiotensor.load_file(f"s3://bucket/{run}w.safetensors")
+    for cmd in ("ls", "inspect"):
+        r = subprocess.run(
+            [sys.executable, "-m", "aiotensor", cmd, f"s3://bucket/{run}creds"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 1 and f"s3://bucket/{run}creds" in r.stderr and SECRET not in r.stderr, (cmd, r.stderr)
 
 
 # --- tiered: a local store mirrored to a bucket -----------------------------------------------------

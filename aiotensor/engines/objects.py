@@ -128,6 +128,12 @@ class ObjectEngine(Engine):
                 "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a server "
                 f"of your own), or pass storage_options ({type(e).__name__}: {_short(e)})",
             )
+        if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or any(
+            f" {code} " in str(e) for code in (401, 403)
+        ):  # wrong keys, or no right to the bucket: as "no credentials" is (helper-74: EIO)
+            return PermissionError(
+                errno.EACCES, f"access denied: wrong S3 keys, or none for this bucket ({type(e).__name__}: {_short(e)})"
+            )
         return OSError(errno.EIO, f"{type(e).__name__}: {_short(e)}")
 
     def open_read(self, path: str) -> int:
