@@ -1459,6 +1459,14 @@ async def test_a_store_starts_a_new_shard_at_the_tensor_count_a_reader_takes(tmp
     assert_state_equal(got, state)
     with pytest.raises(StateError, match="250 tensors in one safetensors file"):
         await aiotensor.save_file(state, tmp_path / "many.safetensors")
+    # helper-73: a step written before shards were split, one shard over the count, made every
+    # later incremental save fail (its header rebuilt to compare was refused); it is not reused
+    monkeypatch.setattr(st, "MAX_TENSORS", 1000)
+    async with TensorStore(tmp_path / "old") as store:
+        await store.save(1, state)
+        monkeypatch.setattr(st, "MAX_TENSORS", 100)
+        await store.save(2, state)
+        assert_state_equal(await store.load(2), state)
 
 
 async def test_a_progress_that_cannot_report_and_an_empty_path_are_refused_at_the_call(tmp_path: Any) -> None:

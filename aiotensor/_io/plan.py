@@ -124,7 +124,9 @@ def plan_save(
         gil.filled(by_key, zip(map(_FIRST, stored), stored, strict=True))
     planned: list[tuple[bytes, st.Layout, bool, Previous | None]] = []
     for keys, earlier in previous:  # (C loops: an earlier shard may hold tens of thousands)
-        if all(map(by_key.__contains__, keys)):
+        # (a shard of more tensors than one file may hold, written before they were split: not
+        # reused, and never built: it is refused now, helper-73)
+        if len(keys) <= st.MAX_TENSORS and all(map(by_key.__contains__, keys)):
             group = gil.listed(map(by_key.__getitem__, keys))
             header, layout = _shard(group)
             if header == earlier.header:
