@@ -131,9 +131,7 @@ class ObjectEngine(Engine):
         if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or any(
             f" {code} " in str(e) for code in (401, 403)
         ):  # wrong keys, or no right to the bucket: as "no credentials" is (helper-74: EIO)
-            return PermissionError(
-                errno.EACCES, f"access denied: wrong S3 keys, or none for this bucket ({type(e).__name__}: {_short(e)})"
-            )
+            return PermissionError(errno.EACCES, f"access denied: the S3 keys are refused here ({type(e).__name__}: {_short(e)})")
         return OSError(errno.EIO, f"{type(e).__name__}: {_short(e)}")
 
     def open_read(self, path: str) -> int:
