@@ -102,8 +102,10 @@ def test_a_tie_of_into_that_a_dcp_step_stores_under_each_key_gets_its_last_keys_
             for order, value in ((("a", "b"), 2.0), (("b", "a"), 1.0)):
                 t = torch.zeros(n)
                 into = {k: t for k in order}
+                before = store.scheduler.stats.bytes_read
                 assert await store.load(1, into=into) is into
                 assert into["a"] is into["b"] is t and t.eq(value).all(), order
+                assert store.scheduler.stats.bytes_read - before < 5 * n, "the other name's entry is not read"
 
     asyncio.run(main())
 

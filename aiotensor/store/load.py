@@ -233,10 +233,11 @@ async def _load_dcp(sched: Scheduler, folder: str, into: Any, dev: torch.device,
     their chunks, straight into ``into``'s tensors or new ones (:mod:`aiotensor.sources`)."""
     src = await sched.call(sources.step, sched.engine, folder, priority=Priority.LOAD)
     entries, dests = list(src.entries), None
+    tied: dict[str, torch.Tensor] = {}
     if into is not None:
-        entries, dests = await sched.call(_dests, src, into, sched.devices, strict, folder, priority=Priority.LOAD)
+        entries, dests, tied = await sched.call(_dests, src, into, sched.devices, strict, folder, priority=Priority.LOAD)
     tensors = await read(sched, entries, dev, verify, into=dests, checks=src.checks)
-    return await sched.call(_state_of, src, entries, tensors, into, strict, priority=Priority.LOAD)
+    return await sched.call(_state_of, src, entries, tensors, into, strict, tied, priority=Priority.LOAD)
 
 
 class _Leaf:
@@ -248,9 +249,11 @@ class _Leaf:
 
 def _dests(
     src: sources.Source, into: Any, devices: tuple[str, ...], strict: bool, folder: str
-) -> tuple[list[sources.Entry], list[torch.Tensor | None]]:
+) -> tuple[list[sources.Entry], list[torch.Tensor | None], dict[str, torch.Tensor]]:
     """The entries of ``src`` to read and ``into``'s tensor for each, checked against it (keys,
-    dtypes, shapes); not ``strict``: those ``into`` has (:func:`_partial`)."""
+    dtypes, shapes); not ``strict``: those ``into`` has (:func:`_partial`); and by name the
+    tensors of ``into`` that a tie's other name fills, their entries not read (a tied embedding
+    that DCP stores under both names is read once)."""
     assert src.state is not None
     saved = src.state(_Leaf)
     where = {leaf.name: key for key, leaf in leaves(saved, _is_leaf)}
@@ -260,13 +263,15 @@ def _dests(
     new, shadowed = _checked(folder, lambda: saved, into, given, specs, devices, strict, where.__getitem__)
     entries: list[sources.Entry] = []
     dests: list[torch.Tensor | None] = []
+    tied: dict[str, torch.Tensor] = {}
     for e in src.entries:  # (not strict: the entries `into` has a tensor for, or a new one)
         t = next((given[where[n]] for n in e.names if where[n] in given), None)
-        if t is not None or any(where[n] in new for n in e.names):
+        if t is not None and all(where[n] in shadowed for n in e.names):  # a tie's name but its last: not read
+            tied |= dict.fromkeys(e.names, t)
+        elif t is not None or any(where[n] in new for n in e.names):
             entries.append(e)
-            # a tie's name but its last: read aside (update() leaves `into`'s tensor, which has the last one's)
-            dests.append(None if t is not None and all(where[n] in shadowed for n in e.names) else t)
-    return entries, dests
+            dests.append(t)
+    return entries, dests, tied
 
 
 def _checked(
@@ -312,12 +317,18 @@ def _partial(folder: str, keys: tuple[list[str], list[str]]) -> None:
 
 @gil.quiet_gc
 def _state_of(
-    src: sources.Source, entries: list[sources.Entry], tensors: list[torch.Tensor], into: Any, strict: bool = True
+    src: sources.Source,
+    entries: list[sources.Entry],
+    tensors: list[torch.Tensor],
+    into: Any,
+    strict: bool = True,
+    tied: Mapping[str, torch.Tensor] | None = None,
 ) -> Any:
-    """The state ``src`` holds, its tensors ``tensors`` (of ``entries``); with ``into``, every saved
-    value put there (not ``strict``: where ``into`` has its place)."""
+    """The state ``src`` holds, its tensors ``tensors`` (of ``entries``, and ``tied``: by name,
+    those a tie's read filled); with ``into``, every saved value put there (not ``strict``: where
+    ``into`` has its place)."""
     assert src.state is not None
-    by_name = {n: t for e, t in zip(entries, tensors, strict=True) for n in e.names}
+    by_name = {n: t for e, t in zip(entries, tensors, strict=True) for n in e.names} | dict(tied or {})
     state = src.state(by_name.__getitem__ if strict else lambda n: by_name.get(n, UNREAD))
     return state if into is None else update(into, state, partial=not strict)
 
