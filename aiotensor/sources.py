@@ -106,7 +106,7 @@ def resolve(engine: Engine, path: str) -> Source:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     except OSError as e:  # (an object store's answer names its request, not the URL: helper-74)
-        raise annotate_oserror(e, f"looking at {path}") from None
+        raise (e if e.filename is not None else annotate_oserror(e, f"looking at {path}")) from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
     name = os.path.basename(path)
@@ -305,8 +305,8 @@ def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:
     overlapped leave a hole, the memory of a new tensor there as it was: helper-72). A grid (the
     layouts DCP's sharding makes: rows, columns, both) is recognised by numpy: along each
     dimension its chunks' ranges tile the tensor, and the chunks are that many distinct cells.
-    Any other layout: chunks sorted along the dimension where their starts differ most, each
-    against those that begin before it ends there, at most :data:`_PAIRS` pairs."""
+    Any other layout: chunks sorted along the dimension where the fewest pairs meet, each against
+    those that begin before it ends there, at most :data:`_PAIRS` pairs."""
     if sum(math.prod(c.sizes) for c in t.chunks) != math.prod(t.size):
         raise ManifestError(f"item {fqn!r}: its chunks do not cover {list(t.size)} exactly", where)
     if len(t.chunks) < 2 or not t.size:
@@ -315,14 +315,20 @@ def _check_cover(fqn: str, t: dm.Tensor, where: str) -> None:
     hi = lo + np.array([c.sizes for c in t.chunks], np.int64)
     full = (hi > lo).all(axis=1)  # (an empty chunk holds nothing)
     lo, hi = lo[full], hi[full]
-    if _grid(lo, hi, t.size):
+    if len(lo) < 2 or _grid(lo, hi, t.size):  # (an empty tensor's chunks: none left, helper-75)
         return
-    axis = int(np.argmax([np.unique(lo[:, k]).size for k in range(lo.shape[1])]))
-    order = np.argsort(lo[:, axis], kind="stable")
-    lo, hi = lo[order], hi[order]
-    ends = np.searchsorted(lo[:, axis], hi[:, axis], side="left")  # chunk i meets only those of i+1 .. ends[i]-1 there
     own = np.arange(len(lo)) + 1
-    if int((ends - own).clip(0).sum()) > _PAIRS:
+    best = None  # the dimension along which the fewest pairs meet: (pairs, order, ends)
+    for k in range(lo.shape[1]):
+        order = np.argsort(lo[:, k], kind="stable")
+        ends = np.searchsorted(lo[order, k], hi[order, k], side="left")  # i meets only i+1 .. ends[i]-1 there
+        pairs = int((ends - own).clip(0).sum())
+        if best is None or pairs < best[0]:
+            best = (pairs, order, ends)
+    assert best is not None
+    pairs, order, ends = best
+    lo, hi = lo[order], hi[order]
+    if pairs > _PAIRS:
         raise ManifestError(f"item {fqn!r}: its {len(t.chunks)} chunks are too many, too entangled, to check apart", where)
     for i in np.flatnonzero(ends > own):
         others = slice(i + 1, ends[i])

@@ -1157,3 +1157,8 @@ def test_chunks_that_overlap_and_leave_a_hole_are_refused(tmp_path: Any) -> None
     _check_cover("r", tensor([8, 12], rows), "m")
     with pytest.raises(ManifestError, match="overlap"):
         _check_cover("r", tensor([8, 12], [*rows[:-1], ([3, 9], [4, 3])]), "m")
+    # helper-75: an empty tensor in two chunks (none left once the empty are set aside) raised an
+    # IndexError; columns each split at its own row were checked along the rows, refused
+    _check_cover("z", tensor([0, 8], [([0, 0], [0, 4]), ([0, 4], [0, 4])]), "m")
+    staggered = [b for c in range(3000) for b in (([0, c], [c + 1, 1]), ([c + 1, c], [3000 - c, 1]))]
+    _check_cover("s", tensor([3001, 3000], staggered), "m")

@@ -1472,3 +1472,4 @@ def test_the_density_rule_counts_values_outside_strings_in_one_pass() -> None:
     assert st.dense(json.dumps([0] * many).encode()) == many + 0  # (its commas and its bracket)
     assert st.dense(b'["' + b'\\"' * 200_000 + b"," * many) is None  # open to the end: one string
     assert st.dense(b"[" + b"1," * many + b'"' + b'\\"' * 200_000) == many + 1
+    assert st.dense(b"[" + b"1," * many + b'"' + b'\\"' * 200_000 + b"\\") == many + 1  # (a lone backslash last: helper-75)

@@ -590,6 +590,10 @@ async def test_a_tie_the_file_stores_under_each_name_gets_one_of_them_whole(tmp_
         m = Tied()
         assert await load_into(m, tmp_path / f"{name}.safetensors") == ([], [])
         assert m.lm_head is m.wte and m.wte.eq(2.0).all(), name
+        with torch.device("meta"):  # (helper-75: a meta module's tie took the file's last)
+            m = Tied()
+        assert await load_into(m, tmp_path / f"{name}.safetensors") == ([], [])
+        assert m.lm_head is m.wte and m.wte.eq(2.0).all(), name
         m = Tied()
         (await prepare_swap(m, tmp_path / f"{name}.safetensors")).apply()  # (it took the file's last: wte)
         assert m.lm_head is m.wte and m.wte.eq(2.0).all(), name
@@ -598,6 +602,10 @@ async def test_a_tie_the_file_stores_under_each_name_gets_one_of_them_whole(tmp_
             into = {k: t for k in order}
             await aiotensor.load_file(tmp_path / f"{name}.safetensors", into=into)
             assert t.eq(value).all(), (name, order)
+    st_save({"wte": torch.ones(rows + 1, 1), "lm_head": both["lm_head"]}, str(tmp_path / "odd.safetensors"))
+    for how in ("load_into", "prepare_swap"):  # (helper-75: the name not read, wte, is still checked)
+        with pytest.raises(MismatchError, match="'wte'"):
+            await (load_into if how == "load_into" else prepare_swap)(Tied(), tmp_path / "odd.safetensors")
     async with TensorStore(tmp_path / "store") as store:
         for step, order in enumerate((("a", "b"), ("b", "a"))):
             await store.save(step, {"a": both["wte"], "b": both["lm_head"]})

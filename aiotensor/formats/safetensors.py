@@ -603,7 +603,7 @@ def dense(text: bytes) -> int | None:
 
 # a string, or an unterminated one to the end (which no JSON has: one that restarted at each later
 # quote was quadratic, hours for a hostile header, helper-73); possessive: 0.2 s per 100 MB
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\Z)', re.DOTALL)
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)  # (a lone backslash last too: helper-75)
 
 
 def check_written(text: bytes, what: str, most: int) -> None:

@@ -325,9 +325,6 @@ def _plan(
         dest: torch.Tensor | None = None
         filled: list[torch.Tensor] = []  # (a tensor has one name, or a few)
         for name in e.names:
-            if (id(e), name) in skip:  # (filled from the tie's entry that is read)
-                left.pop(name, None)
-                continue
             dst = known.get(name)
             if dst is None:
                 if strict:
@@ -342,6 +339,9 @@ def _plan(
                 raise MismatchError(
                     f"tensor {name!r}: {source} has {e.dtype}, which torch cannot copy into the module's {dst.dtype}"
                 )
+            if (id(e), name) in skip:  # (filled from the tie's entry that is read; checked as that one is)
+                left.pop(name, None)
+                continue
             if place is _itself and not dst.is_meta:  # (filled in place)
                 check_fillable(dst, f"the module's tensor {name!r}")
             names = ties.get(name)
@@ -381,16 +381,19 @@ def _tied_elsewhere(
     tensors are checked apart first (:func:`~aiotensor._io.tensors.check_apart`: two overlapping
     views refused, two parameters over one memory a tie); for a swap, its ties are its tensors
     under several names."""
-    pairs = [(n, known[n], e) for e in entries for n in e.names if n in known and not known[n].is_meta]
-    if place is _itself:
-        groups = check_apart([p[0] for p in pairs], [p[1] for p in pairs], "the module")
-    elif ties:
+    pairs = [(n, known[n], e) for e in entries for n in e.names if n in known]
+    groups: list[list[int]] = []
+    if place is _itself:  # (meta tensors have no memory to compare: their ties below, as a swap's)
+        real = [i for i, p in enumerate(pairs) if not p[1].is_meta]
+        ties_of_memory = check_apart([pairs[i][0] for i in real], [pairs[i][1] for i in real], "the module")
+        groups = [[real[j] for j in g] for g in ties_of_memory]
+    if ties:
         by_tensor: dict[int, list[int]] = {}
         for i, (n, t, _) in enumerate(pairs):
-            if n in ties:
+            if n in ties and (place is not _itself or t.is_meta):
                 by_tensor.setdefault(id(t), []).append(i)
-        groups = [g for g in by_tensor.values() if len(g) > 1]
-    else:
+        groups += [g for g in by_tensor.values() if len(g) > 1]
+    if not groups:
         return set()
     if not any(len({id(pairs[i][2]) for i in g}) > 1 for g in groups):  # (each tie stored once)
         return set()
