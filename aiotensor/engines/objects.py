@@ -129,7 +129,7 @@ class ObjectEngine(Engine):
                 f"of your own), or pass storage_options ({type(e).__name__}: {_short(e)})",
             )
         if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError") or any(
-            f" {code} " in str(e) for code in (401, 403)
+            status in str(e) for status in ("401 Unauthorized", "403 Forbidden")
         ):  # wrong keys, or no right to the bucket: as "no credentials" is (helper-74: EIO)
             return PermissionError(errno.EACCES, f"access denied: the S3 keys are refused here ({type(e).__name__}: {_short(e)})")
         return OSError(errno.EIO, f"{type(e).__name__}: {_short(e)}")
