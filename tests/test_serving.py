@@ -1381,6 +1381,43 @@ async def test_ties_whose_names_a_torch_save_file_stores_under_shared_storages(t
             assert m.a is m.b is m.c and torch.equal(m.a, ref.a) and torch.equal(m.x, ref.x), (name, how)
 
 
+async def test_keys_naming_a_tie_s_unstored_name_and_a_storage_shared_across_a_tie(tmp_path: Any) -> None:
+    """helper-76: keys= naming a tie's name the file lacks (a, b stored apart, c not) read the
+    file's first of them (load_state_dict leaves b's, the module's last stored name); a swap of a
+    torch.save storage under two names (a, b) where the module ties a to c and b is apart raised
+    a KeyError (and would have tied b to a)."""
+
+    def tied3() -> torch.nn.ModuleDict:
+        m = torch.nn.ModuleDict({k: torch.nn.Linear(4, 3, bias=False) for k in "abc"})
+        m.b.weight = m.c.weight = m.a.weight
+        return m
+
+    st_save({"a.weight": torch.full((3, 4), 1.0), "b.weight": torch.full((3, 4), 2.0)}, str(tmp_path / "ab.safetensors"))
+    ref = tied3()
+    ref.load_state_dict({"a.weight": torch.full((3, 4), 1.0), "b.weight": torch.full((3, 4), 2.0)}, strict=False)
+    assert ref.a.weight.eq(2.0).all()
+    for how in ("load_into", "meta", "prepare_swap"):
+        if how == "meta":
+            with torch.device("meta"):
+                m = tied3()
+        else:
+            m = tied3()
+        if how == "prepare_swap":
+            (await prepare_swap(m, tmp_path / "ab.safetensors", keys=["c.weight"])).apply()
+        else:
+            await load_into(m, tmp_path / "ab.safetensors", keys=["c.weight"])
+        assert m.a.weight is m.c.weight and m.c.weight.eq(2.0).all(), how
+    x = torch.ones(3, 4)
+    torch.save({"a.weight": x, "b.weight": x}, tmp_path / "shared.pt")
+    m = torch.nn.ModuleDict({k: torch.nn.Linear(4, 3, bias=False) for k in "abc"})
+    m.c.weight = m.a.weight
+    swap = await prepare_swap(m, tmp_path / "shared.pt", strict=False)
+    swap.apply()
+    assert m.a.weight is m.c.weight and m.b.weight is not m.a.weight
+    assert m.a.weight.eq(1).all() and m.b.weight.eq(1).all()
+    assert m.b.weight.data_ptr() != m.a.weight.data_ptr()
+
+
 async def test_a_store_load_into_a_tie_with_an_alias_reads_one_stored_tensor(tmp_path: Any) -> None:
     """helper-73: a step storing a (x its alias) and b apart, loaded into one tensor under x and b
     (strict=False, into lacking a) read both stored tensors into it; under a, b and x (strict), the

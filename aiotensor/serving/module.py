@@ -264,9 +264,13 @@ def _selected(
     (``lm_head.weight`` for ``transformer.wte.weight``) serves ``keys`` naming the other."""
     if ties:
         stored = {n for e in src.entries for n in e.names}
+        # a tie's names the file lacks stand with its last stored name in the module's order (the
+        # entry load_state_dict leaves it with; with each stored one, the file's first won: helper-76)
+        at = {k: i for i, k in enumerate(known)}
+        lead = {max(kept, key=at.__getitem__): g for g in set(ties.values()) if (kept := [n for n in g if n in stored])}
 
         def names(e: Entry) -> tuple[str, ...]:
-            return tuple(dict.fromkeys(n for a in e.names for n in ties.get(a, (a,)) if n == a or n not in stored))
+            return tuple(dict.fromkeys(n for a in e.names for n in lead.get(a, (a,)) if n == a or n not in stored))
 
         src = dataclasses.replace(src, entries=tuple(e._replace(names=names(e)) for e in src.entries))
     pick = sources.selector(keys)
@@ -682,6 +686,8 @@ async def prepare_swap(
     ties: list[tuple[str, ...]] = []  # the module's names of one tensor (tied weights)
     was: dict[str, torch.Tensor] = {}  # the module's tensor each new one replaces
 
+    used: set[int] = set()  # the new tensors given to a name already (another name gets a copy)
+
     def beside(names: tuple[str, ...], dst: torch.Tensor, e: Entry) -> torch.Tensor | None:
         was[names[0]] = dst
         if len(names) > 1:
@@ -692,11 +698,21 @@ async def prepare_swap(
         # module) and the layout (channels_last stays so) of the tensor it replaces
         with writing(dst):
             t = new[names[0]] = torch.empty_like(dst)
+        used.add(id(t))
         return t
 
     def keep(names: tuple[str, ...], dst: torch.Tensor, t: torch.Tensor) -> None:
-        if (t.dtype, t.device, t.is_inference(), t.stride()) == (dst.dtype, dst.device, dst.is_inference(), dst.stride()):
+        # (also a second module tensor of one stored entry, a torch.save storage under two names:
+        # its own copy, where it had the first one's tensor and no `was`, a KeyError: helper-76)
+        was[names[0]] = dst
+        if id(t) not in used and (t.dtype, t.device, t.is_inference(), t.stride()) == (
+            dst.dtype,
+            dst.device,
+            dst.is_inference(),
+            dst.stride(),
+        ):
             new[names[0]] = t
+            used.add(id(t))
             return
         with writing(dst):
             made = new[names[0]] = torch.empty_like(dst)
