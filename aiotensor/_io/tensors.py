@@ -295,9 +295,8 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
     span = np.array(gil.listed(map(_NBYTES_OF, tensors)), np.int64)
     plain = np.array(gil.listed(map(torch.Tensor.is_contiguous, tensors)), bool)
     keep = np.flatnonzero(span > 0)
-    for i in keep[~plain[keep]]:  # (few: from the first byte to past the last element)
-        t = tensors[i]
-        span[i] = (sum((n - 1) * st_ for n, st_ in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+    for i in keep[~plain[keep]]:  # (few)
+        span[i] = byte_span(tensors[i])
     if keep.size < 2:
         return []
     order = keep[np.lexsort((keep, span[keep], at[keep]))]  # (a tie's names in their order)
@@ -326,6 +325,11 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
             _shared(names, what, int(members[0]), int(members[1]))
         _apart_runs(names, tensors, what, [int(i) for i in members])
     return ties
+
+
+def byte_span(t: torch.Tensor) -> int:
+    """The bytes from a non-empty tensor's first element to past its last (a strided view's reach)."""
+    return (sum((n - 1) * st_ for n, st_ in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
 def _view(t: torch.Tensor) -> tuple[Any, ...]:

@@ -23,7 +23,7 @@ import torch
 
 from .. import knobs, sources
 from .._io.assemble import Entry, read
-from .._io.tensors import assign, check_apart, check_fillable, load_device, mismatch, modified, overlaps, writing
+from .._io.tensors import assign, byte_span, check_apart, check_fillable, load_device, mismatch, modified, overlaps, writing
 from .._runtime import cuda, gil, threads
 from .._runtime.buffers import give_back_freed
 from .._runtime.scheduler import Priority, Scheduler, own_scheduler
@@ -787,8 +787,4 @@ def _plain_memory(t: torch.Tensor) -> bool:
 def _spans(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """Each tensor's first byte and one past its last (a strided one's: from its first element to its last)."""
     lo = np.array(list(map(torch.Tensor.data_ptr, tensors)), np.int64)
-    size = np.array(
-        [(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size() for t in tensors],
-        np.int64,
-    )
-    return lo, lo + size
+    return lo, lo + np.array(list(map(byte_span, tensors)), np.int64)
