@@ -287,8 +287,8 @@ def check_apart(names: Sequence[str], tensors: Sequence[torch.Tensor], what: str
 
     Returns the ties: the positions of each group of ``tensors`` that are one view (one tensor
     under several names), in order, a group of two or more each. A load reads one stored tensor
-    into each (:func:`tie_reads`): read from each name, their bytes were written over each other
-    in parallel pieces, a mix of the two (helper-72)."""
+    into each (:func:`tie_skips`; a module's: ``serving.module._tied_elsewhere``): read from each
+    name, their bytes were written over each other in parallel pieces, a mix of the two (helper-72)."""
     if len(tensors) < 2:
         return []
     at = np.array(gil.listed(map(_DATA_PTR, tensors)), np.int64)  # (a slice per C loop: the GIL changes hands)
