@@ -118,6 +118,20 @@ def _index(i: md.MetadataIndex) -> dict[str, Any]:
     return {"fqn": i.fqn, "offset": None if i.offset is None else list(i.offset), "index": i.index}
 
 
+def check_places(m: md.Metadata) -> None:
+    """A StateError where one item's place lies inside another's (``w`` a tensor on one rank, a
+    dict or list holding ``w.x`` or ``w.0`` on another): the step was committed and never loaded
+    (helper-77: a TypeError or an expand error, and ``keep_last`` would retire the good steps)."""
+    places = m.planner_data if isinstance(m.planner_data, dict) else {}
+    paths = {tuple(map(str, p)) for p in places.values() if isinstance(p, (list, tuple))}
+    inner = next((p[:i] for p in paths for i in range(1, len(p)) if p[:i] in paths), None)
+    if inner is not None:
+        raise errors.StateError(
+            f"the ranks' states differ in structure at {'.'.join(inner)!r}: a value on one, a container holding more "
+            "on another; give every rank the same structure (its values may differ: one is kept)"
+        )
+
+
 def dumps_metadata(m: md.Metadata) -> bytes:
     entries: dict[str, Any] = {}
     for fqn, s in m.state_dict_metadata.items():
@@ -302,6 +316,7 @@ class AiotensorWriter(StorageWriter):
     def finish(self, metadata: md.Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, after every rank's file is durable: metadata, then the commit."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        check_places(metadata)
         eng = self.engine
         root, name = split(self.path)
         try:

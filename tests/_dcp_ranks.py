@@ -140,6 +140,20 @@ def rank_main(rank: int, world: int, path: str, port: int, mode: str, out: str) 
                     await store.save(2, sharded(2) | {"d": {1: 1.0, "1": 2.0}})
                 except Exception as e:
                     report["named_twice"] = f"{type(e).__name__}: {e}"
+                # helper-77: MultiStepLR's milestones (a Counter of ints) came back under "2" beside 2,
+                # and the next save refused the duplicate; ranks whose states differ in structure
+                # committed a step no load took
+                import collections
+
+                await store.save(3, sharded(3) | {"sched": {"milestones": collections.Counter({2: 1, 4: 1})}})
+                into = sharded(0) | {"sched": {"milestones": collections.Counter({2: 1, 4: 1})}}
+                await store.load(3, into=into)
+                report["milestones"] = sorted(map(repr, into["sched"]["milestones"]))
+                await store.save(4, into)
+                try:
+                    await store.save(5, sharded(5) | {"extra": {"x": 1} if rank == 1 else 1})
+                except Exception as e:
+                    report["structure"] = f"{type(e).__name__}: {e}"
                 report["steps"] = store.steps()
             elif mode == "two-roots":  # two stores on one group, a load called after a save
                 async with TensorStore(path + "-b", distributed=True) as other:

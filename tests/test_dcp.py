@@ -92,20 +92,23 @@ def test_a_tie_of_into_that_a_dcp_step_stores_under_each_key_gets_its_last_keys_
     """helper-72 (as for a store's own steps, test_serving): `into` holding one tensor under two keys
     that a DCP step stores each on its own had both read into it (parallel pieces: a mix); now its
     last key's value, the other read aside."""
+    import collections
+
     n = 3 << 20  # 12 MB each: read in pieces
-    dcp.save(
-        {"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0)}, storage_writer=AiotensorWriter(tmp_path / "step-000000000001")
-    )
+    milestones = collections.Counter({2: 1, 4: 1})  # (helper-77: DCP's places make its keys "2", "4")
+    state = {"a": torch.full((n,), 1.0), "b": torch.full((n,), 2.0), "sched": {"milestones": milestones}}
+    dcp.save(state, storage_writer=AiotensorWriter(tmp_path / "step-000000000001"))
 
     async def main() -> None:
         async with TensorStore(tmp_path, readonly=True) as store:
             for order, value in ((("a", "b"), 2.0), (("b", "a"), 1.0)):
                 t = torch.zeros(n)
-                into = {k: t for k in order}
+                into: dict[str, Any] = {k: t for k in order} | {"sched": {"milestones": collections.Counter({2: 1, 4: 1})}}
                 before = store.scheduler.stats.bytes_read
                 assert await store.load(1, into=into) is into
                 assert into["a"] is into["b"] is t and t.eq(value).all(), order
                 assert store.scheduler.stats.bytes_read - before < 5 * n, "the other name's entry is not read"
+                assert into["sched"]["milestones"] == milestones and all(type(k) is int for k in into["sched"]["milestones"])
 
     asyncio.run(main())
 
@@ -312,7 +315,9 @@ def test_a_distributed_save_keeps_values_as_a_store_does_and_refuses_what_it_can
         assert rep["added"] == [1, 0.25, {"last_epoch": 7}], rep  # a strict load puts what into lacks, as in one process
         assert rep["error"].startswith("StateError: cannot save argparse.Namespace at 'args'"), rep
         assert rep["named_twice"].startswith("StateError: under distributed=True a state is saved by DCP's dotted names"), rep
-        assert rep["steps"] == [1], rep
+        assert rep["milestones"] == ["2", "4"], rep
+        assert "the ranks' states differ in structure at 'extra'" in rep["structure"], rep
+        assert rep["steps"] == [3, 4], rep  # (keep_last=2; 5 never committed)
 
 
 def test_rollback_and_delete_under_a_process_group_run_on_every_rank(tmp_path: Any) -> None:

@@ -453,7 +453,7 @@ def under_empty(saved: Callable[[], Any], into: Any, is_leaf: Callable[[Any], bo
     return out
 
 
-def update(into: Any, saved: Any, partial: bool = False) -> Any:
+def update(into: Any, saved: Any, partial: bool = False, str_keys: bool = False) -> Any:
     """Every value of ``saved`` put into ``into``'s own containers (a load's ``into=`` gets every
     saved value): dicts and lists updated in place, tensors left alone (the load filled them), other
     values replaced, a tuple rebuilt (it cannot change in place), never a value that holds a tensor
@@ -466,11 +466,16 @@ def update(into: Any, saved: Any, partial: bool = False) -> Any:
 
     A dict or list that ``into`` holds at two places (a fresh ``SequentialLR``'s ``_last_lr`` is its
     first scheduler's) is updated in place at the first, and replaced by an updated copy at the
-    others: in place, the last place's saved values overwrote the first's (helper-40)."""
-    return _update(into, saved, partial, set())
+    others: in place, the last place's saved values overwrote the first's (helper-40).
+
+    ``str_keys`` (a state DCP flattened, whose dict keys it made strings): a saved key ``"2"`` goes
+    to ``into``'s key ``2`` where ``into`` has no ``"2"`` (``MultiStepLR``'s milestones, a
+    ``Counter`` of ints, got ``"2"`` beside ``2``: the learning rate never decayed, and the next
+    save refused the duplicate, helper-77)."""
+    return _update(into, saved, partial, set(), str_keys)
 
 
-def _update(into: Any, saved: Any, partial: bool, done: set[int]) -> Any:
+def _update(into: Any, saved: Any, partial: bool, done: set[int], str_keys: bool = False) -> Any:
     if saved is UNREAD or isinstance(into, torch.Tensor):
         return into
     if isinstance(into, (MutableMapping, list)) and isinstance(saved, (Mapping, list)):
@@ -478,9 +483,12 @@ def _update(into: Any, saved: Any, partial: bool, done: set[int]) -> Any:
             into = copy.copy(into)
         done.add(id(into))
     if isinstance(into, MutableMapping) and isinstance(saved, Mapping):
+        named = {str(k): k for k in into if type(k) is not str} if str_keys else {}
         for k, v in saved.items():
+            if named and type(k) is str and k not in into:
+                k = named.get(k, k)
             if k in into:
-                into[k] = _update(into[k], v, partial, done)
+                into[k] = _update(into[k], v, partial, done, str_keys)
             elif not partial and not _holds(v, _is_unread):  # (another rank's tensors, under a process group)
                 into[k] = v
         return into
@@ -489,12 +497,12 @@ def _update(into: Any, saved: Any, partial: bool, done: set[int]) -> Any:
     if (lists or tuples) and not same and partial:
         return into  # an optimizer's param_groups' "params" after the model changed: `into`'s own
     if lists and same:
-        into[:] = [_update(a, b, partial, done) for a, b in zip(into, saved, strict=True)]
+        into[:] = [_update(a, b, partial, done, str_keys) for a, b in zip(into, saved, strict=True)]
         return into
     if tuples and same and type(into) is tuple:
-        return tuple(_update(a, b, partial, done) for a, b in zip(into, saved, strict=True))
+        return tuple(_update(a, b, partial, done, str_keys) for a, b in zip(into, saved, strict=True))
     if tuples and same and partial and hasattr(type(into), "_make"):  # a named tuple: its own type kept
-        return type(into)._make(_update(a, b, partial, done) for a, b in zip(into, saved, strict=True))
+        return type(into)._make(_update(a, b, partial, done, str_keys) for a, b in zip(into, saved, strict=True))
     if partial and (_holds(saved, _is_unread) or _holds(into, _is_tensor)):
         return into  # a value the load did not read, or a place of `into` whose tensors it keeps
     return saved

@@ -15,7 +15,7 @@ import warnings
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from typing import Any
 
 import anyio
@@ -520,10 +520,11 @@ def load(into: Any, step: int, path: str, group: Any, what: str, sched: Schedule
     )
     planner = _Planner(allow_partial_load=not strict)
     collective(lambda: dcp_load(into, storage_reader=reader, planner=planner, process_group=group), what, group)
+    _own_keys(into)
     if strict:  # DCP loads only the keys `into` has: the saved values it lacks are put there, as in one process
         src = sources.step(sched.engine, path)
         assert src.state is not None
-        tree.update(into, src.state(lambda name: tree.UNREAD))
+        tree.update(into, src.state(lambda name: tree.UNREAD), str_keys=True)
 
 
 class _Planner(DefaultLoadPlanner):
@@ -548,6 +549,24 @@ class _Planner(DefaultLoadPlanner):
                     "get_optimizer_state_dict), or load with strict=False"
                 )
         return super().create_global_plan(global_plan)
+
+
+def _own_keys(state: Any) -> None:
+    """Put back under ``state``'s own keys the values DCP's load put beside them: it makes every
+    dict key a string, and set a saved value (``MultiStepLR``'s milestones, a ``Counter`` of
+    ints) under ``"2"`` beside ``2``: the learning rate never decayed, and the next save refused
+    the duplicate (helper-77). A dict holding both (which DCP could not have saved) gets the
+    string's value under the key it prints."""
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, MutableMapping):
+            own = {str(k): k for k in node if type(k) is not str}
+            for k in [k for k in node if type(k) is str and k in own]:
+                node[own[k]] = node.pop(k)
+            todo += [v for v in node.values() if isinstance(v, (MutableMapping, list))]
+        elif isinstance(node, list):
+            todo += [v for v in node if isinstance(v, (MutableMapping, list))]
 
 
 def live(group: Any, what: str) -> None:

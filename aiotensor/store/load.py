@@ -330,7 +330,7 @@ def _state_of(
     assert src.state is not None
     by_name = {n: t for e, t in zip(entries, tensors, strict=True) for n in e.names} | dict(tied or {})
     state = src.state(by_name.__getitem__ if strict else lambda n: by_name.get(n, UNREAD))
-    return state if into is None else update(into, state, partial=not strict)
+    return state if into is None else update(into, state, partial=not strict, str_keys=True)  # (DCP's keys)
 
 
 def _open_step(
