@@ -167,8 +167,8 @@ def cmd_ls(a: argparse.Namespace) -> int:
     engine = _engine(a.root)
     try:
         names = engine.listdir(a.root)
-    except OSError as e:  # (an object store's answer names its request, not the URL: helper-74; a local one its path)
-        raise (e if e.filename is not None else annotate_oserror(e, f"listing {a.root}")) from None
+    except OSError as e:  # (an object store's answer names its request, not the URL: helper-74)
+        raise annotate_oserror(e, f"listing {a.root}", unless_named=True) from None
     if not _root.is_store(names):
         raise CheckpointNotFoundError(
             f"{a.root}: not a store root (no committed step, latest or lock; `aiotensor inspect` reads other folders)"

@@ -177,9 +177,11 @@ class DistributedError(AiotensorError, RuntimeError):
     failures: dict[int, BaseException]
 
 
-def annotate_oserror(exc: OSError, what: str) -> OSError:
-    """Return ``exc`` with ``what`` (the operation and file) prepended, keeping its type and errno."""
-    if getattr(exc, "_aiotensor_annotated", False):
+def annotate_oserror(exc: OSError, what: str, *, unless_named: bool = False) -> OSError:
+    """Return ``exc`` with ``what`` (the operation and file) prepended, keeping its type and errno;
+    ``unless_named``: ``exc`` itself where it names its file already (a local one: the path said
+    once; an object store's names its request, not the URL)."""
+    if getattr(exc, "_aiotensor_annotated", False) or (unless_named and exc.filename is not None):
         return exc
     new = type(exc)(exc.errno, f"{what}: {exc.strerror or exc}") if exc.errno else type(exc)(f"{what}: {exc}")
     if exc.filename is not None:  # assigning None would print as ": None"

@@ -106,7 +106,7 @@ def resolve(engine: Engine, path: str) -> Source:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file or folder") from None
     except OSError as e:  # (an object store's answer names its request, not the URL: helper-74)
-        raise (e if e.filename is not None else annotate_oserror(e, f"looking at {path}")) from None
+        raise annotate_oserror(e, f"looking at {path}", unless_named=True) from None
     if stat.S_ISDIR(mode):
         return _folder(engine, real)
     name = os.path.basename(path)
